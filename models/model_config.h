@@ -1,0 +1,68 @@
+// Model package configuration (the package's config.json).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace mita::models {
+
+// A MiTA budget: expert count m (number of landmarks = routed experts) and expert width k (keys per routed
+// expert), or full softmax attention with the same weights.
+struct AttentionBudget {
+  bool full_attention = false;
+  int64_t expert_count = 0;
+  int64_t expert_width = 0;
+};
+
+// config.json of a "mita_vit" package. Example (models/repository/fashion-mnist-vit/config.json):
+//   {"architecture": "mita_vit", "image_size": 28, "patch_size": 4, "in_channels": 1, "embed_dim": 96,
+//    "depth": 4, "num_heads": 4, "mlp_hidden_dim": 192, "layer_norm_eps": 1e-6, "num_classes": 10,
+//    "normalization": {"mean": [0.286], "std": [0.353]},
+//    "attention": {"type": "mita", "depthwise_conv": true,
+//                  "default_budget": {"expert_count": 9, "expert_width": 16},
+//                  "presets": {"fast": {"expert_count": 4, "expert_width": 8}}},
+//    "max_image_side": 4096}
+struct VitConfig {
+  std::string architecture;  // "mita_vit"
+  int64_t image_size = 0;    // input side, pixels (square inputs)
+  int64_t patch_size = 0;    // patch side, pixels; image_size % patch_size == 0
+  int64_t in_channels = 0;   // 1 (grayscale) or 3 (RGB)
+  int64_t embed_dim = 0;     // C; C % num_heads == 0
+  int64_t depth = 0;         // transformer blocks
+  int64_t num_heads = 0;     // H
+  int64_t mlp_hidden_dim = 0;
+  double layer_norm_eps = 1e-6;
+  int64_t num_classes = 0;
+  std::vector<float> mean;  // per channel, on [0, 1] pixel values
+  std::vector<float> std;   // per channel
+  bool depthwise_conv = false;  // MiTA "DWC" variant: depthwise 3x3 conv on v of the patch tokens
+  AttentionBudget default_budget;
+  std::map<std::string, AttentionBudget> presets;
+  int64_t max_image_side = 4096;  // largest accepted declared width or height, pixels
+
+  // Patches per side S = image_size / patch_size.
+  int64_t grid_side() const { return image_size / patch_size; }
+  // Tokens N = S * S + 1 (patches + cls).
+  int64_t tokens() const { return grid_side() * grid_side() + 1; }
+  int64_t head_dim() const { return embed_dim / num_heads; }
+};
+
+// Parses and validates config.json text. Errors: INVALID_ARGUMENT naming the field that is missing, of the
+// wrong type or out of range (e.g. "config.json: patch_size 5 does not divide image_size 28"); the default
+// budget and the presets are checked against the allowed ranges (expert count a perfect square P*P with
+// 1 <= P <= grid side, expert width in [1, tokens]).
+absl::StatusOr<VitConfig> ParseVitConfig(std::string_view json_text);
+
+// Checks a budget against the model's ranges. Errors: INVALID_ARGUMENT naming the field and the allowed
+// range, e.g. "budget.experts.expert_count 10 is not allowed: use one of 1, 4, 9, 16, 25, 36, 49".
+absl::Status ValidateBudget(const VitConfig& config, const AttentionBudget& budget);
+
+// Expert counts an image model accepts: P*P for P in 1 .. grid side.
+std::vector<int64_t> AllowedExpertCounts(const VitConfig& config);
+
+}  // namespace mita::models

@@ -1,0 +1,62 @@
+// ViT/DeiT image classifier with MiTA attention (timm parameter names), built on kernels/.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kernels/mita_attention.h"
+#include "models/model_config.h"
+
+namespace mita::models {
+
+// Output of one batched forward.
+struct ClassifierOutput {
+  // Class logits [B, num_classes], float32.
+  at::Tensor logits;
+  // statistics[b][layer] for item b when requested and item b ran MiTA; empty otherwise.
+  std::vector<std::vector<kernels::MitaItemStatistics>> statistics;
+};
+
+// A timm-style VisionTransformer whose attention is MiTA (optionally with the DWC variant). Forward:
+// patch_embed.proj (conv, stride = patch) -> prepend cls_token -> + pos_embed -> depth x [x + attn(norm1(x));
+// x + mlp(norm2(x))] -> norm -> head on the cls token. attn: qkv = Linear(C, 3C) ([q|k|v], head h owns channels
+// h*d .. h*d+d-1), MiTA per head with image landmarks (kernels::ImageLandmarks), merge heads, (+ DWC on the
+// patch tokens), proj. Dense layers run on all B*N tokens at once; attention runs per item with its own budget.
+class VitClassifier {
+ public:
+  // Builds the model from float32 weights named as timm's ViT: patch_embed.proj.{weight,bias}, cls_token,
+  // pos_embed, blocks.{i}.norm1.{weight,bias}, blocks.{i}.attn.qkv.{weight,bias}, blocks.{i}.attn.proj.{weight,
+  // bias}, blocks.{i}.attn.dwc.{weight,bias} (DWC only), blocks.{i}.norm2, blocks.{i}.mlp.fc1, blocks.{i}.mlp.fc2,
+  // norm, head. Errors: INVALID_ARGUMENT naming a missing tensor or one whose shape disagrees with the config
+  // (expected and found shapes in the message); unexpected extra tensors are an error too.
+  static absl::StatusOr<std::unique_ptr<VitClassifier>> Create(const VitConfig& config,
+                                                               std::map<std::string, at::Tensor> weights);
+
+  // images: [B, in_channels, image_size, image_size] float32 (PreprocessImage output, stacked).
+  // budgets: B entries, each already valid (ValidateBudget); items may differ.
+  // Errors: INVALID_ARGUMENT for a wrong image shape or an invalid budget.
+  absl::StatusOr<ClassifierOutput> Forward(const at::Tensor& images, absl::Span<const AttentionBudget> budgets,
+                                           bool want_statistics,
+                                           kernels::MitaBackend backend = kernels::MitaBackend::kAuto) const;
+
+  const VitConfig& config() const { return config_; }
+
+ private:
+  struct Block;
+  explicit VitClassifier(VitConfig config);
+ public:
+  ~VitClassifier();
+
+ private:
+  VitConfig config_;
+  std::vector<Block> blocks_;  // defined in the .cc
+  at::Tensor patch_weight_, patch_bias_, cls_token_, pos_embed_, norm_weight_, norm_bias_, head_weight_, head_bias_;
+};
+
+}  // namespace mita::models

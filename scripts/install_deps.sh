@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs every Debian 12 package MiTA Serve needs to build, test, train and run. Run as root.
+set -euo pipefail
+export DEBIAN_FRONTEND=noninteractive
+if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
+PACKAGES=(
+  build-essential cmake ninja-build pkg-config git ca-certificates
+  libtorch-dev libopenblas0-pthread
+  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+  libabsl-dev prometheus-cpp-dev nlohmann-json3-dev
+  libpng-dev libjpeg62-turbo-dev
+  libgtest-dev libgmock-dev googletest libbenchmark-dev
+  dataset-fashion-mnist
+  python3 python3-numpy python3-torch
+)
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi

@@ -1,0 +1,135 @@
+// mita-eval: test-set accuracy and latency of an image model package at several budgets plus full attention.
+//
+//   mita-eval --model=models/repository/fashion-mnist-vit --budgets=1x50,4x8,9x16,16x32,49x50 --threads=2
+// For each budget (expert_count x expert_width) and for full attention it prints: top-1 accuracy on the
+// whole Fashion-MNIST test split (10,000 images, forward in batches of --batch_size), the per-image latency of
+// a batch-1 forward (median and p95 over --latency_images images, ms) and the batched throughput.
+// Images go through the same PreprocessImage as the server (decoding is skipped: pixels come from the IDX).
+#include <ATen/Parallel.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/stack.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "models/image_decoder.h"
+#include "models/model_package.h"
+#include "tools/fashion_mnist.h"
+
+ABSL_FLAG(std::string, model, "models/repository/fashion-mnist-vit", "model package folder");
+ABSL_FLAG(std::string, budgets, "1x50,4x8,9x16,16x32,25x50",
+          "comma-separated expert_count x expert_width budgets; full attention is always added");
+ABSL_FLAG(int64_t, images, 10000, "test images to evaluate (from the start of the t10k split)");
+ABSL_FLAG(int64_t, batch_size, 250, "batch size for the accuracy pass");
+ABSL_FLAG(int64_t, latency_images, 200, "images timed one by one (batch size 1)");
+ABSL_FLAG(int, threads, 2, "LibTorch intra-op threads");
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Milliseconds(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  at::set_num_threads(absl::GetFlag(FLAGS_threads));
+  auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));
+  if (!package.ok()) {
+    std::fprintf(stderr, "%s\n", package.status().ToString().c_str());
+    return 1;
+  }
+  auto data = mita::datasets::ReadFashionMnist("t10k");
+  if (!data.ok()) {
+    std::fprintf(stderr, "%s\n", data.status().ToString().c_str());
+    return 1;
+  }
+  const int64_t count = std::min<int64_t>(absl::GetFlag(FLAGS_images), data->count);
+  const int64_t pixels_per_image = data->rows * data->columns;
+  std::vector<at::Tensor> inputs;
+  inputs.reserve(count);
+  for (int64_t i = 0; i < count; ++i) {
+    mita::models::DecodedImage image;
+    image.width = data->columns;
+    image.height = data->rows;
+    image.channels = 1;
+    image.pixels.assign(data->pixels.begin() + i * pixels_per_image,
+                        data->pixels.begin() + (i + 1) * pixels_per_image);
+    auto tensor = mita::models::PreprocessImage(image, package->config);
+    if (!tensor.ok()) {
+      std::fprintf(stderr, "%s\n", tensor.status().ToString().c_str());
+      return 1;
+    }
+    inputs.push_back(*tensor);
+  }
+
+  std::vector<std::pair<std::string, mita::models::AttentionBudget>> budgets;
+  for (absl::string_view item : absl::StrSplit(absl::GetFlag(FLAGS_budgets), ',', absl::SkipEmpty())) {
+    std::vector<std::string> parts = absl::StrSplit(item, 'x');
+    mita::models::AttentionBudget budget;
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &budget.expert_count) ||
+        !absl::SimpleAtoi(parts[1], &budget.expert_width)) {
+      std::fprintf(stderr, "--budgets: '%s' is not expert_count x expert_width (e.g. 9x16)\n",
+                   std::string(item).c_str());
+      return 2;
+    }
+    if (absl::Status valid = mita::models::ValidateBudget(package->config, budget); !valid.ok()) {
+      std::fprintf(stderr, "--budgets: %s\n", valid.ToString().c_str());
+      return 2;
+    }
+    budgets.emplace_back(absl::StrFormat("MiTA m=%d k=%d", budget.expert_count, budget.expert_width), budget);
+  }
+  mita::models::AttentionBudget full;
+  full.full_attention = true;
+  budgets.emplace_back("full attention", full);
+
+  std::printf("model %s, %lld test images, tokens N=%lld, %d threads\n", absl::GetFlag(FLAGS_model).c_str(),
+              static_cast<long long>(count), static_cast<long long>(package->config.tokens()),
+              absl::GetFlag(FLAGS_threads));
+  std::printf("| budget | top-1 accuracy | batch-1 latency p50 (ms) | p95 (ms) | batched throughput (images/s) |\n");
+  std::printf("|---|---|---|---|---|\n");
+  const int64_t batch_size = absl::GetFlag(FLAGS_batch_size);
+  for (const auto& [name, budget] : budgets) {
+    int64_t correct = 0;
+    const auto start = Clock::now();
+    for (int64_t begin = 0; begin < count; begin += batch_size) {
+      const int64_t end = std::min(count, begin + batch_size);
+      at::Tensor batch = at::stack(std::vector<at::Tensor>(inputs.begin() + begin, inputs.begin() + end));
+      std::vector<mita::models::AttentionBudget> per_item(end - begin, budget);
+      auto output = package->model->Forward(batch, per_item, /*want_statistics=*/false);
+      if (!output.ok()) {
+        std::fprintf(stderr, "%s\n", output.status().ToString().c_str());
+        return 1;
+      }
+      at::Tensor predicted = output->logits.argmax(1);
+      const int64_t* predicted_data = predicted.data_ptr<int64_t>();
+      for (int64_t i = begin; i < end; ++i) correct += predicted_data[i - begin] == data->labels[i];
+    }
+    const double batched_seconds = Milliseconds(Clock::now() - start) / 1000.0;
+    std::vector<double> latencies;
+    const int64_t timed = std::min(count, absl::GetFlag(FLAGS_latency_images));
+    for (int64_t i = 0; i < timed; ++i) {
+      const auto t0 = Clock::now();
+      auto output = package->model->Forward(inputs[i].unsqueeze(0), {budget}, /*want_statistics=*/false);
+      latencies.push_back(Milliseconds(Clock::now() - t0));
+      if (!output.ok()) return 1;
+    }
+    std::sort(latencies.begin(), latencies.end());
+    auto quantile = [&](double q) {
+      return latencies.empty() ? 0.0 : latencies[std::min<size_t>(latencies.size() - 1, q * latencies.size())];
+    };
+    std::printf("| %s | %.4f | %.3f | %.3f | %.0f |\n", name.c_str(), static_cast<double>(correct) / count,
+                quantile(0.5), quantile(0.95), count / batched_seconds);
+    std::fflush(stdout);
+  }
+  return 0;
+}
