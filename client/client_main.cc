@@ -1,1 +1,309 @@
-// (being written)
+// mita-client: classifies image files with a MiTA Serve server, or evaluates a labelled manifest.
+//
+//   mita-client --server=localhost:50051 --model=fashion-mnist-vit [budget flags] image.png ...
+//   mita-client --manifest=test.csv --concurrency=8 [--quiet]
+//   mita-client --list                      (list the server's models and their knobs)
+//
+// Budget flags (at most one form): --expert_count/--expert_width, --preset, --full_attention.
+// Manifest: CSV lines "path,label_index"; relative paths are relative to the manifest's folder; empty lines
+// and lines starting with '#' are skipped, and so is a first line whose label is not a number (a header).
+// Exit status: 0 when every RPC succeeded; 1 when any RPC failed (its gRPC code and message are printed) or
+// an image could not be read; 2 for bad flags or an unreadable manifest.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/mita_client.h"
+
+ABSL_FLAG(std::string, server, "localhost:50051", "Server address, host:port.");
+ABSL_FLAG(std::string, model, "fashion-mnist-vit", "Model name (see --list).");
+ABSL_FLAG(int64_t, expert_count, 0, "Expert count m of an explicit MiTA budget (0: not set).");
+ABSL_FLAG(int64_t, expert_width, 0, "Expert width k of an explicit MiTA budget (0: not set).");
+ABSL_FLAG(std::string, preset, "", "Named budget preset of the model, e.g. fast.");
+ABSL_FLAG(bool, full_attention, false, "Run full attention instead of MiTA.");
+ABSL_FLAG(int32_t, top_n, 0, "Classes to return (0: server default, 5).");
+ABSL_FLAG(int64_t, deadline_ms, 10000, "Deadline of each call, milliseconds (0: none).");
+ABSL_FLAG(bool, statistics, false, "Ask for and print per-layer attention statistics.");
+ABSL_FLAG(std::string, manifest, "", "CSV file of 'path,label_index' lines to evaluate.");
+ABSL_FLAG(int32_t, concurrency, 1, "Manifest requests in flight at once (threads).");
+ABSL_FLAG(bool, quiet, false, "With --manifest: print only failures and the summary.");
+ABSL_FLAG(bool, list, false, "List the server's models and their knobs, then exit.");
+
+namespace {
+
+using mita::client::ClassifyOptions;
+using mita::client::MitaClient;
+namespace v1 = mita::v1;
+
+struct Item {
+  std::string path;
+  int64_t label = -1;  // -1: unknown
+};
+
+struct Outcome {
+  absl::Status status = absl::OkStatus();
+  v1::ClassifyResponse response;
+  absl::Duration latency;  // client side
+};
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
+  std::ostringstream bytes;
+  bytes << file.rdbuf();
+  if (file.bad()) return absl::DataLossError(absl::StrCat("cannot read '", path, "'"));
+  return bytes.str();
+}
+
+absl::StatusOr<std::vector<Item>> ReadManifest(const std::string& manifest) {
+  std::ifstream file(manifest);
+  if (!file) return absl::NotFoundError(absl::StrCat("cannot open manifest '", manifest, "'"));
+  const std::filesystem::path base = std::filesystem::path(manifest).parent_path();
+  std::vector<Item> items;
+  std::string line;
+  for (int number = 1; std::getline(file, line); ++number) {
+    absl::string_view text = absl::StripAsciiWhitespace(line);
+    if (text.empty() || text[0] == '#') continue;
+    const size_t comma = text.rfind(',');
+    if (comma == absl::string_view::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(manifest, ":", number, ": expected 'path,label_index', got '", text, "'"));
+    }
+    absl::string_view path = absl::StripAsciiWhitespace(text.substr(0, comma));
+    int64_t label = 0;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(text.substr(comma + 1)), &label) || label < 0) {
+      if (number == 1) continue;  // a header line
+      return absl::InvalidArgumentError(absl::StrCat(
+          manifest, ":", number, ": label_index must be an integer >= 0, got '", text.substr(comma + 1), "'"));
+    }
+    std::filesystem::path resolved(std::string{path});
+    if (resolved.is_relative()) resolved = base / resolved;
+    items.push_back(Item{resolved.string(), label});
+  }
+  return items;
+}
+
+std::string BudgetText(const v1::AppliedBudget& budget) {
+  std::string text = budget.full_attention() ? std::string("full attention")
+                                             : absl::StrCat("expert_count=", budget.expert_count(),
+                                                            " expert_width=", budget.expert_width());
+  if (!budget.preset().empty()) absl::StrAppend(&text, " (preset ", budget.preset(), ")");
+  return text;
+}
+
+std::string TimingText(const v1::Timing& timing, absl::Duration client_latency) {
+  return absl::StrFormat("queue_delay=%dus compute=%dus server_total=%dus batch_size=%d client=%.2fms",
+                         timing.queue_delay_us(), timing.compute_us(), timing.total_us(), timing.batch_size(),
+                         absl::ToDoubleMilliseconds(client_latency));
+}
+
+// The full report of one image.
+void PrintDetailed(const std::string& path, const Outcome& outcome) {
+  const v1::ClassifyResponse& response = outcome.response;
+  std::cout << path << ": model " << response.model() << ", " << BudgetText(response.budget()) << ", "
+            << response.token_count() << " tokens\n";
+  std::cout << "  timing: " << TimingText(response.timing(), outcome.latency) << "\n";
+  for (const v1::ClassScore& score : response.classes()) {
+    std::cout << absl::StrFormat("  %8.4f  %s (%d)\n", score.score(), score.label(), score.index());
+  }
+  for (const v1::LayerStatistics& layer : response.statistics()) {
+    std::cout << absl::StrFormat(
+        "  layer %d: load_imbalance=%.3f routing_entropy=%.3f pruned_key_fraction=%.3f expert_overlap_fraction=%.3f"
+        " queries_per_expert=[%s]\n",
+        layer.layer(), layer.load_imbalance(), layer.routing_entropy(), layer.pruned_key_fraction(),
+        layer.expert_overlap_fraction(), absl::StrJoin(layer.queries_per_expert(), " ", [](std::string* out, float v) {
+          absl::StrAppend(out, absl::StrFormat("%.1f", v));
+        }));
+  }
+}
+
+void PrintFailure(const std::string& path, const absl::Status& status) {
+  std::cerr << path << ": FAILED " << absl::StatusCodeToString(status.code()) << ": " << status.message() << "\n";
+}
+
+int ListModels(const MitaClient& client, absl::Duration deadline) {
+  absl::StatusOr<v1::ListModelsResponse> models = client.ListModels(deadline);
+  if (!models.ok()) {
+    PrintFailure("ListModels", models.status());
+    return 1;
+  }
+  for (const v1::ModelMetadata& model : models->models()) {
+    const v1::Knobs& knobs = model.knobs();
+    std::cout << model.name() << " (" << model.architecture() << "): " << model.labels_size() << " labels, "
+              << model.layers() << " layers, " << model.heads() << " heads, embed_dim " << model.embed_dim() << ", "
+              << model.tokens_per_input() << " tokens per input\n";
+    if (model.input_kind() == v1::INPUT_KIND_IMAGE) {
+      const v1::ImageLimits& image = model.image_limits();
+      std::cout << "  input: image " << image.width() << "x" << image.height() << "x" << image.channels()
+                << ", at most " << image.max_width() << "x" << image.max_height() << " pixels and "
+                << image.max_encoded_bytes() << " bytes\n";
+    }
+    std::cout << "  expert_count: one of " << absl::StrJoin(knobs.allowed_expert_counts(), ", ")
+              << "; expert_width: " << knobs.min_expert_width() << ".." << knobs.max_expert_width()
+              << "; default: " << knobs.default_budget().expert_count() << "/" << knobs.default_budget().expert_width()
+              << "; full attention: " << (knobs.full_attention_supported() ? "yes" : "no") << "\n";
+    for (const v1::NamedBudget& preset : knobs.presets()) {
+      std::cout << "  preset " << preset.name() << ": expert_count=" << preset.budget().expert_count()
+                << " expert_width=" << preset.budget().expert_width() << "\n";
+    }
+  }
+  return 0;
+}
+
+double Percentile(std::vector<double> sorted_values, double p) {
+  if (sorted_values.empty()) return 0;
+  // Nearest rank.
+  size_t rank = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(sorted_values.size())));
+  rank = std::clamp<size_t>(rank, 1, sorted_values.size());
+  return sorted_values[rank - 1];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Classifies images with a MiTA Serve server.\n"
+      "  mita-client [flags] image.png ...\n  mita-client --manifest=FILE [--concurrency=N] [flags]\n"
+      "  mita-client --list");
+  std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  std::vector<std::string> files(positional.begin() + 1, positional.end());
+
+  const int64_t deadline_ms = absl::GetFlag(FLAGS_deadline_ms);
+  if (deadline_ms < 0) {
+    std::cerr << "--deadline_ms must be >= 0\n";
+    return 2;
+  }
+  const int concurrency = absl::GetFlag(FLAGS_concurrency);
+  if (concurrency < 1) {
+    std::cerr << "--concurrency must be >= 1\n";
+    return 2;
+  }
+  ClassifyOptions options;
+  options.model = absl::GetFlag(FLAGS_model);
+  if (absl::GetFlag(FLAGS_expert_count) != 0) options.expert_count = absl::GetFlag(FLAGS_expert_count);
+  if (absl::GetFlag(FLAGS_expert_width) != 0) options.expert_width = absl::GetFlag(FLAGS_expert_width);
+  options.preset = absl::GetFlag(FLAGS_preset);
+  options.full_attention = absl::GetFlag(FLAGS_full_attention);
+  options.top_n = absl::GetFlag(FLAGS_top_n);
+  options.deadline = deadline_ms == 0 ? absl::InfiniteDuration() : absl::Milliseconds(deadline_ms);
+  options.return_statistics = absl::GetFlag(FLAGS_statistics);
+  if (absl::StatusOr<v1::ClassifyRequest> check = mita::client::BuildClassifyRequest("", options); !check.ok()) {
+    std::cerr << check.status().message() << "\n";
+    return 2;
+  }
+
+  std::unique_ptr<MitaClient> client = MitaClient::Connect(absl::GetFlag(FLAGS_server));
+  if (absl::GetFlag(FLAGS_list)) return ListModels(*client, options.deadline);
+
+  std::vector<Item> items;
+  for (const std::string& file : files) items.push_back(Item{file, -1});
+  const std::string manifest = absl::GetFlag(FLAGS_manifest);
+  const bool evaluating = !manifest.empty();
+  if (evaluating) {
+    absl::StatusOr<std::vector<Item>> listed = ReadManifest(manifest);
+    if (!listed.ok()) {
+      std::cerr << listed.status().message() << "\n";
+      return 2;
+    }
+    items.insert(items.end(), listed->begin(), listed->end());
+  }
+  if (items.empty()) {
+    std::cerr << "nothing to classify: give image files, --manifest or --list (see --help)\n";
+    return 2;
+  }
+
+  std::vector<Outcome> outcomes(items.size());
+  std::atomic<size_t> next{0};
+  std::mutex print_mu;
+  const bool detailed = !evaluating || !absl::GetFlag(FLAGS_quiet);
+  auto worker = [&] {
+    for (size_t i = next++; i < items.size(); i = next++) {
+      Outcome& outcome = outcomes[i];
+      absl::StatusOr<std::string> image = ReadFile(items[i].path);
+      if (!image.ok()) {
+        outcome.status = image.status();
+      } else {
+        const absl::Time start = absl::Now();
+        absl::StatusOr<v1::ClassifyResponse> response = client->Classify(*std::move(image), options);
+        outcome.latency = absl::Now() - start;
+        if (response.ok()) {
+          outcome.response = *std::move(response);
+        } else {
+          outcome.status = response.status();
+        }
+      }
+      std::lock_guard<std::mutex> lock(print_mu);
+      if (!outcome.status.ok()) {
+        PrintFailure(items[i].path, outcome.status);
+      } else if (detailed) {
+        PrintDetailed(items[i].path, outcome);
+      }
+    }
+  };
+  const absl::Time start = absl::Now();
+  std::vector<std::thread> threads;
+  for (int t = 0; t < std::min<int>(concurrency, static_cast<int>(items.size())); ++t) threads.emplace_back(worker);
+  for (std::thread& thread : threads) thread.join();
+  const absl::Duration wall = absl::Now() - start;
+
+  int64_t failed = 0, succeeded = 0, labelled = 0, correct = 0;
+  double queue_us = 0, compute_us = 0;
+  std::vector<double> latencies_ms;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Outcome& outcome = outcomes[i];
+    if (!outcome.status.ok()) {
+      ++failed;
+      continue;
+    }
+    ++succeeded;
+    latencies_ms.push_back(absl::ToDoubleMilliseconds(outcome.latency));
+    queue_us += static_cast<double>(outcome.response.timing().queue_delay_us());
+    compute_us += static_cast<double>(outcome.response.timing().compute_us());
+    if (items[i].label >= 0) {
+      ++labelled;
+      if (outcome.response.classes_size() > 0 && outcome.response.classes(0).index() == items[i].label) ++correct;
+    }
+  }
+  if (evaluating) {
+    std::sort(latencies_ms.begin(), latencies_ms.end());
+    const double n = std::max<double>(1, static_cast<double>(succeeded));
+    std::cout << absl::StrFormat("images: %d (%d failed)\n", items.size(), failed);
+    if (labelled > 0) {
+      std::cout << absl::StrFormat("accuracy (top-1): %.4f (%d of %d)\n",
+                                   static_cast<double>(correct) / static_cast<double>(labelled), correct, labelled);
+    }
+    std::cout << absl::StrFormat("client latency: p50 %.2f ms, p95 %.2f ms, p99 %.2f ms\n",
+                                 Percentile(latencies_ms, 50), Percentile(latencies_ms, 95),
+                                 Percentile(latencies_ms, 99));
+    std::cout << absl::StrFormat("server: mean queue delay %.3f ms, mean compute %.3f ms\n", queue_us / n / 1000.0,
+                                 compute_us / n / 1000.0);
+    std::cout << absl::StrFormat("throughput: %.1f images/s (%d in %.2f s, concurrency %d)\n",
+                                 static_cast<double>(succeeded) / std::max(1e-9, absl::ToDoubleSeconds(wall)),
+                                 succeeded, absl::ToDoubleSeconds(wall), concurrency);
+  }
+  return failed > 0 ? 1 : 0;
+}

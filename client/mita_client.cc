@@ -1,1 +1,95 @@
-// (being written)
+#include "client/mita_client.h"
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace mita::client {
+namespace {
+
+void SetDeadline(grpc::ClientContext& context, absl::Duration deadline) {
+  if (deadline == absl::InfiniteDuration()) return;
+  context.set_deadline(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(deadline));
+}
+
+}  // namespace
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  // gRPC and Abseil share the google.rpc.Code numbering.
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+absl::StatusOr<v1::ClassifyRequest> BuildClassifyRequest(std::string image, const ClassifyOptions& options) {
+  const bool explicit_budget = options.expert_count.has_value() || options.expert_width.has_value();
+  const int forms = int{explicit_budget} + int{!options.preset.empty()} + int{options.full_attention};
+  if (forms > 1) {
+    return absl::InvalidArgumentError(
+        "set at most one budget form: expert_count/expert_width, preset or full_attention");
+  }
+  v1::ClassifyRequest request;
+  request.set_model(options.model);
+  request.set_image(std::move(image));
+  if (explicit_budget) {
+    v1::ExpertBudget* experts = request.mutable_budget()->mutable_experts();
+    experts->set_expert_count(options.expert_count.value_or(0));
+    experts->set_expert_width(options.expert_width.value_or(0));
+  } else if (!options.preset.empty()) {
+    request.mutable_budget()->set_preset(options.preset);
+  } else if (options.full_attention) {
+    request.mutable_budget()->mutable_full_attention();
+  }
+  request.set_top_n(options.top_n);
+  request.set_return_statistics(options.return_statistics);
+  return request;
+}
+
+MitaClient::MitaClient(std::shared_ptr<grpc::Channel> channel)
+    : channel_(std::move(channel)), stub_(v1::MitaService::NewStub(channel_)) {}
+
+std::unique_ptr<MitaClient> MitaClient::Connect(const std::string& target) {
+  return std::make_unique<MitaClient>(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+}
+
+absl::StatusOr<v1::ClassifyResponse> MitaClient::Classify(std::string image, const ClassifyOptions& options) const {
+  absl::StatusOr<v1::ClassifyRequest> request = BuildClassifyRequest(std::move(image), options);
+  if (!request.ok()) return request.status();
+  return ClassifyRaw(*request, options.deadline);
+}
+
+absl::StatusOr<v1::ClassifyResponse> MitaClient::ClassifyRaw(const v1::ClassifyRequest& request,
+                                                             absl::Duration deadline) const {
+  grpc::ClientContext context;
+  SetDeadline(context, deadline);
+  v1::ClassifyResponse response;
+  grpc::Status status = stub_->Classify(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<v1::ListModelsResponse> MitaClient::ListModels(absl::Duration deadline) const {
+  grpc::ClientContext context;
+  SetDeadline(context, deadline);
+  v1::ListModelsResponse response;
+  grpc::Status status = stub_->ListModels(&context, v1::ListModelsRequest(), &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<v1::ModelMetadata> MitaClient::GetModel(const std::string& name, absl::Duration deadline) const {
+  grpc::ClientContext context;
+  SetDeadline(context, deadline);
+  v1::GetModelRequest request;
+  request.set_name(name);
+  v1::ModelMetadata response;
+  grpc::Status status = stub_->GetModel(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+}  // namespace mita::client

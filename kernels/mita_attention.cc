@@ -1,1 +1,256 @@
-// (being written)
+// Validation, backend dispatch, landmarks and full attention (DESIGN.md section 2; arXiv 2602.01219).
+// The MiTA backends live in mita_attention_cpu.cc (production) and mita_attention_reference.cc (tests).
+#include "kernels/mita_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <new>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/adaptive_avg_pool1d.h>
+#include <ATen/ops/adaptive_avg_pool2d.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/softmax.h>
+#include <c10/util/Exception.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/mita_attention_internal.h"
+
+namespace mita::kernels {
+namespace {
+
+// "[2, 4, 197, 32]".
+std::string ShapeString(const at::Tensor& tensor) {
+  return absl::StrCat("[", absl::StrJoin(tensor.sizes(), ", "), "]");
+}
+
+std::string DtypeName(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+      return "float32";
+    case at::kDouble:
+      return "float64";
+    case at::kHalf:
+      return "float16";
+    case at::kBFloat16:
+      return "bfloat16";
+    default:
+      return c10::toString(type);
+  }
+}
+
+// `tensor` is defined, 4-D [B, H, N, d], and float32 or float64.
+absl::Status CheckAttentionInput(const at::Tensor& tensor, const char* name) {
+  if (!tensor.defined()) return absl::InvalidArgumentError(absl::StrCat(name, " is undefined"));
+  if (tensor.dim() != 4) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " must be a 4-D tensor [B, H, N, d], got ", tensor.dim(),
+                                                   "-D shape ", ShapeString(tensor)));
+  }
+  const at::ScalarType type = tensor.scalar_type();
+  if (type != at::kFloat && type != at::kDouble) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " has dtype ", DtypeName(type), "; supported dtypes are float32 and float64"));
+  }
+  return absl::OkStatus();
+}
+
+// k and v: same shape, dtype and device as q (self-attention).
+absl::Status CheckQueryKeyValue(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  for (const auto& [tensor, name] : {std::pair<const at::Tensor&, const char*>{q, "q"}, {k, "k"}, {v, "v"}}) {
+    if (absl::Status status = CheckAttentionInput(tensor, name); !status.ok()) return status;
+  }
+  for (const auto& [tensor, name] : {std::pair<const at::Tensor&, const char*>{k, "k"}, {v, "v"}}) {
+    if (tensor.sizes() != q.sizes()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " shape ", ShapeString(tensor), " differs from q shape ", ShapeString(q)));
+    }
+    if (tensor.scalar_type() != q.scalar_type()) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " dtype ", DtypeName(tensor.scalar_type()),
+                                                     " differs from q dtype ", DtypeName(q.scalar_type())));
+    }
+    if (tensor.device() != q.device()) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " is on device ", tensor.device().str(),
+                                                     " but q is on device ", q.device().str()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Runs `body` and turns the exceptions ATen may throw (out of memory, internal checks) into a Status.
+template <typename Body>
+absl::StatusOr<at::Tensor> RunWithoutThrowing(const char* operation, Body&& body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(operation, ": out of memory"));
+  } catch (const c10::Error& error) {
+    const std::string message = error.what_without_backtrace();
+    if (message.find("not enough memory") != std::string::npos) {
+      return absl::ResourceExhaustedError(absl::StrCat(operation, ": ", message));
+    }
+    return absl::InternalError(absl::StrCat(operation, " failed: ", message));
+  } catch (const std::exception& error) {
+    return absl::InternalError(absl::StrCat(operation, " failed: ", error.what()));
+  }
+}
+
+// Largest integer whose square is <= value (value >= 0), exact for all int64 values.
+int64_t IntegerSquareRoot(int64_t value) {
+  int64_t root = static_cast<int64_t>(std::sqrt(static_cast<double>(value)));
+  while (root > 0 && root * root > value) --root;
+  while ((root + 1) * (root + 1) <= value) ++root;
+  return root;
+}
+
+}  // namespace
+
+namespace internal {
+
+absl::Status ValidateMitaArguments(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   absl::Span<const MitaItem> items) {
+  if (absl::Status status = CheckQueryKeyValue(q, k, v); !status.ok()) return status;
+  const int64_t batch = q.size(0), heads = q.size(1), tokens = q.size(2), head_dim = q.size(3);
+  if (heads < 1) return absl::InvalidArgumentError(absl::StrCat("q has H = ", heads, " heads; need H >= 1"));
+  if (tokens < 1) return absl::InvalidArgumentError(absl::StrCat("q has N = ", tokens, " tokens; need N >= 1"));
+  if (head_dim < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("q has head dimension d = ", head_dim, "; need d >= 1"));
+  }
+  if (static_cast<int64_t>(items.size()) != batch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("items.size() ", items.size(), " differs from the batch size B = ", batch, " of q"));
+  }
+  for (size_t b = 0; b < items.size(); ++b) {
+    const at::Tensor& landmarks = items[b].landmarks;
+    const std::string name = absl::StrCat("items[", b, "].landmarks");
+    if (!landmarks.defined()) return absl::InvalidArgumentError(absl::StrCat(name, " is undefined"));
+    if (landmarks.dim() != 3 || landmarks.size(0) != heads || landmarks.size(1) < 1 ||
+        landmarks.size(2) != head_dim) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " must have shape [H, M, d] = [", heads, ", M >= 1, ",
+                                                     head_dim, "], got ", ShapeString(landmarks)));
+    }
+    if (landmarks.scalar_type() != q.scalar_type()) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " dtype ", DtypeName(landmarks.scalar_type()),
+                                                     " differs from q dtype ", DtypeName(q.scalar_type())));
+    }
+    if (landmarks.device() != q.device()) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " is on device ", landmarks.device().str(),
+                                                     " but q is on device ", q.device().str()));
+    }
+    const int64_t width = items[b].expert_width;
+    if (width < 1 || width > tokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("items[", b, "].expert_width ", width, " is outside [1, ", tokens, "] (N = ", tokens, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<at::Tensor> MitaAttentionForwardWithOptions(const at::Tensor& q, const at::Tensor& k,
+                                                           const at::Tensor& v, absl::Span<const MitaItem> items,
+                                                           std::vector<MitaItemStatistics>* statistics,
+                                                           MitaBackend backend, const MitaForwardOptions& options) {
+  if (absl::Status status = ValidateMitaArguments(q, k, v, items); !status.ok()) return status;
+  return RunWithoutThrowing("MiTA attention", [&]() -> at::Tensor {
+    at::NoGradGuard no_grad;
+    // No CUDA kernel yet: off the CPU, the reference (device-agnostic ATen ops) serves kAuto too.
+    if (backend == MitaBackend::kReference || !q.device().is_cpu()) {
+      return MitaAttentionReference(q, k, v, items, statistics, options);
+    }
+    return MitaAttentionCpu(q, k, v, items, statistics, options);
+  });
+}
+
+}  // namespace internal
+
+absl::StatusOr<at::Tensor> MitaAttentionForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                absl::Span<const MitaItem> items,
+                                                std::vector<MitaItemStatistics>* statistics,
+                                                MitaBackend backend) {
+  return internal::MitaAttentionForwardWithOptions(q, k, v, items, statistics, backend,
+                                                   internal::MitaForwardOptions{});
+}
+
+absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  if (absl::Status status = CheckQueryKeyValue(q, k, v); !status.ok()) return status;
+  return RunWithoutThrowing("full attention", [&]() -> at::Tensor {
+    at::NoGradGuard no_grad;
+    at::Tensor output = at::empty(q.sizes(), q.options());
+    if (q.numel() == 0) return output;
+    const int64_t batch = q.size(0), heads = q.size(1), tokens = q.size(2), head_dim = q.size(3);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+    // Per (item, head), queries go in chunks through two buffers allocated once per call: scores [chunk, N]
+    // of at most 2^20 elements (4 MiB in float32) whatever N is, and their softmax. Fresh multi-MiB tensors per
+    // chunk would be returned to the OS and page-faulted in again each time, which costs more than the math
+    // on this machine (DESIGN.md section 6).
+    constexpr int64_t kMaxScoreElements = int64_t{1} << 20;
+    const int64_t chunk = std::clamp<int64_t>(kMaxScoreElements / tokens, 1, tokens);
+    const at::Tensor scores = at::empty({chunk, tokens}, q.options());
+    const at::Tensor probabilities = at::empty({chunk, tokens}, q.options());
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const at::Tensor queries = q[b][h], keys_transposed = k[b][h].t(), values = v[b][h];
+        const at::Tensor head_output = output[b][h];
+        for (int64_t start = 0; start < tokens; start += chunk) {
+          const int64_t length = std::min(chunk, tokens - start);
+          at::Tensor chunk_scores = scores.narrow(0, 0, length);
+          at::Tensor chunk_probabilities = probabilities.narrow(0, 0, length);
+          at::Tensor chunk_output = head_output.narrow(0, start, length);
+          at::mm_out(chunk_scores, queries.narrow(0, start, length), keys_transposed).mul_(scale);
+          at::softmax_out(chunk_probabilities, chunk_scores, -1);
+          at::mm_out(chunk_output, chunk_probabilities, values);
+        }
+      }
+    }
+    return output;
+  });
+}
+
+absl::StatusOr<at::Tensor> ImageLandmarks(const at::Tensor& q, int64_t pool_side) {
+  if (absl::Status status = CheckAttentionInput(q, "q"); !status.ok()) return status;
+  const int64_t batch = q.size(0), heads = q.size(1), tokens = q.size(2), head_dim = q.size(3);
+  const int64_t side = tokens >= 2 ? IntegerSquareRoot(tokens - 1) : 0;
+  if (tokens < 2 || side * side != tokens - 1) {
+    return absl::InvalidArgumentError(absl::StrCat("q has N = ", tokens,
+                                                   " tokens; image landmarks need N - 1 to be a positive perfect "
+                                                   "square (a cls token plus an S x S patch grid)"));
+  }
+  if (pool_side < 1 || pool_side > side) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pool_side ", pool_side, " is outside [1, ", side, "] (the patch grid side S)"));
+  }
+  return RunWithoutThrowing("image landmarks", [&]() -> at::Tensor {
+    at::NoGradGuard no_grad;
+    if (batch * heads * head_dim == 0) return at::empty({batch, heads, pool_side * pool_side, head_dim}, q.options());
+    // Tokens 0 .. N-2 (cls first, last patch dropped: the official code's one-token shift) on the S x S grid.
+    const at::Tensor grid = q.narrow(2, 0, tokens - 1).reshape({batch * heads, side, side, head_dim});
+    // adaptive_avg_pool2d's window i is [floor(i*S/P), ceil((i+1)*S/P)), as in the official code.
+    const at::Tensor pooled = at::adaptive_avg_pool2d(grid.permute({0, 3, 1, 2}), {pool_side, pool_side});
+    return pooled.permute({0, 2, 3, 1}).reshape({batch, heads, pool_side * pool_side, head_dim}).contiguous();
+  });
+}
+
+absl::StatusOr<at::Tensor> SequenceLandmarks(const at::Tensor& q, int64_t expert_count) {
+  if (absl::Status status = CheckAttentionInput(q, "q"); !status.ok()) return status;
+  const int64_t batch = q.size(0), heads = q.size(1), tokens = q.size(2), head_dim = q.size(3);
+  if (expert_count < 1 || expert_count > tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("expert_count ", expert_count, " is outside [1, ", tokens, "] (N = ", tokens, ")"));
+  }
+  return RunWithoutThrowing("sequence landmarks", [&]() -> at::Tensor {
+    at::NoGradGuard no_grad;
+    if (batch * heads * head_dim == 0) return at::empty({batch, heads, expert_count, head_dim}, q.options());
+    // adaptive_avg_pool1d's window i is [floor(i*N/M), ceil((i+1)*N/M)).
+    const at::Tensor sequence = q.reshape({batch * heads, tokens, head_dim}).transpose(1, 2);  // [B*H, d, N]
+    const at::Tensor pooled = at::adaptive_avg_pool1d(sequence, {expert_count});           // [B*H, d, M]
+    return pooled.transpose(1, 2).reshape({batch, heads, expert_count, head_dim}).contiguous();
+  });
+}
+
+}  // namespace mita::kernels

@@ -4,12 +4,17 @@
 // shared/DESIGN.md section 2, which fixes the details trained checkpoints depend on. Per batch item and head,
 // with q, k, v: [N, d], landmarks l: [M, d] (M = expert count) and s = 1/sqrt(d):
 //   routed experts   S = l k^T (no scale); expert i owns the k (= expert width) keys with the largest S[i, :].
-//                    Ties: higher score first, then lower key index.
+//                    Ties: higher score first, then lower key index (what a stable descending sort gives).
+//                    Experts may share keys.
 //   shared expert    A = softmax(S * s) v, [M, d]: the landmarks attend over all keys.
 //   routing          G = l q^T (no scale); query n goes to expert e(n) = argmax_i G[i, n] (first maximum).
 //   output           one softmax over M + k logits per query: compressed logits q_n . l_i * s * s with values
 //                    A_i, and routed logits q_n . k_j * s for j in expert e(n)'s keys with values v_j.
 // Cost per head: O(M N d) for landmarks and experts, O(N (M + k) d) for queries.
+//
+// All functions are inference-only (no autograd graph is recorded, whatever the inputs' requires_grad; they
+// also work under c10::InferenceMode), never throw, and report bad arguments as INVALID_ARGUMENT with the
+// argument's name and allowed range. NaN or infinity in the inputs propagates to the outputs, never a crash.
 //
 // This header has no gRPC, proto or model knowledge.
 #pragma once
@@ -34,54 +39,72 @@ struct MitaItem {
 };
 
 // Routing and pruning statistics of one batch item, averaged over heads (DESIGN.md section 2,
-// "Statistics that come for free").
+// "Statistics that come for free"). Per head, with load_i = number of queries n with e(n) = i (sum N):
 struct MitaItemStatistics {
-  // Queries routed to each expert, averaged over heads, length M.
+  // load_i averaged over heads, length M (each head's loads sum to N).
   std::vector<double> queries_per_expert;
-  // max / mean of queries per expert, averaged over heads (1 = balanced, M = all queries on one expert).
+  // max_i load_i / (N / M), averaged over heads: 1 = balanced, M = all queries on one expert.
   double load_imbalance = 0;
-  // Entropy of the queries-per-expert distribution / log(M), averaged over heads, in [0, 1]; 1 when M == 1.
+  // -sum_i p_i ln p_i / ln M with p_i = load_i / N (0 ln 0 = 0), averaged over heads, in [0, 1]:
+  // 1 = uniform routing, 0 = all queries on one expert; defined as 1 when M == 1.
   double routing_entropy = 0;
-  // Fraction of the N keys selected by no routed expert, averaged over heads.
+  // (keys in no routed expert's set) / N, averaged over heads: the paper's emergent token pruning. 0 when k = N.
   double pruned_key_fraction = 0;
-  // Fraction of the N keys selected by two or more routed experts, averaged over heads.
+  // (keys in the sets of two or more routed experts) / N, averaged over heads.
   double expert_overlap_fraction = 0;
 };
 
 // Which implementation runs the MiTA forward.
 enum class MitaBackend {
-  // The fastest implementation for the tensors' device (the CPU kernel on CPU).
+  // The fastest implementation for the tensors' device: the CPU kernel on CPU (mita_attention_cpu.cc); on
+  // other devices, until a CUDA kernel exists, the reference.
   kAuto,
   // Plain ATen ops (sort, gather, softmax): slow, obviously correct; kept for tests.
   kReference,
 };
 
-// MiTA forward for a batch whose items may each have their own expert count and expert width.
+// MiTA forward for a batch whose items may each have their own expert count and expert width (DESIGN.md
+// section 2, formulas above).
 //
-// q, k, v: [B, H, N, d], float32 or float64, on CPU (contiguity not required). items: B entries.
-// Returns the attention output [B, H, N, d] (before the head merge and output projection).
-// When `statistics` is not null it is resized to B and filled per item.
-// Errors: INVALID_ARGUMENT when shapes, dtypes or devices disagree, when items.size() != B, or when an item's
-// expert width is outside [1, N] or its landmarks are not [H, M >= 1, d].
+// q, k, v: [B, H, N, d] (the same shape), float32 or float64 (the same dtype), on CPU. Any strides: slices of
+// a fused [B, N, 3, H, d] qkv projection are read in place; other layouts are copied once. items: B entries
+// (B = 0 gives an empty output). Returns a new contiguous [B, H, N, d] tensor of q's dtype: the attention
+// output before the head merge and output projection. Softmaxes accumulate in the input's precision with the
+// maximum subtracted. When `statistics` is not null it is resized to B and filled per item.
+// The CPU kernel runs (item, head) pairs in parallel on at::get_num_threads() threads; its result does not
+// depend on the thread count.
+// Errors: INVALID_ARGUMENT when q, k or v is undefined, not 4-D, of another dtype or shape or device than q,
+// or has H, N or d < 1; when items.size() != B; when items[b].expert_width is outside [1, N]; when
+// items[b].landmarks is undefined, not [H, M >= 1, d], or of another dtype or device than q. RESOURCE_EXHAUSTED
+// when memory runs out; INTERNAL for an unexpected ATen failure.
 absl::StatusOr<at::Tensor> MitaAttentionForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 absl::Span<const MitaItem> items,
                                                 std::vector<MitaItemStatistics>* statistics = nullptr,
                                                 MitaBackend backend = MitaBackend::kAuto);
 
-// Full softmax attention softmax(q k^T / sqrt(d)) v. q, k, v: [B, H, N, d] -> [B, H, N, d].
-// Errors: INVALID_ARGUMENT when shapes, dtypes or devices disagree.
+// Full softmax attention softmax(q k^T / sqrt(d)) v with ATen ops (mm, softmax), per (item, head) in query
+// chunks so the score buffer stays under 2^20 elements at any N; the serving path for "full attention" budgets
+// and, per DESIGN.md section 2.7, what MiTA equals with k = N and no compressed branch.
+// q, k, v: [B, H, N, d], same shape, float32 or float64 -> new contiguous [B, H, N, d] of q's dtype.
+// Errors: INVALID_ARGUMENT when a tensor is undefined or not 4-D, when dtypes are not float32/float64 or
+// differ, or when shapes or devices differ.
 absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
 // Image landmarks (official DeiT MiTA code, DESIGN.md section 2.1): the q tokens 0 .. N-2 (the cls token
 // included, the last patch token dropped) laid row-major on an S x S grid, S = sqrt(N - 1), average-pooled
 // adaptively to a P x P grid: window i covers rows/columns [floor(i*S/P), ceil((i+1)*S/P)).
-// q: [B, H, N, d] -> [B, H, P*P, d], landmark index = row * P + column.
-// Errors: INVALID_ARGUMENT when N - 1 is not a perfect square or pool_side is outside [1, S].
+// This is at::adaptive_avg_pool2d, whose windows are exactly these. Pooling is per head; since it is a per-channel
+// average, pooling all C channels then splitting heads (the official code) gives the same landmarks.
+// q: [B, H, N, d], float32 or float64 -> new contiguous [B, H, P*P, d], landmark index = row * P + column.
+// Errors: INVALID_ARGUMENT when q is undefined, not 4-D or not float32/float64, when N - 1 is not a positive
+// perfect square, or when pool_side is outside [1, S].
 absl::StatusOr<at::Tensor> ImageLandmarks(const at::Tensor& q, int64_t pool_side);
 
 // Sequence landmarks (DESIGN.md section 2.1): adaptive 1-D average pooling of q over all N tokens into M
-// windows [floor(i*N/M), ceil((i+1)*N/M)). q: [B, H, N, d] -> [B, H, M, d].
-// Errors: INVALID_ARGUMENT when expert_count is outside [1, N].
+// windows [floor(i*N/M), ceil((i+1)*N/M)) (at::adaptive_avg_pool1d; windows overlap when M does not divide N).
+// q: [B, H, N, d], float32 or float64 -> new contiguous [B, H, M, d].
+// Errors: INVALID_ARGUMENT when q is undefined, not 4-D or not float32/float64, or when expert_count is outside
+// [1, N].
 absl::StatusOr<at::Tensor> SequenceLandmarks(const at::Tensor& q, int64_t expert_count);
 
 }  // namespace mita::kernels

@@ -1,1 +1,519 @@
-// (being written)
+// Production CPU MiTA forward (DESIGN.md section 2; arXiv 2602.01219), float32 and float64.
+//
+// Work is split over (batch item, head) pairs with at::parallel_for; each pair runs MitaHead on raw pointers to
+// contiguous rows of d values (q, k, v each with its own row stride, so a fused qkv projection is read in
+// place), in the precision of its input (float for float32, double for float64):
+//   1. key pass, one block of keys at a time (the [M, N] score matrix is never materialised):
+//      S_block = l K_block^T (GEMM); each landmark's running top-k candidates take the block's scores; the
+//      shared expert A = softmax(S s) v accumulates with an online (running max) softmax and a GEMM with
+//      V_block. One pass over K and V serves both the routed experts and the shared expert.
+//   2. top-k: per landmark, partial selection (std::nth_element, amortised O(N)) with the tie rule "higher
+//      score first, then lower key index"; a key that cannot beat the current k-th best is never stored.
+//   3. gate: G_block = Q_block l^T (GEMM), e(n) = first argmax; queries are grouped by expert (counting sort).
+//   4. per routed expert: its k keys and values are gathered once; its queries, in chunks, get their M + k
+//      logits from two GEMMs into one row buffer, one max-subtracted softmax, and the output from two GEMMs
+//      (weights x A, weights x V_expert), normalised by the softmax sum.
+// The GEMMs are at::mm_out on from_blob views (system BLAS, no copies); MatmulTransposed/MatmulAccumulate are
+// the single place to swap in a hand-written micro-kernel later. The float exponentials use FastExp in
+// vectorised row loops. Buffers live in a HeadWorkspace reused by all the (item, head) pairs of one thread.
+// Left for later: reusing the gate's q l^T for the compressed logits (now recomputed per expert chunk), AVX2
+// code paths (the build targets baseline x86-64), splitting one head over threads when B * H < threads.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
+
+#include "kernels/mita_attention_internal.h"
+
+namespace mita::kernels::internal {
+namespace {
+
+// The system BLAS behind at::mm here is OpenBLAS (pthreads build). It runs a GEMM on its own thread pool once
+// m * n * k exceeds 64^3 multiply-adds, which inside our at::parallel_for region oversubscribes the cores
+// (measured on the 2-core machine: 3.5x slower with 2 threads). Every GEMM below is sized to stay at or under
+// that volume, so the parallelism is ours alone.
+constexpr int64_t kSingleThreadGemmVolume = int64_t{64} * 64 * 64;
+// Most rows (keys or queries) per block.
+constexpr int64_t kMaxBlockRows = 512;
+// Upper bound on the elements of one chunk's logits buffer [chunk, M + k].
+constexpr int64_t kMaxLogitElements = int64_t{1} << 20;
+
+// Rows per block for GEMMs whose other two dimensions multiply to `other_dimensions`.
+int64_t BlockRows(int64_t other_dimensions) {
+  return std::clamp<int64_t>(kSingleThreadGemmVolume / other_dimensions, 1, kMaxBlockRows);
+}
+
+template <typename T>
+at::Tensor MatrixView(const T* data, int64_t rows, int64_t columns, int64_t row_stride) {
+  return at::from_blob(const_cast<T*>(data), {rows, columns}, {row_stride, 1},
+                       at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
+}
+
+// out[rows, columns] = a[rows, inner] * b[columns, inner]^T. Row-major with the given row strides.
+template <typename T>
+void MatmulTransposed(const T* a, int64_t a_stride, const T* b, int64_t b_stride, T* out, int64_t out_stride,
+                      int64_t rows, int64_t columns, int64_t inner) {
+  at::Tensor result = MatrixView(out, rows, columns, out_stride);
+  at::mm_out(result, MatrixView(a, rows, inner, a_stride), MatrixView(b, columns, inner, b_stride).t());
+}
+
+// out[rows, columns] (+)= a[rows, inner] * b[inner, columns]; accumulates into out when `accumulate`.
+template <typename T>
+void MatmulAccumulate(const T* a, int64_t a_stride, const T* b, int64_t b_stride, T* out, int64_t out_stride,
+                      int64_t rows, int64_t columns, int64_t inner, bool accumulate) {
+  at::Tensor result = MatrixView(out, rows, columns, out_stride);
+  const at::Tensor left = MatrixView(a, rows, inner, a_stride), right = MatrixView(b, inner, columns, b_stride);
+  if (accumulate) {
+    result.addmm_(left, right);
+  } else {
+    at::mm_out(result, left, right);
+  }
+}
+
+// The row loops below are kept out of line and free of std::min/std::max (whose branches stop GCC 12 from
+// vectorising them); they vectorise with SSE2 at the default -march, 4 floats a step.
+
+// Maximum of values[0, count), count >= 1.
+template <typename T>
+__attribute__((noinline)) T MaxOf(const T* values, int64_t count) {
+  T maximum = values[0];
+#pragma omp simd reduction(max : maximum)
+  for (int64_t j = 1; j < count; ++j) maximum = maximum > values[j] ? maximum : values[j];
+  return maximum;
+}
+
+// values[j] = exp(values[j] * multiplier - shift) over [0, count), for arguments <= 0 (max-subtracted
+// logits); returns their sum. float: clamp to FastExp's range (exp(-inf) becomes 2^-126, negligible next to the
+// row maximum's term 1), then FastExp; double: std::exp.
+__attribute__((noinline)) float ExpAndSum(float* values, int64_t count, float multiplier, float shift) {
+  for (int64_t j = 0; j < count; ++j) {
+    const float argument = values[j] * multiplier - shift;
+    values[j] = argument < kFastExpMin ? kFastExpMin : argument;
+  }
+  float sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < count; ++j) {
+    values[j] = FastExp(values[j]);
+    sum += values[j];
+  }
+  return sum;
+}
+
+double ExpAndSum(double* values, int64_t count, double multiplier, double shift) {
+  double sum = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    values[j] = std::exp(values[j] * multiplier - shift);
+    sum += values[j];
+  }
+  return sum;
+}
+
+// One (item, head) problem: [rows, head_dim] matrices with contiguous rows; queries, keys and values have their
+// own row strides (in elements), so slices of a fused qkv projection are read in place.
+template <typename T>
+struct HeadProblem {
+  const T* queries;    // [N, d], row stride query_stride
+  const T* keys;       // [N, d], row stride key_stride
+  const T* values;     // [N, d], row stride value_stride
+  const T* landmarks;  // [M, d], contiguous
+  T* output;           // [N, d], contiguous
+  int64_t query_stride;
+  int64_t key_stride;
+  int64_t value_stride;
+  int64_t tokens;
+  int64_t head_dim;
+  int64_t expert_count;
+  int64_t width;
+  bool include_shared_expert;
+};
+
+// What the statistics need from one (item, head).
+struct HeadCounts {
+  std::vector<int64_t> queries_per_expert;  // [M]
+  int64_t pruned_keys = 0;                  // keys in no expert's set
+  int64_t overlapping_keys = 0;             // keys in two or more experts' sets
+};
+
+template <typename T>
+struct Candidate {
+  T score;
+  int64_t index;
+};
+
+// The documented tie rule: higher score first, then lower key index. A strict total order (scores are never
+// NaN here), so partial selection yields the same set as a stable descending sort.
+template <typename T>
+bool RanksHigher(const Candidate<T>& a, const Candidate<T>& b) {
+  return a.score > b.score || (a.score == b.score && a.index < b.index);
+}
+
+// Running top-k of one landmark's scores, fed key blocks in increasing key index. Reusable: Reset keeps the
+// buffer's capacity.
+template <typename T>
+class TopKSelector {
+ public:
+  void Reset(int64_t width, int64_t key_block) {
+    width_ = width;
+    compact_above_ = std::max<int64_t>(2 * width, width + key_block);
+    candidates_.clear();
+    has_threshold_ = false;
+  }
+
+  // scores[j] is the score of key first_index + j; keys arrive in increasing index order.
+  void Add(const T* scores, int64_t count, int64_t first_index) {
+    if (has_threshold_) {
+      // A later key has a higher index, so it enters only with a score strictly above the current k-th best
+      // (a NaN score never does).
+      for (int64_t j = 0; j < count; ++j) {
+        if (scores[j] > threshold_) candidates_.push_back({scores[j], first_index + j});
+      }
+    } else {
+      for (int64_t j = 0; j < count; ++j) {
+        // A NaN score (NaN in the inputs) ranks below every number: keeps the order total; the output is NaN.
+        const T score = std::isnan(scores[j]) ? -std::numeric_limits<T>::infinity() : scores[j];
+        candidates_.push_back({score, first_index + j});
+      }
+    }
+    if (static_cast<int64_t>(candidates_.size()) > compact_above_) KeepBest();
+  }
+
+  // The selected keys in ascending index order (at most `width`; exactly `width` once all N keys were added).
+  void Finish(std::vector<int64_t>* keys) {
+    if (static_cast<int64_t>(candidates_.size()) > width_) KeepBest();
+    keys->resize(candidates_.size());
+    for (size_t j = 0; j < candidates_.size(); ++j) (*keys)[j] = candidates_[j].index;
+    std::sort(keys->begin(), keys->end());
+  }
+
+ private:
+  void KeepBest() {
+    std::nth_element(candidates_.begin(), candidates_.begin() + (width_ - 1), candidates_.end(), RanksHigher<T>);
+    candidates_.resize(width_);
+    threshold_ = candidates_[width_ - 1].score;  // the k-th best so far: every kept key ranks at least as high
+    has_threshold_ = true;
+  }
+
+  int64_t width_ = 1;
+  int64_t compact_above_ = 2;
+  std::vector<Candidate<T>> candidates_;
+  bool has_threshold_ = false;
+  T threshold_ = 0;
+};
+
+// Buffers of MitaHead, kept across the (item, head) pairs one thread runs so they are allocated (and their
+// pages touched) once. Every field is (re)sized by MitaHead before use.
+template <typename T>
+struct HeadWorkspace {
+  std::vector<TopKSelector<T>> selectors;         // [M]
+  std::vector<T> block_scores;                    // [M, key_block]
+  std::vector<T> shared_output;                   // A: [M, d]
+  std::vector<T> running_max, running_sum;        // [M]
+  std::vector<std::vector<int64_t>> expert_keys;  // [M][k], ascending
+  std::vector<int32_t> selections;                // [N]: experts that selected each key
+  std::vector<T> gate;                            // [query_block, M]
+  std::vector<int64_t> expert_of_query;           // [N]
+  std::vector<int64_t> expert_offsets;            // [M + 1]
+  std::vector<int64_t> next_slot;                 // [M]
+  std::vector<int64_t> query_order;               // [N], grouped by expert
+  std::vector<T> scaled_landmarks;                // [M, d], times s
+  std::vector<T> expert_key_rows;                 // [k, d]
+  std::vector<T> expert_value_rows;               // [k, d]
+  std::vector<T> chunk_queries;                   // [chunk, d], times s
+  std::vector<T> logits;                          // [chunk, M + k]
+  std::vector<T> chunk_output;                    // [chunk, d]
+  std::vector<T> inverse_sums;                    // [chunk]
+};
+
+template <typename T>
+void MitaHead(const HeadProblem<T>& problem, HeadWorkspace<T>& work, HeadCounts* counts,
+              MitaHeadRouting* routing) {
+  const int64_t tokens = problem.tokens, head_dim = problem.head_dim, expert_count = problem.expert_count;
+  const int64_t width = problem.width;
+  const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
+  const bool shared = problem.include_shared_expert;
+  const bool all_keys = width == tokens;  // every expert owns every key: no selection, no gather
+
+  // 1. Key pass: routed-expert top-k and the shared expert A = softmax(S s) v.
+  // Keys per block: S_block [M, key_block] (d deep) and the A update (M x d, key_block deep).
+  const int64_t key_block = BlockRows(expert_count * head_dim);
+  if (!all_keys) {
+    work.selectors.resize(expert_count);
+    for (TopKSelector<T>& selector : work.selectors) selector.Reset(width, key_block);
+  }
+  if (shared) {
+    work.shared_output.assign(expert_count * head_dim, T(0));
+    work.running_max.assign(expert_count, -std::numeric_limits<T>::infinity());
+    work.running_sum.assign(expert_count, T(0));
+  }
+  if (shared || !all_keys) {
+    work.block_scores.resize(expert_count * key_block);
+    for (int64_t start = 0; start < tokens; start += key_block) {
+      const int64_t count = std::min(key_block, tokens - start);
+      MatmulTransposed(problem.landmarks, head_dim, problem.keys + start * problem.key_stride, problem.key_stride,
+                       work.block_scores.data(), key_block, expert_count, count, head_dim);
+      for (int64_t i = 0; i < expert_count; ++i) {
+        T* row = work.block_scores.data() + i * key_block;
+        if (!all_keys) work.selectors[i].Add(row, count, start);
+        if (shared) {
+          // Online softmax of S[i, :] * s: rescale what was accumulated when the running max grows.
+          const T old_max = work.running_max[i];
+          const T new_max = std::max(old_max, MaxOf(row, count) * scale);  // s > 0: max(S s) = max(S) s
+          const T factor = old_max == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(old_max - new_max);
+          if (factor != T(1)) {
+            for (int64_t c = 0; c < head_dim; ++c) work.shared_output[i * head_dim + c] *= factor;
+          }
+          work.running_sum[i] = work.running_sum[i] * factor + ExpAndSum(row, count, scale, new_max);
+          work.running_max[i] = new_max;
+        }
+      }
+      if (shared) {
+        MatmulAccumulate(work.block_scores.data(), key_block, problem.values + start * problem.value_stride,
+                         problem.value_stride,
+                         work.shared_output.data(), head_dim, expert_count, head_dim, count, /*accumulate=*/true);
+      }
+    }
+    for (int64_t i = 0; shared && i < expert_count; ++i) {
+      const T inverse_sum = T(1) / work.running_sum[i];
+      for (int64_t c = 0; c < head_dim; ++c) work.shared_output[i * head_dim + c] *= inverse_sum;
+    }
+  }
+
+  // 2. Each expert's keys, ascending; and how many experts selected each key (statistics).
+  work.expert_keys.resize(expert_count);
+  if (all_keys) {
+    counts->pruned_keys = 0;
+    counts->overlapping_keys = expert_count >= 2 ? tokens : 0;
+  } else {
+    work.selections.assign(tokens, 0);
+    for (int64_t i = 0; i < expert_count; ++i) {
+      work.selectors[i].Finish(&work.expert_keys[i]);
+      for (int64_t key : work.expert_keys[i]) ++work.selections[key];
+    }
+    counts->pruned_keys = std::count(work.selections.begin(), work.selections.end(), 0);
+    counts->overlapping_keys = std::count_if(work.selections.begin(), work.selections.end(),
+                                             [](int32_t selected) { return selected >= 2; });
+  }
+
+  // 3. Gate G = l q^T (no scale), e(n) = first argmax over experts; then group queries by expert.
+  work.expert_of_query.resize(tokens);
+  const int64_t query_block = BlockRows(expert_count * head_dim);
+  work.gate.resize(query_block * expert_count);  // [queries, M]
+  for (int64_t start = 0; start < tokens; start += query_block) {
+    const int64_t count = std::min(query_block, tokens - start);
+    MatmulTransposed(problem.queries + start * problem.query_stride, problem.query_stride, problem.landmarks,
+                     head_dim, work.gate.data(), expert_count, count, expert_count, head_dim);
+    for (int64_t n = 0; n < count; ++n) {
+      const T* row = work.gate.data() + n * expert_count;
+      int64_t best = 0;
+      for (int64_t i = 1; i < expert_count; ++i) {
+        if (row[i] > row[best]) best = i;
+      }
+      work.expert_of_query[start + n] = best;
+    }
+  }
+  // Queries of expert i: query_order[expert_offsets[i], expert_offsets[i + 1]), ascending.
+  work.expert_offsets.assign(expert_count + 1, 0);
+  for (int64_t n = 0; n < tokens; ++n) ++work.expert_offsets[work.expert_of_query[n] + 1];
+  counts->queries_per_expert.resize(expert_count);
+  for (int64_t i = 0; i < expert_count; ++i) {
+    counts->queries_per_expert[i] = work.expert_offsets[i + 1];
+    work.expert_offsets[i + 1] += work.expert_offsets[i];
+  }
+  work.next_slot.assign(work.expert_offsets.begin(), work.expert_offsets.end() - 1);
+  work.query_order.resize(tokens);
+  for (int64_t n = 0; n < tokens; ++n) work.query_order[work.next_slot[work.expert_of_query[n]]++] = n;
+
+  // 4. Per routed expert: gather its keys and values once, then all its queries in chunks.
+  // Queries are scaled by s when gathered and landmarks by s once: (s q) . (s l) = q . l s^2 (compressed
+  // logits) and (s q) . k = q . k s (routed logits).
+  if (shared) {
+    work.scaled_landmarks.assign(problem.landmarks, problem.landmarks + expert_count * head_dim);
+    for (T& value : work.scaled_landmarks) value *= scale;
+  }
+  const int64_t compressed_count = shared ? expert_count : 0;
+  const int64_t logit_count = compressed_count + width;
+  // Queries per chunk: GEMMs [chunk x M x d], [chunk x k x d] and back; logits buffer [chunk, M + k].
+  const int64_t chunk_capacity = std::min(BlockRows(std::max(expert_count, width) * head_dim),
+                                          std::max<int64_t>(1, kMaxLogitElements / logit_count));
+  if (!all_keys) {
+    work.expert_key_rows.resize(width * head_dim);
+    work.expert_value_rows.resize(width * head_dim);
+  }
+  work.chunk_queries.resize(chunk_capacity * head_dim);
+  work.logits.resize(chunk_capacity * logit_count);
+  work.chunk_output.resize(chunk_capacity * head_dim);
+  work.inverse_sums.resize(chunk_capacity);
+  for (int64_t i = 0; i < expert_count; ++i) {
+    const int64_t first = work.expert_offsets[i], query_count = work.expert_offsets[i + 1] - first;
+    if (query_count == 0) continue;
+    const T* key_rows = problem.keys;
+    const T* value_rows = problem.values;
+    int64_t key_rows_stride = problem.key_stride, value_rows_stride = problem.value_stride;
+    if (!all_keys) {
+      for (int64_t j = 0; j < width; ++j) {
+        const int64_t key = work.expert_keys[i][j];
+        std::copy_n(problem.keys + key * problem.key_stride, head_dim, work.expert_key_rows.data() + j * head_dim);
+        std::copy_n(problem.values + key * problem.value_stride, head_dim,
+                    work.expert_value_rows.data() + j * head_dim);
+      }
+      key_rows = work.expert_key_rows.data();
+      value_rows = work.expert_value_rows.data();
+      key_rows_stride = value_rows_stride = head_dim;
+    }
+    for (int64_t chunk_start = 0; chunk_start < query_count; chunk_start += chunk_capacity) {
+      const int64_t count = std::min(chunk_capacity, query_count - chunk_start);
+      const int64_t* chunk_order = work.query_order.data() + first + chunk_start;
+      for (int64_t r = 0; r < count; ++r) {
+        const T* query = problem.queries + chunk_order[r] * problem.query_stride;
+        T* target = work.chunk_queries.data() + r * head_dim;
+        for (int64_t c = 0; c < head_dim; ++c) target[c] = query[c] * scale;
+      }
+      // Logits row r: [compressed (M) | routed (k)].
+      if (shared) {
+        MatmulTransposed(work.chunk_queries.data(), head_dim, work.scaled_landmarks.data(), head_dim,
+                         work.logits.data(), logit_count, count, expert_count, head_dim);
+      }
+      MatmulTransposed(work.chunk_queries.data(), head_dim, key_rows, key_rows_stride,
+                       work.logits.data() + compressed_count, logit_count, count, width, head_dim);
+      // One softmax over the M + k logits, max-subtracted; normalised after the output GEMMs.
+      for (int64_t r = 0; r < count; ++r) {
+        T* row = work.logits.data() + r * logit_count;
+        work.inverse_sums[r] = T(1) / ExpAndSum(row, logit_count, T(1), MaxOf(row, logit_count));
+      }
+      if (shared) {
+        MatmulAccumulate(work.logits.data(), logit_count, work.shared_output.data(), head_dim,
+                         work.chunk_output.data(), head_dim, count, head_dim, expert_count, /*accumulate=*/false);
+      }
+      MatmulAccumulate(work.logits.data() + compressed_count, logit_count, value_rows, value_rows_stride,
+                       work.chunk_output.data(), head_dim, count, head_dim, width, /*accumulate=*/shared);
+      for (int64_t r = 0; r < count; ++r) {
+        T* target = problem.output + chunk_order[r] * head_dim;
+        const T* source = work.chunk_output.data() + r * head_dim;
+        for (int64_t c = 0; c < head_dim; ++c) target[c] = source[c] * work.inverse_sums[r];
+      }
+    }
+  }
+
+  if (routing != nullptr) {
+    routing->expert_of_query = work.expert_of_query;
+    routing->expert_keys.assign(work.expert_keys.begin(), work.expert_keys.end());
+    if (all_keys) {
+      std::vector<int64_t> every_key(tokens);
+      for (int64_t j = 0; j < tokens; ++j) every_key[j] = j;
+      routing->expert_keys.assign(expert_count, every_key);
+    }
+  }
+}
+
+// Per-item statistics: each head's load, entropy, pruning and overlap, averaged over heads (DESIGN.md
+// section 2, "Statistics that come for free").
+MitaItemStatistics AverageOverHeads(absl::Span<const HeadCounts> heads, int64_t tokens) {
+  MitaItemStatistics statistics;
+  const int64_t expert_count = static_cast<int64_t>(heads.front().queries_per_expert.size());
+  const double head_count = static_cast<double>(heads.size());
+  const double token_count = static_cast<double>(tokens);
+  statistics.queries_per_expert.assign(expert_count, 0.0);
+  for (const HeadCounts& head : heads) {
+    int64_t max_load = 0;
+    double entropy = 0;
+    for (int64_t i = 0; i < expert_count; ++i) {
+      const int64_t load = head.queries_per_expert[i];
+      statistics.queries_per_expert[i] += static_cast<double>(load) / head_count;
+      max_load = std::max(max_load, load);
+      if (load > 0) {
+        const double share = static_cast<double>(load) / token_count;
+        entropy -= share * std::log(share);
+      }
+    }
+    // max / mean, with mean = N / M.
+    statistics.load_imbalance += static_cast<double>(max_load) * static_cast<double>(expert_count) / token_count;
+    statistics.routing_entropy += expert_count == 1 ? 1.0 : entropy / std::log(static_cast<double>(expert_count));
+    statistics.pruned_key_fraction += static_cast<double>(head.pruned_keys) / token_count;
+    statistics.expert_overlap_fraction += static_cast<double>(head.overlapping_keys) / token_count;
+  }
+  statistics.load_imbalance /= head_count;
+  statistics.routing_entropy /= head_count;
+  statistics.pruned_key_fraction /= head_count;
+  statistics.expert_overlap_fraction /= head_count;
+  return statistics;
+}
+
+// `tensor` ([B, H, N, d]) itself when each (item, head, token) row of d values is contiguous and rows do not
+// overlap: e.g. q, k, v sliced from a fused [B, N, 3, H, d] qkv projection are read in place, without a copy.
+// Otherwise a contiguous copy.
+at::Tensor WithContiguousRows(const at::Tensor& tensor) {
+  const bool rows_contiguous = tensor.stride(3) == 1 || tensor.size(3) == 1;
+  const bool rows_apart = tensor.stride(2) >= tensor.size(3) || tensor.size(2) == 1;
+  return rows_contiguous && rows_apart ? tensor : tensor.contiguous();
+}
+
+template <typename T>
+at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_input, const at::Tensor& v_input,
+                                 absl::Span<const MitaItem> items, std::vector<MitaItemStatistics>* statistics,
+                                 const MitaForwardOptions& options) {
+  const at::Tensor q = WithContiguousRows(q_input), k = WithContiguousRows(k_input), v = WithContiguousRows(v_input);
+  const int64_t batch = q.size(0), heads = q.size(1), tokens = q.size(2), head_dim = q.size(3);
+  std::vector<at::Tensor> landmarks(batch);
+  for (int64_t b = 0; b < batch; ++b) landmarks[b] = items[b].landmarks.contiguous();
+  at::Tensor output = at::empty(q.sizes(), q.options());
+
+  std::vector<HeadCounts> counts(batch * heads);
+  if (options.routing != nullptr) options.routing->assign(batch * heads, MitaHeadRouting{});
+  const T* q_data = q.data_ptr<T>();
+  const T* k_data = k.data_ptr<T>();
+  const T* v_data = v.data_ptr<T>();
+  T* output_data = output.data_ptr<T>();
+  const int64_t head_size = tokens * head_dim;
+  // Element offset of (item b, head h) in a [B, H, N, d] tensor.
+  auto head_offset = [](const at::Tensor& tensor, int64_t b, int64_t h) {
+    return b * tensor.stride(0) + h * tensor.stride(1);
+  };
+  at::parallel_for(0, batch * heads, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
+    HeadWorkspace<T> workspace;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / heads, h = task % heads;
+      const int64_t expert_count = landmarks[b].size(1);
+      HeadProblem<T> problem{q_data + head_offset(q, b, h),
+                             k_data + head_offset(k, b, h),
+                             v_data + head_offset(v, b, h),
+                             landmarks[b].data_ptr<T>() + h * expert_count * head_dim,
+                             output_data + task * head_size,
+                             q.stride(2),
+                             k.stride(2),
+                             v.stride(2),
+                             tokens,
+                             head_dim,
+                             expert_count,
+                             items[b].expert_width,
+                             options.include_shared_expert};
+      MitaHead(problem, workspace, &counts[task],
+               options.routing != nullptr ? &(*options.routing)[task] : nullptr);
+    }
+  });
+
+  if (statistics != nullptr) {
+    statistics->resize(batch);
+    for (int64_t b = 0; b < batch; ++b) {
+      (*statistics)[b] = AverageOverHeads(absl::MakeConstSpan(counts).subspan(b * heads, heads), tokens);
+    }
+  }
+  return output;
+}
+
+}  // namespace
+
+at::Tensor MitaAttentionCpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            absl::Span<const MitaItem> items, std::vector<MitaItemStatistics>* statistics,
+                            const MitaForwardOptions& options) {
+  if (q.scalar_type() == at::kDouble) return MitaAttentionCpuTyped<double>(q, k, v, items, statistics, options);
+  return MitaAttentionCpuTyped<float>(q, k, v, items, statistics, options);
+}
+
+}  // namespace mita::kernels::internal

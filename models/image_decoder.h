@@ -26,17 +26,25 @@ struct DecodedImage {
   std::vector<uint8_t> pixels;  // width * height * channels bytes
 };
 
-// Decodes PNG or JPEG bytes (detected by signature) to `channels` (1 or 3) 8-bit channels:
-// palette, alpha (composited over white... see image_decoder.cc for the exact rule), 16-bit, grayscale and
-// CMYK inputs are converted. EXIF orientation is not applied (documented in the README).
-// Errors: INVALID_ARGUMENT for empty input, an unknown format, a declared size over the limits (names the
-// limit), or any decoder error or warning (truncated or corrupt data is an error, never a grey-filled image).
+// Decodes PNG or JPEG bytes (detected by signature) to `channels` (1 or 3) 8-bit channels. Palette, sub-8-bit
+// and 16-bit samples (rounded to 8 bits), alpha (composited over BLACK, the Fashion-MNIST background),
+// grayscale (replicated to RGB), RGB (to gray by ITU-R BT.601 luma) and CMYK/YCCK JPEG (Adobe inverted
+// convention) inputs are converted; image_decoder.cc documents each rule. No colour management or gamma
+// correction; EXIF orientation is not applied (documented in the README). The declared width x height is
+// checked against `limits` before any pixel buffer is allocated (for PNG straight from the IHDR bytes).
+// Every libpng/libjpeg warning is an error.
+// Errors: INVALID_ARGUMENT for empty input, an unknown format, `channels` not 1 or 3, a declared size over the
+// limits (the message gives the size and the limits), or any decoder error or warning (truncated or corrupt
+// data is an error, never a grey-filled image); RESOURCE_EXHAUSTED when a decoder cannot be created.
 absl::StatusOr<DecodedImage> DecodeImage(std::string_view bytes, int64_t channels, const ImageDecodeLimits& limits);
 
-// Converts a decoded image to the model input [C, image_size, image_size] float32: resized when its size
-// differs (area averaging when shrinking, bilinear when enlarging), scaled to [0, 1], then normalised with
-// the config's per-channel mean and std. Errors: INVALID_ARGUMENT when the channel count differs from the
-// config's in_channels.
+// Converts a decoded image to the model input [C, image_size, image_size] float32 (C = in_channels), CPU.
+// Each axis longer than image_size is shrunk by area averaging (at::adaptive_avg_pool2d: exact box means for
+// integer ratios, windows [floor(i*L/T), ceil((i+1)*L/T)) otherwise); each shorter axis is then enlarged
+// bilinearly (at::upsample_bilinear2d, align_corners = false: half-pixel centres, as PIL and OpenCV). A
+// non-square image is stretched, not cropped. Then x = (pixel / 255 - mean[c]) / std[c].
+// Errors: INVALID_ARGUMENT when the channel count differs from the config's in_channels or the pixel buffer
+// does not hold width x height x channels bytes; INTERNAL if ATen fails.
 absl::StatusOr<at::Tensor> PreprocessImage(const DecodedImage& image, const VitConfig& config);
 
 }  // namespace mita::models

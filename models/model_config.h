@@ -52,14 +52,24 @@ struct VitConfig {
   int64_t head_dim() const { return embed_dim / num_heads; }
 };
 
-// Parses and validates config.json text. Errors: INVALID_ARGUMENT naming the field that is missing, of the
-// wrong type or out of range (e.g. "config.json: patch_size 5 does not divide image_size 28"); the default
-// budget and the presets are checked against the allowed ranges (expert count a perfect square P*P with
-// 1 <= P <= grid side, expert width in [1, tokens]).
+// Parses and validates config.json text. Required: architecture ("mita_vit"), image_size, patch_size (divides
+// image_size), in_channels (1 or 3), embed_dim, depth, num_heads (divides embed_dim), mlp_hidden_dim,
+// num_classes, normalization.mean and .std (in_channels numbers each, std > 0), attention.type ("mita"),
+// attention.default_budget. Optional: task ("image_classification"), layer_norm_eps (> 0, default 1e-6),
+// attention.depthwise_conv (default false), attention.presets (name -> budget), max_image_side (default 4096).
+// Integers must be JSON integers (28.0 is rejected). A budget object is {"expert_count": m, "expert_width": k}
+// or {"full_attention": true}. Unknown fields are ignored (forward compatibility).
+// Errors: INVALID_ARGUMENT, prefixed "config.json: ", naming the field that is missing, of the wrong type or out
+// of range (e.g. "config.json: patch_size 5 does not divide image_size 28"); the default budget and the presets
+// are checked against the allowed ranges (expert count a perfect square P*P with 1 <= P <= grid side, expert
+// width in [1, tokens]), e.g. "config.json: attention.presets.fast.expert_count 10 is not allowed: use one of
+// 1, 4, 9, 16, 25, 36, 49".
 absl::StatusOr<VitConfig> ParseVitConfig(std::string_view json_text);
 
-// Checks a budget against the model's ranges. Errors: INVALID_ARGUMENT naming the field and the allowed
-// range, e.g. "budget.experts.expert_count 10 is not allowed: use one of 1, 4, 9, 16, 25, 36, 49".
+// Checks a budget against the model's ranges (a full-attention budget is always valid). Errors:
+// INVALID_ARGUMENT naming the proto field and the allowed values, e.g. "budget.experts.expert_count 10 is not
+// allowed: use one of 1, 4, 9, 16, 25, 36, 49" or "budget.experts.expert_width 51 is out of range: allowed
+// [1, 50]".
 absl::Status ValidateBudget(const VitConfig& config, const AttentionBudget& budget);
 
 // Expert counts an image model accepts: P*P for P in 1 .. grid side.

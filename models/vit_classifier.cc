@@ -1,1 +1,281 @@
-// (being written)
+// MiTA-ViT forward (see vit_classifier.h). The training twin is tools/mita_reference.py (MitaVit); both follow
+// shared/DESIGN.md section 2 and must agree to float32 rounding.
+#include "models/vit_classifier.h"
+
+#include <cmath>
+#include <utility>
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/conv2d.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/layer_norm.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/tensor.h>
+#include <c10/core/InferenceMode.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace mita::models {
+
+struct VitClassifier::Block {
+  at::Tensor norm1_weight, norm1_bias;
+  at::Tensor qkv_weight, qkv_bias;      // [3C, C], [3C]
+  at::Tensor proj_weight, proj_bias;    // [C, C], [C]
+  at::Tensor dwc_weight, dwc_bias;      // [C, 1, 3, 3], [C]; undefined without DWC
+  at::Tensor norm2_weight, norm2_bias;
+  at::Tensor fc1_weight, fc1_bias;      // [hidden, C], [hidden]
+  at::Tensor fc2_weight, fc2_bias;      // [C, hidden], [C]
+};
+
+namespace {
+
+// A kernel rejecting inputs validated here is a fault of this code, not of the request.
+absl::Status KernelFault(const absl::Status& status) {
+  return absl::InternalError(absl::StrCat("attention kernel: ", status.message()));
+}
+
+std::string ShapeString(at::IntArrayRef shape) { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
+
+// Takes the tensor `name` out of `weights` after checking its shape; float32, contiguous, CPU.
+absl::Status TakeWeight(std::map<std::string, at::Tensor>& weights, const std::string& name,
+                        std::vector<int64_t> expected_shape, at::Tensor& target) {
+  auto it = weights.find(name);
+  if (it == weights.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weights: missing tensor \"", name, "\" (expected shape ", ShapeString(expected_shape), ")"));
+  }
+  const at::Tensor& tensor = it->second;
+  if (!tensor.defined() || tensor.sizes() != at::IntArrayRef(expected_shape)) {
+    return absl::InvalidArgumentError(absl::StrCat("weights: tensor \"", name, "\" has shape ",
+                                                   tensor.defined() ? ShapeString(tensor.sizes()) : "(undefined)",
+                                                   ", expected ", ShapeString(expected_shape)));
+  }
+  if (tensor.scalar_type() != at::kFloat || !tensor.device().is_cpu()) {
+    return absl::InvalidArgumentError(absl::StrCat("weights: tensor \"", name, "\" must be float32 on the CPU"));
+  }
+  target = tensor.contiguous();
+  weights.erase(it);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+VitClassifier::VitClassifier(VitConfig config) : config_(std::move(config)) {}
+VitClassifier::~VitClassifier() = default;
+
+absl::StatusOr<std::unique_ptr<VitClassifier>> VitClassifier::Create(const VitConfig& config,
+                                                                     std::map<std::string, at::Tensor> weights) {
+  if (config.embed_dim <= 0 || config.num_heads <= 0 || config.embed_dim % config.num_heads != 0 ||
+      config.patch_size <= 0 || config.image_size % config.patch_size != 0 || config.depth <= 0) {
+    return absl::InvalidArgumentError("config: inconsistent model dimensions (use ParseVitConfig)");
+  }
+  const int64_t channels = config.embed_dim;
+  const int64_t hidden = config.mlp_hidden_dim;
+  std::unique_ptr<VitClassifier> model(new VitClassifier(config));
+  absl::Status status;
+  auto take = [&](const std::string& name, std::vector<int64_t> shape, at::Tensor& target) {
+    if (status.ok()) status = TakeWeight(weights, name, std::move(shape), target);
+  };
+  take("patch_embed.proj.weight", {channels, config.in_channels, config.patch_size, config.patch_size},
+       model->patch_weight_);
+  take("patch_embed.proj.bias", {channels}, model->patch_bias_);
+  take("cls_token", {1, 1, channels}, model->cls_token_);
+  take("pos_embed", {1, config.tokens(), channels}, model->pos_embed_);
+  model->blocks_.resize(config.depth);
+  for (int64_t i = 0; i < config.depth; ++i) {
+    Block& block = model->blocks_[i];
+    const std::string prefix = absl::StrCat("blocks.", i, ".");
+    take(prefix + "norm1.weight", {channels}, block.norm1_weight);
+    take(prefix + "norm1.bias", {channels}, block.norm1_bias);
+    take(prefix + "attn.qkv.weight", {3 * channels, channels}, block.qkv_weight);
+    take(prefix + "attn.qkv.bias", {3 * channels}, block.qkv_bias);
+    take(prefix + "attn.proj.weight", {channels, channels}, block.proj_weight);
+    take(prefix + "attn.proj.bias", {channels}, block.proj_bias);
+    if (config.depthwise_conv) {
+      take(prefix + "attn.dwc.weight", {channels, 1, 3, 3}, block.dwc_weight);
+      take(prefix + "attn.dwc.bias", {channels}, block.dwc_bias);
+    }
+    take(prefix + "norm2.weight", {channels}, block.norm2_weight);
+    take(prefix + "norm2.bias", {channels}, block.norm2_bias);
+    take(prefix + "mlp.fc1.weight", {hidden, channels}, block.fc1_weight);
+    take(prefix + "mlp.fc1.bias", {hidden}, block.fc1_bias);
+    take(prefix + "mlp.fc2.weight", {channels, hidden}, block.fc2_weight);
+    take(prefix + "mlp.fc2.bias", {channels}, block.fc2_bias);
+  }
+  take("norm.weight", {channels}, model->norm_weight_);
+  take("norm.bias", {channels}, model->norm_bias_);
+  take("head.weight", {config.num_classes, channels}, model->head_weight_);
+  take("head.bias", {config.num_classes}, model->head_bias_);
+  if (!status.ok()) return status;
+  if (!weights.empty()) {
+    std::vector<std::string> extra;
+    for (const auto& [name, tensor] : weights) extra.push_back(name);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weights: unexpected tensor", extra.size() > 1 ? "s " : " ", "\"", absl::StrJoin(extra, "\", \""), "\"",
+        config.depthwise_conv ? "" : " (attention.depthwise_conv is false: DWC weights are not expected)"));
+  }
+  return model;
+}
+
+absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images,
+                                                        absl::Span<const AttentionBudget> budgets,
+                                                        bool want_statistics, kernels::MitaBackend backend) const {
+  const int64_t side = config_.image_size;
+  if (!images.defined() || images.dim() != 4 || images.size(0) < 1 || images.size(1) != config_.in_channels ||
+      images.size(2) != side || images.size(3) != side) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "images: shape ", images.defined() ? ShapeString(images.sizes()) : "(undefined)", ", expected [B >= 1, ",
+        config_.in_channels, ", ", side, ", ", side, "]"));
+  }
+  if (images.scalar_type() != at::kFloat || !images.device().is_cpu()) {
+    return absl::InvalidArgumentError("images: must be float32 on the CPU");
+  }
+  const int64_t batch = images.size(0);
+  if (static_cast<int64_t>(budgets.size()) != batch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("budgets: ", budgets.size(), " entries for a batch of ", batch, " images"));
+  }
+  for (const AttentionBudget& budget : budgets) {
+    if (absl::Status status = ValidateBudget(config_, budget); !status.ok()) return status;
+  }
+
+  // Items grouped by attention kind and pool side P (landmarks are computed per group, one ImageLandmarks call).
+  std::vector<int64_t> full_items, mita_items;
+  std::map<int64_t, std::vector<int64_t>> mita_items_by_side;  // P -> positions in mita_items
+  for (int64_t b = 0; b < batch; ++b) {
+    if (budgets[b].full_attention) {
+      full_items.push_back(b);
+    } else {
+      const auto pool_side = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(budgets[b].expert_count))));
+      mita_items_by_side[pool_side].push_back(static_cast<int64_t>(mita_items.size()));
+      mita_items.push_back(b);
+    }
+  }
+
+  const int64_t tokens = config_.tokens();
+  const int64_t channels = config_.embed_dim;
+  const int64_t heads = config_.num_heads;
+  const int64_t head_dim = config_.head_dim();
+  const int64_t grid = config_.grid_side();
+  ClassifierOutput output;
+  output.statistics.resize(batch);
+  at::Tensor logits;
+
+  try {
+    c10::InferenceMode inference_mode;
+    auto index_tensor = [](const std::vector<int64_t>& values) {
+      return at::tensor(values, at::TensorOptions().dtype(at::kLong));
+    };
+    const at::Tensor full_index = index_tensor(full_items);
+    const at::Tensor mita_index = index_tensor(mita_items);
+    const bool all_mita = full_items.empty();
+    const bool all_full = mita_items.empty();
+
+    // Patch embedding: [B, C_in, side, side] -> [B, S*S, C]; prepend cls; add positions -> [B, N, C].
+    at::Tensor x = at::conv2d(images, patch_weight_, patch_bias_, /*stride=*/{config_.patch_size, config_.patch_size})
+                       .flatten(2)
+                       .transpose(1, 2);
+    x = at::cat({cls_token_.expand({batch, 1, channels}), x}, 1).add(pos_embed_);
+
+    for (size_t layer = 0; layer < blocks_.size(); ++layer) {
+      const Block& block = blocks_[layer];
+      const at::Tensor normed = at::layer_norm(x, {channels}, block.norm1_weight, block.norm1_bias,
+                                               config_.layer_norm_eps);
+      // [B, N, 3C] -> [B, N, 3, H, d] -> [3, B, H, N, d]: channels ordered [q | k | v], head h owns h*d .. h*d+d-1.
+      const at::Tensor qkv = at::linear(normed, block.qkv_weight, block.qkv_bias)
+                                 .reshape({batch, tokens, 3, heads, head_dim})
+                                 .permute({2, 0, 3, 1, 4});
+      const at::Tensor q = qkv[0].contiguous();
+      const at::Tensor k = qkv[1].contiguous();
+      const at::Tensor v = qkv[2].contiguous();
+
+      // Attention per item: MiTA items in one kernel call (each with its own landmarks and width), full-attention
+      // items in another. attention: [B, H, N, d].
+      at::Tensor attention;
+      at::Tensor mita_output, full_output;
+      if (!all_full) {
+        const at::Tensor q_mita = all_mita ? q : q.index_select(0, mita_index);
+        const at::Tensor k_mita = all_mita ? k : k.index_select(0, mita_index);
+        const at::Tensor v_mita = all_mita ? v : v.index_select(0, mita_index);
+        std::vector<kernels::MitaItem> items(mita_items.size());
+        for (const auto& [pool_side, positions] : mita_items_by_side) {
+          const bool whole = positions.size() == mita_items.size();
+          const at::Tensor q_group = whole ? q_mita : q_mita.index_select(0, index_tensor(positions));
+          absl::StatusOr<at::Tensor> landmarks = kernels::ImageLandmarks(q_group, pool_side);  // [b, H, P*P, d]
+          if (!landmarks.ok()) return KernelFault(landmarks.status());
+          for (size_t j = 0; j < positions.size(); ++j) {
+            kernels::MitaItem& item = items[positions[j]];
+            item.landmarks = (*landmarks)[static_cast<int64_t>(j)];
+            item.expert_width = budgets[mita_items[positions[j]]].expert_width;
+          }
+        }
+        std::vector<kernels::MitaItemStatistics> statistics;
+        absl::StatusOr<at::Tensor> result = kernels::MitaAttentionForward(
+            q_mita, k_mita, v_mita, items, want_statistics ? &statistics : nullptr, backend);
+        if (!result.ok()) return KernelFault(result.status());
+        mita_output = *std::move(result);
+        if (want_statistics) {
+          for (size_t j = 0; j < mita_items.size() && j < statistics.size(); ++j) {
+            output.statistics[mita_items[j]].push_back(std::move(statistics[j]));
+          }
+        }
+      }
+      if (!all_mita) {
+        absl::StatusOr<at::Tensor> result =
+            kernels::FullAttentionForward(all_full ? q : q.index_select(0, full_index),
+                                          all_full ? k : k.index_select(0, full_index),
+                                          all_full ? v : v.index_select(0, full_index));
+        if (!result.ok()) return KernelFault(result.status());
+        full_output = *std::move(result);
+      }
+      if (all_full) {
+        attention = full_output;
+      } else if (all_mita) {
+        attention = mita_output;
+      } else {
+        attention = at::empty({batch, heads, tokens, head_dim}, q.options());
+        attention.index_copy_(0, mita_index, mita_output);
+        attention.index_copy_(0, full_index, full_output);
+      }
+
+      // Merge heads: [B, H, N, d] -> [B, N, C] (a fresh tensor: the DWC term is added in place below).
+      at::Tensor merged = attention.transpose(1, 2).reshape({batch, tokens, channels}).clone();
+      if (config_.depthwise_conv) {
+        // DWC: v of the patch tokens 1 .. N-1, heads merged, on the S x S grid (token t = 1 + r*S + c):
+        // [B, H, N-1, d] -> [B, N-1, C] -> [B, C, S, S]; depthwise 3x3 conv, zero padding 1; added to the
+        // attention output of the same tokens before proj.
+        const at::Tensor v_grid = v.narrow(2, 1, tokens - 1)
+                                      .transpose(1, 2)
+                                      .reshape({batch, grid, grid, channels})
+                                      .permute({0, 3, 1, 2});
+        const at::Tensor local = at::conv2d(v_grid, block.dwc_weight, block.dwc_bias, /*stride=*/{1, 1},
+                                            /*padding=*/{1, 1}, /*dilation=*/{1, 1}, /*groups=*/channels)
+                                     .permute({0, 2, 3, 1})
+                                     .reshape({batch, tokens - 1, channels});
+        merged.narrow(1, 1, tokens - 1).add_(local);
+      }
+      x = x.add(at::linear(merged, block.proj_weight, block.proj_bias));
+      const at::Tensor normed2 = at::layer_norm(x, {channels}, block.norm2_weight, block.norm2_bias,
+                                                config_.layer_norm_eps);
+      const at::Tensor hidden = at::gelu(at::linear(normed2, block.fc1_weight, block.fc1_bias), "none");
+      x = x.add(at::linear(hidden, block.fc2_weight, block.fc2_bias));
+    }
+    // LayerNorm is per token, so normalising only the cls token equals norm(x)[:, 0].
+    const at::Tensor cls = at::layer_norm(x.select(1, 0), {channels}, norm_weight_, norm_bias_, config_.layer_norm_eps);
+    logits = at::linear(cls, head_weight_, head_bias_);
+  } catch (const c10::Error& error) {
+    return absl::InternalError(absl::StrCat("classifier forward failed: ", error.what_without_backtrace()));
+  }
+  try {
+    // A normal (not inference-mode) tensor, so callers may modify it in place outside InferenceMode.
+    output.logits = logits.clone();
+  } catch (const c10::Error& error) {
+    return absl::InternalError(absl::StrCat("classifier forward failed: ", error.what_without_backtrace()));
+  }
+  return output;
+}
+
+}  // namespace mita::models

@@ -19,7 +19,7 @@ namespace mita::models {
 struct ClassifierOutput {
   // Class logits [B, num_classes], float32.
   at::Tensor logits;
-  // statistics[b][layer] for item b when requested and item b ran MiTA; empty otherwise.
+  // B entries: statistics[b][layer] for item b when requested and item b ran MiTA; statistics[b] empty otherwise.
   std::vector<std::vector<kernels::MitaItemStatistics>> statistics;
 };
 
@@ -34,13 +34,19 @@ class VitClassifier {
   // pos_embed, blocks.{i}.norm1.{weight,bias}, blocks.{i}.attn.qkv.{weight,bias}, blocks.{i}.attn.proj.{weight,
   // bias}, blocks.{i}.attn.dwc.{weight,bias} (DWC only), blocks.{i}.norm2, blocks.{i}.mlp.fc1, blocks.{i}.mlp.fc2,
   // norm, head. Errors: INVALID_ARGUMENT naming a missing tensor or one whose shape disagrees with the config
-  // (expected and found shapes in the message); unexpected extra tensors are an error too.
+  // (expected and found shapes in the message) or that is not float32 on the CPU; unexpected extra tensors are an
+  // error too (e.g. DWC weights in a package whose config has depthwise_conv false).
   static absl::StatusOr<std::unique_ptr<VitClassifier>> Create(const VitConfig& config,
                                                                std::map<std::string, at::Tensor> weights);
 
-  // images: [B, in_channels, image_size, image_size] float32 (PreprocessImage output, stacked).
-  // budgets: B entries, each already valid (ValidateBudget); items may differ.
-  // Errors: INVALID_ARGUMENT for a wrong image shape or an invalid budget.
+  // images: [B, in_channels, image_size, image_size] float32 on the CPU (PreprocessImage output, stacked).
+  // budgets: B entries, each valid (ValidateBudget, checked again here); items may differ. Item b runs MiTA
+  // with P = sqrt(expert_count) landmarks per side and expert_width keys per expert, or full softmax attention.
+  // The result for an item does not depend on the other items of the batch (up to float rounding).
+  // Runs under c10::InferenceMode; the returned logits are ordinary tensors. Thread-safe (const, no state).
+  // statistics: resized to B; statistics[b] holds one entry per layer when want_statistics and item b ran MiTA.
+  // Errors: INVALID_ARGUMENT for a wrong image shape, dtype or device, a budget count != B or an invalid budget;
+  // INTERNAL when ATen or a kernel fails on validated input.
   absl::StatusOr<ClassifierOutput> Forward(const at::Tensor& images, absl::Span<const AttentionBudget> budgets,
                                            bool want_statistics,
                                            kernels::MitaBackend backend = kernels::MitaBackend::kAuto) const;

@@ -25,6 +25,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -58,20 +59,18 @@ struct BatcherOptions {
 inline absl::Status ValidateBatcherOptions(const BatcherOptions& options) {
   if (options.max_batch_size < 1) {
     return absl::InvalidArgumentError(
-        absl::StrCat("max_batch_size ", options.max_batch_size, " must be >= 1 (", options.max_batch_size_source,
-                     ")"));
+        absl::StrCat("max_batch_size ", options.max_batch_size, " must be >= 1 (", options.max_batch_size_source, ")"));
   }
   if (options.queue_capacity < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("queue_capacity ", options.queue_capacity, " must be >= 1 (",
-                                                   options.queue_capacity_source, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("queue_capacity ", options.queue_capacity, " must be >= 1 (", options.queue_capacity_source, ")"));
   }
   if (options.max_queue_delay < absl::ZeroDuration() || options.max_queue_delay == absl::InfiniteDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat("max_queue_delay ", absl::FormatDuration(options.max_queue_delay),
-                                                   " must be finite and >= 0"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_queue_delay ", absl::FormatDuration(options.max_queue_delay), " must be finite and >= 0"));
   }
   if (options.num_batch_threads < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_batch_threads ", options.num_batch_threads, " must be >= 1"));
+    return absl::InvalidArgumentError(absl::StrCat("num_batch_threads ", options.num_batch_threads, " must be >= 1"));
   }
   return absl::OkStatus();
 }
@@ -125,10 +124,10 @@ class BatchQueue {
                                                      ")"));
     }
     if (queued_units_ + size > options_.queue_capacity) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "queue is full: ", queued_units_, " of ", options_.queue_capacity, " queued units",
-          size > 1 ? absl::StrCat(", the task needs ", size) : std::string(), " (", options_.queue_capacity_source,
-          ")"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("queue is full: ", queued_units_, " of ", options_.queue_capacity, " queued units",
+                       size > 1 ? absl::StrCat(", the task needs ", size) : std::string(), " (",
+                       options_.queue_capacity_source, ")"));
     }
     entries_.push_back(Entry{std::move(*task), size, now});
     queued_units_ += size;
@@ -234,7 +233,7 @@ class DynamicBatcher {
   // capacity); INVALID_ARGUMENT for a null task or a bad size (see BatchQueue::Enqueue).
   absl::Status Submit(std::unique_ptr<Task>* task) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
-    if (stopping_) return absl::UnavailableError("the server is shutting down and accepts no new work");
+    if (stopping_) return absl::UnavailableError("shutting down: no new work is accepted");
     const int64_t units = (task != nullptr && *task != nullptr) ? (*task)->size() : 0;
     absl::Status status = queue_.Enqueue(task, clock_->Now());
     if (!status.ok()) return status;
@@ -268,15 +267,19 @@ class DynamicBatcher {
     absl::MutexLock lock(&mu_);
     return queue_.num_queued_tasks();
   }
-  const BatcherOptions& options() const { return queue_.options(); }
+  const BatcherOptions& options() const { return options_; }
 
  private:
   DynamicBatcher(BatcherOptions options, ProcessBatchFn process, const Clock* clock, QueueDepthListener listener)
-      : queue_(std::move(options)), process_(std::move(process)), clock_(clock), listener_(std::move(listener)) {}
+      : options_(options),
+        queue_(std::move(options)),
+        process_(std::move(process)),
+        clock_(clock),
+        listener_(std::move(listener)) {}
 
   void Start() ABSL_LOCKS_EXCLUDED(join_mu_) {
     absl::MutexLock join_lock(&join_mu_);
-    for (int i = 0; i < queue_.options().num_batch_threads; ++i) threads_.emplace_back([this] { Run(); });
+    for (int i = 0; i < options_.num_batch_threads; ++i) threads_.emplace_back([this] { Run(); });
   }
 
   void ReportDepthChange(int64_t tasks_delta, int64_t units_delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -310,6 +313,7 @@ class DynamicBatcher {
     mu_.Unlock();
   }
 
+  const BatcherOptions options_;
   mutable absl::Mutex mu_;
   absl::CondVar cv_;
   BatchQueue<Task> queue_ ABSL_GUARDED_BY(mu_);

@@ -1,1 +1,435 @@
-// (being written)
+#include "server/classify_service.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/stack.h>
+#include <c10/core/InferenceMode.h>
+
+#include <algorithm>
+#include <chrono>
+#include <exception>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/notification.h"
+#include "kernels/mita_attention.h"
+#include "models/image_decoder.h"
+#include "models/vit_classifier.h"
+#include "server/grpc_status.h"
+
+namespace mita::server {
+namespace {
+
+constexpr int64_t kDefaultTopN = 5;
+
+// A request value echoed in an error message: at most 64 bytes of it.
+std::string Echo(const std::string& value) {
+  constexpr size_t kMax = 64;
+  return value.size() > kMax ? absl::StrCat(value.substr(0, kMax), "...") : value;
+}
+
+int64_t Microseconds(absl::Duration duration) { return absl::ToInt64Microseconds(duration); }
+
+// Decodes and preprocesses a request's image. Errors: INVALID_ARGUMENT "field image: ..." for anything wrong
+// with the bytes (the decoder's own errors, and any exception it throws, since the bytes are user input).
+absl::StatusOr<at::Tensor> DecodeAndPreprocess(const std::string& bytes, const models::VitConfig& config) {
+  models::ImageDecodeLimits limits;
+  limits.max_width = config.max_image_side;
+  limits.max_height = config.max_image_side;
+  try {
+    absl::StatusOr<models::DecodedImage> decoded = models::DecodeImage(bytes, config.in_channels, limits);
+    if (!decoded.ok()) {
+      const absl::StatusCode code = decoded.status().code();
+      return absl::Status(code == absl::StatusCode::kInternal || code == absl::StatusCode::kUnknown
+                              ? absl::StatusCode::kInvalidArgument
+                              : code,
+                          absl::StrCat("field image: ", decoded.status().message()));
+    }
+    absl::StatusOr<at::Tensor> image = models::PreprocessImage(*decoded, config);
+    if (!image.ok()) {
+      return absl::Status(image.status().code(), absl::StrCat("field image: ", image.status().message()));
+    }
+    return image;
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("field image: cannot decode: ", e.what()));
+  }
+}
+
+absl::Time DeadlineOf(const grpc::ServerContext& context) {
+  const std::chrono::system_clock::time_point deadline = context.deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(deadline);
+}
+
+}  // namespace
+
+// One Classify request, queued in a model's batcher. The handler that submitted it owns `result` and waits
+// on it, so every pointer here outlives the task.
+struct ClassifyService::Task {
+  at::Tensor image;  // [C, H, W] float32, preprocessed
+  models::AttentionBudget budget;
+  int64_t top_n = kDefaultTopN;
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> cancelled;
+  TaskResult* result = nullptr;
+
+  // Batch units: one per request.
+  int64_t size() const { return 1; }
+};
+
+// What the batch thread hands back to the waiting handler.
+struct ClassifyService::TaskResult {
+  absl::Status status;
+  std::vector<std::pair<int64_t, float>> classes;       // (index, probability), best first
+  std::vector<kernels::MitaItemStatistics> statistics;  // per layer; empty under full attention
+  absl::Duration queue_delay;
+  absl::Duration compute;
+  int64_t batch_size = 0;
+  absl::Notification done;
+};
+
+absl::StatusOr<ResolvedBudget> ResolveBudget(const models::VitConfig& config, const v1::ClassifyRequest& request) {
+  const v1::Budget& budget = request.budget();
+  switch (budget.choice_case()) {
+    case v1::Budget::CHOICE_NOT_SET:
+      return ResolvedBudget{config.default_budget, "default"};
+    case v1::Budget::kPreset: {
+      auto it = config.presets.find(budget.preset());
+      if (it == config.presets.end()) {
+        std::vector<std::string> names;
+        for (const auto& [name, preset] : config.presets) names.push_back(name);
+        return absl::InvalidArgumentError(
+            absl::StrCat("field budget.preset: unknown preset '", Echo(budget.preset()), "'; available: ",
+                         names.empty() ? std::string("none (use budget.experts or budget.full_attention)")
+                                       : absl::StrJoin(names, ", ")));
+      }
+      return ResolvedBudget{it->second, it->first};
+    }
+    case v1::Budget::kExperts: {
+      models::AttentionBudget resolved;
+      resolved.expert_count = budget.experts().expert_count();
+      resolved.expert_width = budget.experts().expert_width();
+      if (absl::Status status = models::ValidateBudget(config, resolved); !status.ok()) {
+        // ValidateBudget names the field and the range; keep its code unless it is not a user error code.
+        if (status.code() == absl::StatusCode::kInvalidArgument) return status;
+        return absl::InvalidArgumentError(status.message());
+      }
+      return ResolvedBudget{resolved, ""};
+    }
+    case v1::Budget::kFullAttention: {
+      models::AttentionBudget resolved;
+      resolved.full_attention = true;
+      return ResolvedBudget{resolved, ""};
+    }
+  }
+  return absl::InvalidArgumentError("field budget: unknown budget choice");
+}
+
+absl::StatusOr<int64_t> ResolveTopN(int64_t top_n, int64_t num_classes) {
+  const int64_t default_top_n = std::min(kDefaultTopN, num_classes);
+  if (top_n == 0) return default_top_n;
+  if (top_n < 0 || top_n > num_classes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("field top_n: ", top_n, " is out of range [0, ", num_classes, "] (0 means ", default_top_n, ")"));
+  }
+  return top_n;
+}
+
+v1::ModelMetadata BuildModelMetadata(const models::ModelPackage& package, int64_t max_encoded_image_bytes) {
+  const models::VitConfig& config = package.config;
+  v1::ModelMetadata metadata;
+  metadata.set_name(package.name);
+  metadata.set_architecture(config.architecture);
+  metadata.set_input_kind(v1::INPUT_KIND_IMAGE);
+  v1::ImageLimits* image = metadata.mutable_image_limits();
+  image->set_width(static_cast<int32_t>(config.image_size));
+  image->set_height(static_cast<int32_t>(config.image_size));
+  image->set_channels(static_cast<int32_t>(config.in_channels));
+  image->set_max_width(static_cast<int32_t>(config.max_image_side));
+  image->set_max_height(static_cast<int32_t>(config.max_image_side));
+  image->set_max_encoded_bytes(max_encoded_image_bytes);
+  for (const std::string& label : package.labels) metadata.add_labels(label);
+  v1::Knobs* knobs = metadata.mutable_knobs();
+  const std::vector<int64_t> counts = models::AllowedExpertCounts(config);
+  for (int64_t count : counts) knobs->add_allowed_expert_counts(count);
+  if (!counts.empty()) {
+    knobs->set_min_expert_count(*std::min_element(counts.begin(), counts.end()));
+    knobs->set_max_expert_count(*std::max_element(counts.begin(), counts.end()));
+  }
+  knobs->set_min_expert_width(1);
+  knobs->set_max_expert_width(config.tokens());
+  knobs->mutable_default_budget()->set_expert_count(config.default_budget.expert_count);
+  knobs->mutable_default_budget()->set_expert_width(config.default_budget.expert_width);
+  for (const auto& [name, preset] : config.presets) {
+    v1::NamedBudget* named = knobs->add_presets();
+    named->set_name(name);
+    named->mutable_budget()->set_expert_count(preset.expert_count);
+    named->mutable_budget()->set_expert_width(preset.expert_width);
+  }
+  knobs->set_full_attention_supported(true);
+  metadata.set_layers(static_cast<int32_t>(config.depth));
+  metadata.set_heads(static_cast<int32_t>(config.num_heads));
+  metadata.set_embed_dim(static_cast<int32_t>(config.embed_dim));
+  metadata.set_tokens_per_input(config.tokens());
+  return metadata;
+}
+
+absl::StatusOr<std::unique_ptr<ClassifyService>> ClassifyService::Create(const ModelRegistry* registry,
+                                                                         ServerMetrics* metrics, ServiceOptions options,
+                                                                         const Clock* clock) {
+  if (registry == nullptr || metrics == nullptr || clock == nullptr) {
+    return absl::InvalidArgumentError("registry, metrics and clock must be set");
+  }
+  if (absl::Status status = ValidateBatcherOptions(options.batching); !status.ok()) return status;
+  std::unique_ptr<ClassifyService> service(new ClassifyService(registry, metrics, std::move(options), clock));
+  for (const models::ModelPackage* package : registry->packages()) {
+    auto slot = std::make_unique<ModelSlot>();
+    slot->package = package;
+    slot->metrics = metrics->ForModel(package->name);
+    if (slot->metrics == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("metrics were not built for model '", package->name, "'"));
+    }
+    slot->metadata = BuildModelMetadata(*package, service->options_.max_encoded_image_bytes);
+    const ModelSlot* slot_ptr = slot.get();
+    ClassifyService* self = service.get();
+    absl::StatusOr<std::unique_ptr<DynamicBatcher<Task>>> batcher = DynamicBatcher<Task>::Create(
+        service->options_.batching,
+        [self, slot_ptr](Batch<Task> batch) { self->ProcessBatch(*slot_ptr, std::move(batch)); }, clock,
+        [metrics](const QueueDepthChange& change) { metrics->AddQueueDepth(change.tasks_delta); });
+    if (!batcher.ok()) return batcher.status();
+    slot->batcher = *std::move(batcher);
+    service->slots_.emplace(package->name, std::move(slot));
+  }
+  return service;
+}
+
+ClassifyService::ClassifyService(const ModelRegistry* registry, ServerMetrics* metrics, ServiceOptions options,
+                                 const Clock* clock)
+    : registry_(registry), metrics_(metrics), options_(std::move(options)), clock_(clock) {}
+
+ClassifyService::~ClassifyService() { Shutdown(); }
+
+void ClassifyService::Shutdown() {
+  for (auto& [name, slot] : slots_) {
+    if (slot->batcher != nullptr) slot->batcher->Shutdown();
+  }
+}
+
+grpc::Status ClassifyService::Classify(grpc::ServerContext* context, const v1::ClassifyRequest* request,
+                                       v1::ClassifyResponse* response) {
+  const absl::Time receipt = clock_->Now();
+  auto it = slots_.find(request->model());
+  if (it == slots_.end()) {
+    absl::Status status = registry_->Lookup(request->model()).status();
+    if (status.ok()) status = absl::InternalError("model registered without a batcher");
+    metrics_->CountRequest(RpcMethod::kClassify, nullptr, status.code());
+    return ToGrpcStatus(status);
+  }
+  const ModelSlot& slot = *it->second;
+  absl::StatusOr<v1::ClassifyResponse> result = absl::UnknownError("not run");
+  try {
+    result = DoClassify(slot, *request, DeadlineOf(*context), [context] { return context->IsCancelled(); });
+  } catch (const std::exception& e) {
+    // Never crash on a request; an exception here is a server fault.
+    result = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
+  }
+  metrics_->CountRequest(RpcMethod::kClassify, slot.metrics, result.status().code());
+  if (!result.ok()) return ToGrpcStatus(result.status());
+  *response = *std::move(result);
+  const absl::Duration total = clock_->Now() - receipt;
+  response->mutable_timing()->set_total_us(Microseconds(total));
+  slot.metrics->ObserveLatency(total);
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<v1::ClassifyResponse> ClassifyService::DoClassify(const ModelSlot& slot,
+                                                                 const v1::ClassifyRequest& request,
+                                                                 absl::Time deadline, std::function<bool()> cancelled) {
+  const models::ModelPackage& package = *slot.package;
+  const models::VitConfig& config = package.config;
+  // Input kind and the cheap checks first, so that a bad request costs no decoding.
+  if (request.input_case() != v1::ClassifyRequest::kImage) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "field input: model '", package.name, "' takes an image",
+        request.input_case() == v1::ClassifyRequest::kDocument ? ", not a document" : " and none was set"));
+  }
+  const std::string& bytes = request.image();
+  if (bytes.empty()) return absl::InvalidArgumentError("field image: empty");
+  if (static_cast<int64_t>(bytes.size()) > options_.max_encoded_image_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("field image: ", bytes.size(), " bytes is over the limit of ",
+                                                   options_.max_encoded_image_bytes, " bytes"));
+  }
+  absl::StatusOr<ResolvedBudget> budget = ResolveBudget(config, request);
+  if (!budget.ok()) return budget.status();
+  absl::StatusOr<int64_t> top_n = ResolveTopN(request.top_n(), config.num_classes);
+  if (!top_n.ok()) return top_n.status();
+  if (clock_->Now() >= deadline) {
+    return absl::DeadlineExceededError("the deadline passed before the request was queued; it was not run");
+  }
+
+  // Decode and preprocess here, in the handler thread: bad input fails before it is queued.
+  absl::StatusOr<at::Tensor> image = DecodeAndPreprocess(bytes, config);
+  if (!image.ok()) return image.status();
+
+  TaskResult result;
+  auto task = std::make_unique<Task>();
+  task->image = *std::move(image);
+  task->budget = budget->budget;
+  task->top_n = *top_n;
+  task->deadline = deadline;
+  task->cancelled = std::move(cancelled);
+  task->result = &result;
+  if (absl::Status status = slot.batcher->Submit(&task); !status.ok()) return status;
+  slot.metrics->ObserveBudget(budget->budget.full_attention, budget->budget.expert_count, budget->budget.expert_width);
+  result.done.WaitForNotification();
+  if (!result.status.ok()) return result.status;
+
+  v1::ClassifyResponse response;
+  response.set_model(package.name);
+  for (const auto& [index, score] : result.classes) {
+    v1::ClassScore* entry = response.add_classes();
+    entry->set_index(static_cast<int32_t>(index));
+    if (index >= 0 && index < static_cast<int64_t>(package.labels.size())) {
+      entry->set_label(package.labels[static_cast<size_t>(index)]);
+    }
+    entry->set_score(score);
+  }
+  v1::AppliedBudget* applied = response.mutable_budget();
+  applied->set_full_attention(budget->budget.full_attention);
+  if (!budget->budget.full_attention) {
+    applied->set_expert_count(budget->budget.expert_count);
+    applied->set_expert_width(budget->budget.expert_width);
+  }
+  applied->set_preset(budget->preset);
+  v1::Timing* timing = response.mutable_timing();
+  timing->set_queue_delay_us(Microseconds(result.queue_delay));
+  timing->set_compute_us(Microseconds(result.compute));
+  timing->set_batch_size(static_cast<int32_t>(result.batch_size));
+  response.set_token_count(config.tokens());
+  if (request.return_statistics()) {
+    for (size_t layer = 0; layer < result.statistics.size(); ++layer) {
+      const kernels::MitaItemStatistics& stats = result.statistics[layer];
+      v1::LayerStatistics* out = response.add_statistics();
+      out->set_layer(static_cast<int32_t>(layer));
+      for (double queries : stats.queries_per_expert) out->add_queries_per_expert(static_cast<float>(queries));
+      out->set_load_imbalance(static_cast<float>(stats.load_imbalance));
+      out->set_routing_entropy(static_cast<float>(stats.routing_entropy));
+      out->set_pruned_key_fraction(static_cast<float>(stats.pruned_key_fraction));
+      out->set_expert_overlap_fraction(static_cast<float>(stats.expert_overlap_fraction));
+    }
+  }
+  return response;
+}
+
+void ClassifyService::ProcessBatch(const ModelSlot& slot, Batch<Task> batch) {
+  const absl::Time start = clock_->Now();
+  auto complete = [](Task& task, absl::Status status) {
+    task.result->status = std::move(status);
+    task.result->done.Notify();
+  };
+  // Skip what nobody waits for any more, and what is already too late.
+  std::vector<Task*> runnable;
+  runnable.reserve(batch.tasks.size());
+  for (size_t i = 0; i < batch.tasks.size(); ++i) {
+    Task& task = *batch.tasks[i];
+    // The deadline first: gRPC also marks a call whose deadline passed as cancelled.
+    if (start >= task.deadline) {
+      complete(task, absl::DeadlineExceededError(
+                         absl::StrCat("the deadline passed after ", Microseconds(start - batch.enqueue_times[i]),
+                                      " us in the queue, before the request's batch started; it was not run")));
+    } else if (task.cancelled && task.cancelled()) {
+      complete(task, absl::CancelledError("the call was cancelled before its batch started; it was not run"));
+    } else {
+      task.result->queue_delay = start - batch.enqueue_times[i];
+      runnable.push_back(&task);
+    }
+  }
+  if (runnable.empty()) return;
+
+  const models::ModelPackage& package = *slot.package;
+  const int64_t batch_size = static_cast<int64_t>(runnable.size());
+  absl::Status failure;
+  try {
+    c10::InferenceMode inference_mode;
+    std::vector<at::Tensor> images;
+    std::vector<models::AttentionBudget> budgets;
+    int64_t max_top_n = 1;
+    images.reserve(runnable.size());
+    budgets.reserve(runnable.size());
+    for (Task* task : runnable) {
+      images.push_back(task->image);
+      budgets.push_back(task->budget);
+      max_top_n = std::max(max_top_n, task->top_n);
+    }
+    const at::Tensor stacked = at::stack(images, 0);
+    absl::StatusOr<models::ClassifierOutput> output =
+        package.model->Forward(stacked, budgets, /*want_statistics=*/true);
+    if (!output.ok()) {
+      // The requests were validated: a failing forward is a server fault, not the caller's.
+      failure = absl::InternalError(absl::StrCat("model '", package.name, "' failed: ", output.status().message()));
+    } else {
+      const at::Tensor probabilities = output->logits.to(at::kFloat).softmax(1);
+      const auto [values, indices] = probabilities.topk(std::min(max_top_n, probabilities.size(1)), 1);
+      const at::Tensor top_values = values.contiguous();
+      const at::Tensor top_indices = indices.contiguous();
+      const float* value_data = top_values.data_ptr<float>();
+      const int64_t* index_data = top_indices.data_ptr<int64_t>();
+      const int64_t columns = top_values.size(1);
+      const absl::Duration compute = clock_->Now() - start;
+      for (int64_t b = 0; b < batch_size; ++b) {
+        Task& task = *runnable[static_cast<size_t>(b)];
+        TaskResult& result = *task.result;
+        for (int64_t j = 0; j < std::min(task.top_n, columns); ++j) {
+          result.classes.emplace_back(index_data[b * columns + j], value_data[b * columns + j]);
+        }
+        if (static_cast<size_t>(b) < output->statistics.size()) {
+          result.statistics = std::move(output->statistics[static_cast<size_t>(b)]);
+        }
+        result.compute = compute;
+        result.batch_size = batch_size;
+      }
+    }
+  } catch (const std::exception& e) {
+    failure = absl::InternalError(absl::StrCat("model '", package.name, "' failed: ", e.what()));
+  }
+
+  slot.metrics->ObserveBatchSize(batch_size);
+  for (Task* task : runnable) {
+    TaskResult& result = *task->result;
+    if (failure.ok()) {
+      slot.metrics->ObserveQueueDelay(result.queue_delay);
+      slot.metrics->ObserveCompute(result.compute);
+      for (size_t layer = 0; layer < result.statistics.size(); ++layer) {
+        const kernels::MitaItemStatistics& stats = result.statistics[layer];
+        slot.metrics->ObserveLayer(static_cast<int64_t>(layer), stats.load_imbalance, stats.routing_entropy,
+                                   stats.pruned_key_fraction);
+      }
+      complete(*task, absl::OkStatus());
+    } else {
+      complete(*task, failure);
+    }
+  }
+}
+
+grpc::Status ClassifyService::ListModels(grpc::ServerContext* /*context*/, const v1::ListModelsRequest* /*request*/,
+                                         v1::ListModelsResponse* response) {
+  for (const auto& [name, slot] : slots_) *response->add_models() = slot->metadata;
+  metrics_->CountRequest(RpcMethod::kListModels, nullptr, absl::StatusCode::kOk);
+  return grpc::Status::OK;
+}
+
+grpc::Status ClassifyService::GetModel(grpc::ServerContext* /*context*/, const v1::GetModelRequest* request,
+                                       v1::ModelMetadata* response) {
+  auto it = slots_.find(request->name());
+  if (it == slots_.end()) {
+    absl::Status status = registry_->Lookup(request->name()).status();
+    if (status.ok()) status = absl::InternalError("model registered without metadata");
+    metrics_->CountRequest(RpcMethod::kGetModel, nullptr, status.code());
+    return ToGrpcStatus(status);
+  }
+  *response = it->second->metadata;
+  metrics_->CountRequest(RpcMethod::kGetModel, it->second->metrics, absl::StatusCode::kOk);
+  return grpc::Status::OK;
+}
+
+}  // namespace mita::server

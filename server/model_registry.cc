@@ -1,1 +1,93 @@
-// (being written)
+#include "server/model_registry.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <system_error>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace mita::server {
+
+absl::StatusOr<std::unique_ptr<ModelRegistry>> ModelRegistry::LoadFromDirectory(const std::string& repository) {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  if (!fs::is_directory(repository, error)) {
+    return absl::NotFoundError(absl::StrCat("model repository '", repository, "' is not a directory",
+                                            error ? absl::StrCat(": ", error.message()) : std::string()));
+  }
+  std::vector<std::string> folders;
+  fs::directory_iterator it(repository, error);
+  if (error) {
+    return absl::NotFoundError(absl::StrCat("cannot read model repository '", repository, "': ", error.message()));
+  }
+  for (; it != fs::directory_iterator(); it.increment(error)) {
+    if (error) break;
+    const std::string name = it->path().filename().string();
+    if (name.empty() || name[0] == '.') continue;
+    std::error_code type_error;
+    if (!it->is_directory(type_error)) continue;
+    folders.push_back(name);
+  }
+  if (error) {
+    return absl::NotFoundError(absl::StrCat("cannot read model repository '", repository, "': ", error.message()));
+  }
+  if (folders.empty()) {
+    return absl::NotFoundError(absl::StrCat("model repository '", repository, "' holds no model package folder"));
+  }
+  std::sort(folders.begin(), folders.end());
+  std::vector<models::ModelPackage> packages;
+  for (const std::string& folder : folders) {
+    const std::string directory = (fs::path(repository) / folder).string();
+    absl::StatusOr<models::ModelPackage> package = models::LoadModelPackage(directory);
+    if (!package.ok()) {
+      return absl::Status(package.status().code(),
+                          absl::StrCat("model package '", directory, "': ", package.status().message()));
+    }
+    package->name = folder;
+    packages.push_back(*std::move(package));
+  }
+  return FromPackages(std::move(packages));
+}
+
+absl::StatusOr<std::unique_ptr<ModelRegistry>> ModelRegistry::FromPackages(std::vector<models::ModelPackage> packages) {
+  std::unique_ptr<ModelRegistry> registry(new ModelRegistry());
+  for (models::ModelPackage& package : packages) {
+    if (package.name.empty()) return absl::InvalidArgumentError("model package without a name");
+    if (package.model == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("model package '", package.name, "' has no model"));
+    }
+    std::string name = package.name;
+    auto [it, inserted] = registry->packages_.emplace(name, std::make_unique<models::ModelPackage>(std::move(package)));
+    if (!inserted) return absl::InvalidArgumentError(absl::StrCat("duplicate model name '", name, "'"));
+  }
+  return registry;
+}
+
+absl::StatusOr<const models::ModelPackage*> ModelRegistry::Lookup(const std::string& name) const {
+  auto it = packages_.find(name);
+  if (it == packages_.end()) {
+    // The name comes from a request: echo at most 100 bytes of it.
+    constexpr size_t kMaxEcho = 100;
+    const std::string shown = name.size() > kMaxEcho ? absl::StrCat(name.substr(0, kMaxEcho), "...") : name;
+    return absl::NotFoundError(
+        absl::StrCat("model '", shown, "' not found; available: ", absl::StrJoin(names(), ", ")));
+  }
+  return it->second.get();
+}
+
+std::vector<std::string> ModelRegistry::names() const {
+  std::vector<std::string> result;
+  for (const auto& [name, package] : packages_) result.push_back(name);
+  return result;
+}
+
+std::vector<const models::ModelPackage*> ModelRegistry::packages() const {
+  std::vector<const models::ModelPackage*> result;
+  for (const auto& [name, package] : packages_) result.push_back(package.get());
+  return result;
+}
+
+}  // namespace mita::server

@@ -1,1 +1,381 @@
-// (being written)
+// Tests of the dynamic batcher: the batching policy (BatchQueue) with a manual clock and no sleeps, and the
+// threaded DynamicBatcher end to end without timing assertions.
+#include "server/batcher.h"
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/clock.h"
+
+namespace mita::server {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+struct FakeTask {
+  int id = 0;
+  int64_t units = 1;
+  int64_t size() const { return units; }
+};
+
+std::unique_ptr<FakeTask> MakeTask(int id, int64_t units = 1) {
+  return std::make_unique<FakeTask>(FakeTask{id, units});
+}
+
+BatcherOptions Options(int64_t max_batch_size, absl::Duration max_queue_delay, int64_t queue_capacity) {
+  BatcherOptions options;
+  options.max_batch_size = max_batch_size;
+  options.max_queue_delay = max_queue_delay;
+  options.queue_capacity = queue_capacity;
+  return options;
+}
+
+std::vector<int> Ids(const Batch<FakeTask>& batch) {
+  std::vector<int> ids;
+  for (const auto& task : batch.tasks) ids.push_back(task->id);
+  return ids;
+}
+
+// Enqueues and expects success.
+void Add(BatchQueue<FakeTask>& queue, int id, absl::Time now, int64_t units = 1) {
+  std::unique_ptr<FakeTask> task = MakeTask(id, units);
+  ASSERT_TRUE(queue.Enqueue(&task, now).ok());
+  EXPECT_EQ(task, nullptr);
+}
+
+TEST(BatchQueueTest, FullBatchIsReleasedImmediately) {
+  ManualClock clock;
+  BatchQueue<FakeTask> queue(Options(4, absl::Milliseconds(10), 100));
+  for (int i = 0; i < 3; ++i) Add(queue, i, clock.Now());
+  EXPECT_FALSE(queue.TakeBatch(clock.Now()).has_value());
+  Add(queue, 3, clock.Now());
+  EXPECT_EQ(queue.NextDeadline(), clock.Now());                         // due now
+  std::optional<Batch<FakeTask>> batch = queue.TakeBatch(clock.Now());  // no time has passed
+  ASSERT_TRUE(batch.has_value());
+  EXPECT_THAT(Ids(*batch), ElementsAre(0, 1, 2, 3));
+  EXPECT_EQ(batch->size, 4);
+  EXPECT_EQ(batch->formed_at, clock.Now());
+  EXPECT_TRUE(queue.empty());
+  EXPECT_EQ(queue.NextDeadline(), absl::InfiniteFuture());
+}
+
+TEST(BatchQueueTest, OverfullQueueReleasesMaxSizeBatchesInOrder) {
+  ManualClock clock;
+  BatchQueue<FakeTask> queue(Options(3, absl::Milliseconds(10), 100));
+  for (int i = 0; i < 7; ++i) Add(queue, i, clock.Now());
+  std::optional<Batch<FakeTask>> first = queue.TakeBatch(clock.Now());
+  std::optional<Batch<FakeTask>> second = queue.TakeBatch(clock.Now());
+  ASSERT_TRUE(first.has_value());
+  ASSERT_TRUE(second.has_value());
+  EXPECT_THAT(Ids(*first), ElementsAre(0, 1, 2));
+  EXPECT_THAT(Ids(*second), ElementsAre(3, 4, 5));
+  // The 7th task is alone: it waits for its delay.
+  EXPECT_FALSE(queue.TakeBatch(clock.Now()).has_value());
+  clock.Advance(absl::Milliseconds(10));
+  std::optional<Batch<FakeTask>> third = queue.TakeBatch(clock.Now());
+  ASSERT_TRUE(third.has_value());
+  EXPECT_THAT(Ids(*third), ElementsAre(6));
+}
+
+TEST(BatchQueueTest, PartialBatchReleasedExactlyAtMaxDelay) {
+  ManualClock clock(absl::FromUnixSeconds(1000));
+  const absl::Time start = clock.Now();
+  BatchQueue<FakeTask> queue(Options(8, absl::Milliseconds(5), 100));
+  Add(queue, 0, clock.Now());
+  clock.Advance(absl::Milliseconds(1));
+  Add(queue, 1, clock.Now());
+  EXPECT_EQ(queue.NextDeadline(), start + absl::Milliseconds(5));  // set by the oldest task
+
+  clock.Set(start + absl::Milliseconds(5) - absl::Nanoseconds(1));
+  EXPECT_FALSE(queue.TakeBatch(clock.Now()).has_value()) << "released before the max queue delay";
+  EXPECT_EQ(queue.num_queued_tasks(), 2);
+
+  clock.Set(start + absl::Milliseconds(5));
+  std::optional<Batch<FakeTask>> batch = queue.TakeBatch(clock.Now());
+  ASSERT_TRUE(batch.has_value());
+  EXPECT_THAT(Ids(*batch), ElementsAre(0, 1));
+  EXPECT_THAT(batch->enqueue_times, ElementsAre(start, start + absl::Milliseconds(1)));
+  EXPECT_EQ(batch->formed_at, start + absl::Milliseconds(5));
+  EXPECT_TRUE(queue.empty());
+}
+
+TEST(BatchQueueTest, ZeroDelayReleasesAtOnce) {
+  ManualClock clock;
+  BatchQueue<FakeTask> queue(Options(8, absl::ZeroDuration(), 100));
+  Add(queue, 0, clock.Now());
+  std::optional<Batch<FakeTask>> batch = queue.TakeBatch(clock.Now());
+  ASSERT_TRUE(batch.has_value());
+  EXPECT_THAT(Ids(*batch), ElementsAre(0));
+}
+
+TEST(BatchQueueTest, FlushReleasesPartialBatchBeforeDelay) {
+  ManualClock clock;
+  BatchQueue<FakeTask> queue(Options(8, absl::Seconds(100), 100));
+  Add(queue, 0, clock.Now());
+  Add(queue, 1, clock.Now());
+  EXPECT_FALSE(queue.TakeBatch(clock.Now()).has_value());
+  std::optional<Batch<FakeTask>> batch = queue.TakeBatch(clock.Now(), /*flush=*/true);
+  ASSERT_TRUE(batch.has_value());
+  EXPECT_THAT(Ids(*batch), ElementsAre(0, 1));
+  EXPECT_FALSE(queue.TakeBatch(clock.Now(), /*flush=*/true).has_value());
+}
+
+TEST(BatchQueueTest, FifoOrderAcrossManyBatches) {
+  ManualClock clock;
+  BatchQueue<FakeTask> queue(Options(4, absl::Milliseconds(1), 1000));
+  std::vector<int> seen;
+  int next_id = 0;
+  for (int round = 0; round < 20; ++round) {
+    const int count = 1 + round % 6;  // 1..6 tasks per round: partial and full batches
+    for (int i = 0; i < count; ++i) Add(queue, next_id++, clock.Now());
+    clock.Advance(absl::Microseconds(300));
+    while (std::optional<Batch<FakeTask>> batch = queue.TakeBatch(clock.Now())) {
+      EXPECT_LE(batch->size, 4);
+      for (int id : Ids(*batch)) seen.push_back(id);
+    }
+  }
+  while (std::optional<Batch<FakeTask>> batch = queue.TakeBatch(clock.Now(), /*flush=*/true)) {
+    for (int id : Ids(*batch)) seen.push_back(id);
+  }
+  ASSERT_EQ(static_cast<int>(seen.size()), next_id);
+  for (int i = 0; i < next_id; ++i) EXPECT_EQ(seen[i], i);
+}
+
+TEST(BatchQueueTest, RejectsWhenFullNamingTheCapacity) {
+  ManualClock clock;
+  BatchQueue<FakeTask> queue(Options(16, absl::Milliseconds(2), 64));
+  for (int i = 0; i < 64; ++i) Add(queue, i, clock.Now());
+  std::unique_ptr<FakeTask> task = MakeTask(64);
+  absl::Status status = queue.Enqueue(&task, clock.Now());
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(status.message(), "queue is full: 64 of 64 queued units (flag --queue_capacity)");
+  EXPECT_NE(task, nullptr) << "a rejected task stays with the caller";
+  EXPECT_EQ(queue.num_queued_tasks(), 64);
+
+  // Taking a batch frees capacity.
+  ASSERT_TRUE(queue.TakeBatch(clock.Now()).has_value());
+  EXPECT_TRUE(queue.Enqueue(&task, clock.Now()).ok());
+}
+
+TEST(BatchQueueTest, RejectsTaskThatDoesNotFitTheRemainingCapacity) {
+  ManualClock clock;
+  BatcherOptions options = Options(8, absl::Milliseconds(2), 10);
+  options.queue_capacity_source = "option queue_capacity";
+  BatchQueue<FakeTask> queue(options);
+  Add(queue, 0, clock.Now(), 7);
+  std::unique_ptr<FakeTask> task = MakeTask(1, 4);
+  absl::Status status = queue.Enqueue(&task, clock.Now());
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(status.message(), "queue is full: 7 of 10 queued units, the task needs 4 (option queue_capacity)");
+  Add(queue, 2, clock.Now(), 3);  // exactly fits
+  EXPECT_EQ(queue.queued_units(), 10);
+}
+
+TEST(BatchQueueTest, RejectsBadTaskSizes) {
+  ManualClock clock;
+  BatchQueue<FakeTask> queue(Options(4, absl::Milliseconds(2), 100));
+  std::unique_ptr<FakeTask> too_big = MakeTask(0, 5);
+  absl::Status status = queue.Enqueue(&too_big, clock.Now());
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("larger than the maximum batch size 4"));
+  std::unique_ptr<FakeTask> empty = MakeTask(1, 0);
+  EXPECT_EQ(queue.Enqueue(&empty, clock.Now()).code(), absl::StatusCode::kInvalidArgument);
+  std::unique_ptr<FakeTask> null;
+  EXPECT_EQ(queue.Enqueue(&null, clock.Now()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(queue.Enqueue(nullptr, clock.Now()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(queue.empty());
+  EXPECT_EQ(queue.queued_units(), 0);
+}
+
+TEST(BatchQueueTest, SizeAccountingWithMultiUnitTasks) {
+  ManualClock clock;
+  BatchQueue<FakeTask> queue(Options(10, absl::Milliseconds(2), 100));
+  Add(queue, 0, clock.Now(), 4);
+  Add(queue, 1, clock.Now(), 5);
+  EXPECT_EQ(queue.queued_units(), 9);
+  EXPECT_EQ(queue.num_queued_tasks(), 2);
+  EXPECT_FALSE(queue.TakeBatch(clock.Now()).has_value());  // 9 of 10: not full, nothing has waited
+  Add(queue, 2, clock.Now(), 3);  // does not fit with the first two: the batch {0, 1} is full now
+  EXPECT_EQ(queue.queued_units(), 12);
+  EXPECT_EQ(queue.NextDeadline(), clock.Now());
+  std::optional<Batch<FakeTask>> batch = queue.TakeBatch(clock.Now());
+  ASSERT_TRUE(batch.has_value());
+  EXPECT_THAT(Ids(*batch), ElementsAre(0, 1));
+  EXPECT_EQ(batch->size, 9);
+  EXPECT_EQ(queue.queued_units(), 3);
+  EXPECT_EQ(queue.num_queued_tasks(), 1);
+  EXPECT_EQ(queue.NextDeadline(), clock.Now() + absl::Milliseconds(2));
+  clock.Advance(absl::Milliseconds(2));
+  batch = queue.TakeBatch(clock.Now());
+  ASSERT_TRUE(batch.has_value());
+  EXPECT_EQ(batch->size, 3);
+  EXPECT_EQ(queue.queued_units(), 0);
+}
+
+TEST(BatcherOptionsTest, Validation) {
+  EXPECT_TRUE(ValidateBatcherOptions(BatcherOptions()).ok());
+  BatcherOptions options;
+  options.max_batch_size = 0;
+  EXPECT_EQ(ValidateBatcherOptions(options).code(), absl::StatusCode::kInvalidArgument);
+  options = BatcherOptions();
+  options.queue_capacity = 0;
+  EXPECT_EQ(ValidateBatcherOptions(options).code(), absl::StatusCode::kInvalidArgument);
+  options = BatcherOptions();
+  options.max_queue_delay = absl::Milliseconds(-1);
+  EXPECT_EQ(ValidateBatcherOptions(options).code(), absl::StatusCode::kInvalidArgument);
+  options = BatcherOptions();
+  options.num_batch_threads = 0;
+  EXPECT_EQ(ValidateBatcherOptions(options).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Records processed task ids; thread-safe.
+class Recorder {
+ public:
+  void Process(Batch<FakeTask> batch) {
+    absl::MutexLock lock(&mu_);
+    batch_sizes_.push_back(batch.size);
+    for (const auto& task : batch.tasks) ids_.push_back(task->id);
+  }
+  std::vector<int> ids() const {
+    absl::MutexLock lock(&mu_);
+    return ids_;
+  }
+  std::vector<int64_t> batch_sizes() const {
+    absl::MutexLock lock(&mu_);
+    return batch_sizes_;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  std::vector<int> ids_;
+  std::vector<int64_t> batch_sizes_;
+};
+
+TEST(DynamicBatcherTest, EveryTaskIsProcessedExactlyOnce) {
+  for (int threads : {1, 3}) {
+    Recorder recorder;
+    std::atomic<int64_t> depth{0};
+    BatcherOptions options = Options(8, absl::Milliseconds(1), 10000);
+    options.num_batch_threads = threads;
+    auto batcher = DynamicBatcher<FakeTask>::Create(
+        options, [&recorder](Batch<FakeTask> batch) { recorder.Process(std::move(batch)); }, RealClock::Get(),
+        [&depth](const QueueDepthChange& change) {
+          depth += change.tasks_delta;
+          EXPECT_EQ(depth.load(), change.tasks);
+        });
+    ASSERT_TRUE(batcher.ok()) << batcher.status();
+    constexpr int kSubmitters = 4;
+    constexpr int kPerSubmitter = 250;
+    std::vector<std::thread> submitters;
+    for (int s = 0; s < kSubmitters; ++s) {
+      submitters.emplace_back([&, s] {
+        for (int i = 0; i < kPerSubmitter; ++i) {
+          std::unique_ptr<FakeTask> task = MakeTask(s * kPerSubmitter + i);
+          ASSERT_TRUE((*batcher)->Submit(&task).ok());
+        }
+      });
+    }
+    for (std::thread& t : submitters) t.join();
+    (*batcher)->Shutdown();
+    std::vector<int> ids = recorder.ids();
+    ASSERT_EQ(ids.size(), static_cast<size_t>(kSubmitters * kPerSubmitter));
+    std::set<int> unique(ids.begin(), ids.end());
+    EXPECT_EQ(unique.size(), ids.size()) << "a task was processed twice";
+    EXPECT_EQ(*unique.begin(), 0);
+    EXPECT_EQ(*unique.rbegin(), kSubmitters * kPerSubmitter - 1);
+    for (int64_t size : recorder.batch_sizes()) {
+      EXPECT_GE(size, 1);
+      EXPECT_LE(size, 8);
+    }
+    EXPECT_EQ(depth.load(), 0);
+    EXPECT_EQ((*batcher)->queued_units(), 0);
+  }
+}
+
+TEST(DynamicBatcherTest, ShutdownDrainsQueuedWorkAndThenRejects) {
+  Recorder recorder;
+  absl::Notification release;
+  absl::Notification first_started;
+  // A long delay: without draining, partial batches would wait an hour.
+  BatcherOptions options = Options(4, absl::Hours(1), 100);
+  auto batcher = DynamicBatcher<FakeTask>::Create(options, [&](Batch<FakeTask> batch) {
+    if (!first_started.HasBeenNotified()) {
+      first_started.Notify();
+      release.WaitForNotification();
+    }
+    recorder.Process(std::move(batch));
+  });
+  ASSERT_TRUE(batcher.ok()) << batcher.status();
+  // A full batch starts at once and blocks in the callback; the rest queue behind it.
+  for (int i = 0; i < 4; ++i) {
+    std::unique_ptr<FakeTask> task = MakeTask(i);
+    ASSERT_TRUE((*batcher)->Submit(&task).ok());
+  }
+  first_started.WaitForNotification();
+  for (int i = 4; i < 10; ++i) {
+    std::unique_ptr<FakeTask> task = MakeTask(i);
+    ASSERT_TRUE((*batcher)->Submit(&task).ok());
+  }
+  EXPECT_EQ((*batcher)->num_queued_tasks(), 6);
+  // Shutdown begins while the batch thread is busy and six tasks are queued: four make a full batch, the
+  // last two would wait an hour for their batch to fill if Shutdown did not flush them.
+  std::thread shutdown([&] { (*batcher)->Shutdown(); });
+  release.Notify();
+  shutdown.join();
+  std::unique_ptr<FakeTask> late = MakeTask(100);
+  absl::Status status = (*batcher)->Submit(&late);
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(late, nullptr);
+  std::vector<int> ids = recorder.ids();
+  std::set<int> unique(ids.begin(), ids.end());
+  EXPECT_EQ(unique.size(), ids.size());
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(unique.count(i), 1u) << "task " << i << " was not drained";
+  EXPECT_EQ((*batcher)->num_queued_tasks(), 0);
+  (*batcher)->Shutdown();  // idempotent
+}
+
+TEST(DynamicBatcherTest, RejectsWhenQueueIsFull) {
+  absl::Notification release;
+  absl::Notification started;
+  BatcherOptions options = Options(1, absl::ZeroDuration(), 2);
+  auto batcher = DynamicBatcher<FakeTask>::Create(options, [&](Batch<FakeTask>) {
+    if (!started.HasBeenNotified()) started.Notify();
+    release.WaitForNotification();
+  });
+  ASSERT_TRUE(batcher.ok());
+  std::unique_ptr<FakeTask> task = MakeTask(0);
+  ASSERT_TRUE((*batcher)->Submit(&task).ok());
+  started.WaitForNotification();  // task 0 is being processed; the queue is empty and the thread is busy
+  for (int i = 1; i <= 2; ++i) {
+    task = MakeTask(i);
+    ASSERT_TRUE((*batcher)->Submit(&task).ok());
+  }
+  task = MakeTask(3);
+  absl::Status status = (*batcher)->Submit(&task);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(status.message(), "queue is full: 2 of 2 queued units (flag --queue_capacity)");
+  release.Notify();
+}
+
+TEST(DynamicBatcherTest, CreateRejectsBadOptions) {
+  BatcherOptions options;
+  options.num_batch_threads = 0;
+  auto batcher = DynamicBatcher<FakeTask>::Create(options, [](Batch<FakeTask>) {});
+  EXPECT_EQ(batcher.status().code(), absl::StatusCode::kInvalidArgument);
+  auto no_callback = DynamicBatcher<FakeTask>::Create(BatcherOptions(), nullptr);
+  EXPECT_EQ(no_callback.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace mita::server

@@ -1,1 +1,786 @@
-// (being written)
+// Tests of kernels/: the production CPU MiTA forward and the ATen reference against an independent float64
+// per-query loop written here (plain std::vector<double>, no ATen math), landmarks against hand loops, full
+// attention, the documented tie rules, statistics, and argument validation. Math: DESIGN.md section 2.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <ostream>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/InferenceMode.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/status/status.h"
+#include "kernels/mita_attention.h"
+#include "kernels/mita_attention_internal.h"
+
+namespace mita::kernels {
+namespace {
+
+using ::testing::HasSubstr;
+
+// ---------------------------------------------------------------------------------------------------------
+// Data helpers.
+
+struct Dims {
+  int64_t batch, heads, tokens, head_dim;
+};
+
+std::vector<double> RandomNormal(int64_t count, uint64_t seed) {
+  std::mt19937_64 generator(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<double> data(count);
+  for (double& value : data) value = normal(generator);
+  return data;
+}
+
+at::Tensor MakeTensor(const std::vector<double>& data, std::vector<int64_t> sizes, at::ScalarType type) {
+  return at::from_blob(const_cast<double*>(data.data()), sizes, at::kDouble).clone().to(type);
+}
+
+std::vector<double> ToDoubles(const at::Tensor& tensor) {
+  const at::Tensor contiguous = tensor.to(at::kDouble).contiguous();
+  const double* data = contiguous.data_ptr<double>();
+  return std::vector<double>(data, data + contiguous.numel());
+}
+
+double MaxAbsDifference(const std::vector<double>& a, const std::vector<double>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double difference = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) difference = std::max(difference, std::abs(a[i] - b[i]));
+  return difference;
+}
+
+double Dot(const double* a, const double* b, int64_t size) {
+  double sum = 0;
+  for (int64_t c = 0; c < size; ++c) sum += a[c] * b[c];
+  return sum;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The independent float64 loop: DESIGN.md section 2, one query at a time.
+
+struct LoopItem {
+  std::vector<double> landmarks;  // [H, M, d]
+  int64_t expert_count;
+  int64_t width;
+};
+
+struct LoopResult {
+  std::vector<double> output;                       // [B, H, N, d]
+  std::vector<internal::MitaHeadRouting> routing;   // B * H
+  std::vector<MitaItemStatistics> statistics;       // B
+};
+
+LoopResult MitaLoop(const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
+                    const Dims& dims, const std::vector<LoopItem>& items, bool include_shared_expert = true) {
+  const int64_t heads = dims.heads, tokens = dims.tokens, d = dims.head_dim;
+  const double s = 1.0 / std::sqrt(static_cast<double>(d));
+  auto row = [&](const std::vector<double>& data, int64_t b, int64_t h, int64_t n) {
+    return data.data() + ((b * heads + h) * tokens + n) * d;
+  };
+  LoopResult result;
+  result.output.assign(dims.batch * heads * tokens * d, 0.0);
+  result.routing.resize(dims.batch * heads);
+  result.statistics.resize(dims.batch);
+  for (int64_t b = 0; b < dims.batch; ++b) {
+    const int64_t experts = items[b].expert_count, width = items[b].width;
+    MitaItemStatistics& statistics = result.statistics[b];
+    statistics.queries_per_expert.assign(experts, 0.0);
+    for (int64_t h = 0; h < heads; ++h) {
+      auto landmark = [&](int64_t i) { return items[b].landmarks.data() + (h * experts + i) * d; };
+      internal::MitaHeadRouting& routing = result.routing[b * heads + h];
+      // Routed experts: the `width` keys with the largest l_i . k_j; ties to the lower key index.
+      routing.expert_keys.assign(experts, {});
+      std::vector<int> selections(tokens, 0);
+      for (int64_t i = 0; i < experts; ++i) {
+        std::vector<double> scores(tokens);
+        for (int64_t j = 0; j < tokens; ++j) scores[j] = Dot(landmark(i), row(k, b, h, j), d);
+        std::vector<int64_t> order(tokens);
+        std::iota(order.begin(), order.end(), 0);
+        std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+          return scores[x] > scores[y] || (scores[x] == scores[y] && x < y);
+        });
+        routing.expert_keys[i].assign(order.begin(), order.begin() + width);
+        std::sort(routing.expert_keys[i].begin(), routing.expert_keys[i].end());
+        for (int64_t key : routing.expert_keys[i]) ++selections[key];
+      }
+      // Shared expert A_i = sum_j softmax_j(l_i . k_j s) v_j.
+      std::vector<std::vector<double>> shared(experts, std::vector<double>(d, 0.0));
+      for (int64_t i = 0; i < experts; ++i) {
+        std::vector<double> logits(tokens);
+        for (int64_t j = 0; j < tokens; ++j) logits[j] = Dot(landmark(i), row(k, b, h, j), d) * s;
+        const double max_logit = *std::max_element(logits.begin(), logits.end());
+        double sum = 0;
+        for (double& logit : logits) sum += (logit = std::exp(logit - max_logit));
+        for (int64_t j = 0; j < tokens; ++j) {
+          for (int64_t c = 0; c < d; ++c) shared[i][c] += logits[j] / sum * row(v, b, h, j)[c];
+        }
+      }
+      // Gate: first maximum of l_i . q_n over i; then one softmax over the M + k logits of each query.
+      routing.expert_of_query.assign(tokens, 0);
+      std::vector<int64_t> load(experts, 0);
+      for (int64_t n = 0; n < tokens; ++n) {
+        const double* query = row(q, b, h, n);
+        int64_t expert = 0;
+        for (int64_t i = 1; i < experts; ++i) {
+          if (Dot(landmark(i), query, d) > Dot(landmark(expert), query, d)) expert = i;
+        }
+        routing.expert_of_query[n] = expert;
+        ++load[expert];
+        std::vector<double> logits;
+        std::vector<const double*> values;
+        if (include_shared_expert) {
+          for (int64_t i = 0; i < experts; ++i) {
+            logits.push_back(Dot(query, landmark(i), d) * s * s);
+            values.push_back(shared[i].data());
+          }
+        }
+        for (int64_t key : routing.expert_keys[expert]) {
+          logits.push_back(Dot(query, row(k, b, h, key), d) * s);
+          values.push_back(row(v, b, h, key));
+        }
+        const double max_logit = *std::max_element(logits.begin(), logits.end());
+        double sum = 0;
+        for (double& logit : logits) sum += (logit = std::exp(logit - max_logit));
+        double* out = result.output.data() + ((b * heads + h) * tokens + n) * d;
+        for (size_t j = 0; j < logits.size(); ++j) {
+          for (int64_t c = 0; c < d; ++c) out[c] += logits[j] / sum * values[j][c];
+        }
+      }
+      // Statistics of this head, averaged over heads below.
+      const double n_tokens = static_cast<double>(tokens);
+      double entropy = 0;
+      for (int64_t i = 0; i < experts; ++i) {
+        statistics.queries_per_expert[i] += static_cast<double>(load[i]) / heads;
+        if (load[i] > 0) entropy -= load[i] / n_tokens * std::log(load[i] / n_tokens);
+      }
+      const double mean_load = n_tokens / experts;
+      statistics.load_imbalance += *std::max_element(load.begin(), load.end()) / mean_load / heads;
+      statistics.routing_entropy += (experts == 1 ? 1.0 : entropy / std::log(static_cast<double>(experts))) / heads;
+      statistics.pruned_key_fraction += std::count(selections.begin(), selections.end(), 0) / n_tokens / heads;
+      statistics.expert_overlap_fraction +=
+          std::count_if(selections.begin(), selections.end(), [](int count) { return count >= 2; }) / n_tokens /
+          heads;
+    }
+  }
+  return result;
+}
+
+// softmax(q k^T s) v, one query at a time.
+std::vector<double> FullAttentionLoop(const std::vector<double>& q, const std::vector<double>& k,
+                                      const std::vector<double>& v, const Dims& dims) {
+  const int64_t tokens = dims.tokens, d = dims.head_dim;
+  const double s = 1.0 / std::sqrt(static_cast<double>(d));
+  std::vector<double> output(q.size(), 0.0);
+  for (int64_t head = 0; head < dims.batch * dims.heads; ++head) {
+    const int64_t base = head * tokens * d;
+    for (int64_t n = 0; n < tokens; ++n) {
+      std::vector<double> logits(tokens);
+      for (int64_t j = 0; j < tokens; ++j) logits[j] = Dot(&q[base + n * d], &k[base + j * d], d) * s;
+      const double max_logit = *std::max_element(logits.begin(), logits.end());
+      double sum = 0;
+      for (double& logit : logits) sum += (logit = std::exp(logit - max_logit));
+      for (int64_t j = 0; j < tokens; ++j) {
+        for (int64_t c = 0; c < d; ++c) output[base + n * d + c] += logits[j] / sum * v[base + j * d + c];
+      }
+    }
+  }
+  return output;
+}
+
+void ExpectStatisticsNear(const std::vector<MitaItemStatistics>& actual,
+                          const std::vector<MitaItemStatistics>& expected, const std::string& label) {
+  ASSERT_EQ(actual.size(), expected.size()) << label;
+  constexpr double kTolerance = 1e-12;
+  for (size_t b = 0; b < expected.size(); ++b) {
+    SCOPED_TRACE(label + " item " + std::to_string(b));
+    ASSERT_EQ(actual[b].queries_per_expert.size(), expected[b].queries_per_expert.size());
+    for (size_t i = 0; i < expected[b].queries_per_expert.size(); ++i) {
+      EXPECT_NEAR(actual[b].queries_per_expert[i], expected[b].queries_per_expert[i], kTolerance) << "expert " << i;
+    }
+    EXPECT_NEAR(actual[b].load_imbalance, expected[b].load_imbalance, kTolerance);
+    EXPECT_NEAR(actual[b].routing_entropy, expected[b].routing_entropy, kTolerance);
+    EXPECT_NEAR(actual[b].pruned_key_fraction, expected[b].pruned_key_fraction, kTolerance);
+    EXPECT_NEAR(actual[b].expert_overlap_fraction, expected[b].expert_overlap_fraction, kTolerance);
+  }
+}
+
+void ExpectRoutingEqual(const std::vector<internal::MitaHeadRouting>& actual,
+                        const std::vector<internal::MitaHeadRouting>& expected, const std::string& label) {
+  ASSERT_EQ(actual.size(), expected.size()) << label;
+  for (size_t task = 0; task < expected.size(); ++task) {
+    EXPECT_EQ(actual[task].expert_of_query, expected[task].expert_of_query) << label << " (item, head) " << task;
+    EXPECT_EQ(actual[task].expert_keys, expected[task].expert_keys) << label << " (item, head) " << task;
+  }
+}
+
+// Runs one backend with routing and statistics.
+struct BackendRun {
+  at::Tensor output;
+  std::vector<MitaItemStatistics> statistics;
+  std::vector<internal::MitaHeadRouting> routing;
+};
+
+BackendRun RunBackend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<MitaItem>& items,
+                      MitaBackend backend, bool include_shared_expert = true) {
+  BackendRun run;
+  internal::MitaForwardOptions options;
+  options.include_shared_expert = include_shared_expert;
+  options.routing = &run.routing;
+  absl::StatusOr<at::Tensor> output =
+      internal::MitaAttentionForwardWithOptions(q, k, v, items, &run.statistics, backend, options);
+  EXPECT_TRUE(output.ok()) << output.status();
+  if (output.ok()) run.output = *output;
+  return run;
+}
+
+const char* BackendName(MitaBackend backend) { return backend == MitaBackend::kAuto ? "cpu kernel" : "reference"; }
+
+// Random q, k, v as the model produces them: slices of one [B, N, 3, H, d] qkv tensor (non-contiguous).
+struct RandomProblem {
+  Dims dims;
+  at::Tensor q, k, v;
+  std::vector<double> q_values, k_values, v_values;  // contiguous [B, H, N, d], exactly the tensors' values
+};
+
+RandomProblem MakeRandomProblem(const Dims& dims, at::ScalarType type, uint64_t seed) {
+  RandomProblem problem{dims};
+  const at::Tensor qkv = MakeTensor(RandomNormal(dims.batch * dims.tokens * 3 * dims.heads * dims.head_dim, seed),
+                                    {dims.batch, dims.tokens, 3, dims.heads, dims.head_dim}, type)
+                             .permute({2, 0, 3, 1, 4});
+  problem.q = qkv[0];
+  problem.k = qkv[1];
+  problem.v = qkv[2];
+  problem.q_values = ToDoubles(problem.q);
+  problem.k_values = ToDoubles(problem.k);
+  problem.v_values = ToDoubles(problem.v);
+  return problem;
+}
+
+// Items with sequence landmarks of q (each item its own expert count M) and the given expert widths.
+std::vector<MitaItem> SequenceItems(const at::Tensor& q, const std::vector<std::pair<int64_t, int64_t>>& budgets) {
+  std::vector<MitaItem> items;
+  for (size_t b = 0; b < budgets.size(); ++b) {
+    absl::StatusOr<at::Tensor> landmarks = SequenceLandmarks(q.narrow(0, b, 1), budgets[b].first);
+    EXPECT_TRUE(landmarks.ok()) << landmarks.status();
+    items.push_back(MitaItem{(*landmarks)[0], budgets[b].second});
+  }
+  return items;
+}
+
+std::vector<LoopItem> ToLoopItems(const std::vector<MitaItem>& items) {
+  std::vector<LoopItem> loop_items;
+  for (const MitaItem& item : items) {
+    loop_items.push_back(LoopItem{ToDoubles(item.landmarks), item.landmarks.size(1), item.expert_width});
+  }
+  return loop_items;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// (1), (2): both backends against the loop on random shapes.
+
+struct RandomCase {
+  std::string name;
+  Dims dims;
+  std::vector<std::pair<int64_t, int64_t>> budgets;  // per item: (expert count M, expert width k)
+  at::ScalarType type;
+};
+
+void PrintTo(const RandomCase& test_case, std::ostream* stream) { *stream << test_case.name; }
+
+class MitaRandomTest : public ::testing::TestWithParam<RandomCase> {};
+
+TEST_P(MitaRandomTest, BackendsMatchFloat64Loop) {
+  at::set_num_threads(2);
+  const RandomCase& test_case = GetParam();
+  const RandomProblem problem = MakeRandomProblem(test_case.dims, test_case.type, /*seed=*/test_case.dims.tokens);
+  const std::vector<MitaItem> items = SequenceItems(problem.q, test_case.budgets);
+  const LoopResult expected =
+      MitaLoop(problem.q_values, problem.k_values, problem.v_values, problem.dims, ToLoopItems(items));
+  const double tolerance = test_case.type == at::kDouble ? 1e-10 : 1e-5;
+  for (MitaBackend backend : {MitaBackend::kAuto, MitaBackend::kReference}) {
+    SCOPED_TRACE(BackendName(backend));
+    const BackendRun run = RunBackend(problem.q, problem.k, problem.v, items, backend);
+    ASSERT_TRUE(run.output.defined());
+    EXPECT_EQ(run.output.sizes(), problem.q.sizes());
+    EXPECT_EQ(run.output.scalar_type(), test_case.type);
+    ExpectRoutingEqual(run.routing, expected.routing, BackendName(backend));
+    EXPECT_LT(MaxAbsDifference(ToDoubles(run.output), expected.output), tolerance);
+    ExpectStatisticsNear(run.statistics, expected.statistics, BackendName(backend));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, MitaRandomTest,
+    ::testing::Values(
+        RandomCase{"OddTokensNotDivisibleByExperts", {2, 3, 37, 8}, {{5, 7}, {5, 7}}, at::kDouble},
+        RandomCase{"WidthEqualsTokens", {1, 2, 19, 16}, {{4, 19}}, at::kDouble},
+        RandomCase{"SingleExpert", {2, 2, 23, 8}, {{1, 5}, {1, 23}}, at::kDouble},
+        RandomCase{"MixedBudgetsPerItem", {3, 2, 41, 8}, {{1, 41}, {6, 9}, {13, 1}}, at::kDouble},
+        // Several key blocks (256), query chunks (128) and top-k compactions.
+        RandomCase{"ManyBlocks", {2, 2, 701, 16}, {{1, 300}, {9, 3}}, at::kDouble},
+        RandomCase{"Float32", {2, 2, 53, 16}, {{7, 11}, {3, 53}}, at::kFloat},
+        RandomCase{"Float32ManyBlocks", {1, 3, 530, 32}, {{16, 40}}, at::kFloat}),
+    [](const ::testing::TestParamInfo<RandomCase>& info) { return info.param.name; });
+
+// Explicit random landmarks (not pooled from q) and M > N also work.
+TEST(MitaAttention, ArbitraryLandmarksMatchLoop) {
+  const Dims dims{2, 2, 11, 4};
+  const RandomProblem problem = MakeRandomProblem(dims, at::kDouble, 7);
+  std::vector<MitaItem> items = {
+      MitaItem{MakeTensor(RandomNormal(2 * 3 * 4, 8), {2, 3, 4}, at::kDouble), 4},
+      MitaItem{MakeTensor(RandomNormal(2 * 15 * 4, 9), {2, 15, 4}, at::kDouble).transpose(0, 1).contiguous()
+                   .transpose(0, 1),  // non-contiguous landmarks
+               2}};
+  const LoopResult expected =
+      MitaLoop(problem.q_values, problem.k_values, problem.v_values, dims, ToLoopItems(items));
+  for (MitaBackend backend : {MitaBackend::kAuto, MitaBackend::kReference}) {
+    SCOPED_TRACE(BackendName(backend));
+    const BackendRun run = RunBackend(problem.q, problem.k, problem.v, items, backend);
+    ASSERT_TRUE(run.output.defined());
+    ExpectRoutingEqual(run.routing, expected.routing, BackendName(backend));
+    EXPECT_LT(MaxAbsDifference(ToDoubles(run.output), expected.output), 1e-10);
+    ExpectStatisticsNear(run.statistics, expected.statistics, BackendName(backend));
+  }
+}
+
+// Any strides: q with a non-unit last stride (copied by the kernel), k shared by both items through a zero
+// batch stride (read in place), v from the qkv layout.
+TEST(MitaAttention, StridedInputsMatchLoop) {
+  const Dims dims{2, 2, 23, 8};
+  const RandomProblem problem = MakeRandomProblem(dims, at::kDouble, 13);
+  const at::Tensor q = problem.q.transpose(2, 3).contiguous().transpose(2, 3);
+  const at::Tensor k = problem.k.narrow(0, 0, 1).expand({2, 2, 23, 8});
+  ASSERT_NE(q.stride(3), 1);
+  ASSERT_EQ(k.stride(0), 0);
+  const std::vector<double> k_values = ToDoubles(k);
+  const std::vector<MitaItem> items = SequenceItems(q, {{3, 5}, {4, 23}});
+  const LoopResult expected = MitaLoop(problem.q_values, k_values, problem.v_values, dims, ToLoopItems(items));
+  for (MitaBackend backend : {MitaBackend::kAuto, MitaBackend::kReference}) {
+    SCOPED_TRACE(BackendName(backend));
+    const BackendRun run = RunBackend(q, k, problem.v, items, backend);
+    ASSERT_TRUE(run.output.defined());
+    ExpectRoutingEqual(run.routing, expected.routing, BackendName(backend));
+    EXPECT_LT(MaxAbsDifference(ToDoubles(run.output), expected.output), 1e-10);
+  }
+}
+
+// The public entry point with its defaults (no statistics, kAuto) gives the CPU kernel's output.
+TEST(MitaAttention, PublicApiMatchesLoop) {
+  const Dims dims{1, 2, 17, 8};
+  const RandomProblem problem = MakeRandomProblem(dims, at::kDouble, 3);
+  const std::vector<MitaItem> items = SequenceItems(problem.q, {{4, 6}});
+  absl::StatusOr<at::Tensor> output = MitaAttentionForward(problem.q, problem.k, problem.v, items);
+  ASSERT_TRUE(output.ok()) << output.status();
+  const LoopResult expected =
+      MitaLoop(problem.q_values, problem.k_values, problem.v_values, dims, ToLoopItems(items));
+  EXPECT_LT(MaxAbsDifference(ToDoubles(*output), expected.output), 1e-10);
+}
+
+// The CPU kernel computes each (item, head) independently: the thread count cannot change a single bit.
+TEST(MitaAttention, CpuKernelIsIndependentOfThreadCount) {
+  const Dims dims{2, 3, 300, 16};
+  const RandomProblem problem = MakeRandomProblem(dims, at::kFloat, 11);
+  const std::vector<MitaItem> items = SequenceItems(problem.q, {{8, 20}, {3, 64}});
+  at::set_num_threads(1);
+  absl::StatusOr<at::Tensor> one_thread = MitaAttentionForward(problem.q, problem.k, problem.v, items);
+  at::set_num_threads(2);
+  absl::StatusOr<at::Tensor> two_threads = MitaAttentionForward(problem.q, problem.k, problem.v, items);
+  ASSERT_TRUE(one_thread.ok() && two_threads.ok());
+  EXPECT_TRUE(one_thread->equal(*two_threads));
+}
+
+// Works under InferenceMode, and on inputs that require grad (the result carries no autograd history).
+TEST(MitaAttention, WorksWithoutAutograd) {
+  const Dims dims{1, 2, 10, 4};
+  RandomProblem problem = MakeRandomProblem(dims, at::kFloat, 5);
+  {
+    c10::InferenceMode inference_mode;
+    const at::Tensor q = problem.q.clone(), k = problem.k.clone(), v = problem.v.clone();
+    absl::StatusOr<at::Tensor> landmarks = ImageLandmarks(q, 3);
+    ASSERT_TRUE(landmarks.ok()) << landmarks.status();
+    EXPECT_TRUE(MitaAttentionForward(q, k, v, {MitaItem{(*landmarks)[0], 4}}).ok());
+    EXPECT_TRUE(FullAttentionForward(q, k, v).ok());
+  }
+  const at::Tensor q = problem.q.detach().clone().set_requires_grad(true);
+  absl::StatusOr<at::Tensor> landmarks = SequenceLandmarks(q, 3);
+  ASSERT_TRUE(landmarks.ok()) << landmarks.status();
+  EXPECT_FALSE(landmarks->requires_grad());
+  absl::StatusOr<at::Tensor> output =
+      MitaAttentionForward(q, problem.k, problem.v, {MitaItem{(*landmarks)[0], 4}}, nullptr, MitaBackend::kReference);
+  ASSERT_TRUE(output.ok()) << output.status();
+  EXPECT_FALSE(output->requires_grad());
+}
+
+// Non-finite inputs reach the output but never crash the top-k selection (which needs a total order).
+TEST(MitaAttention, NonFiniteInputsDoNotCrash) {
+  const Dims dims{1, 2, 300, 8};
+  RandomProblem problem = MakeRandomProblem(dims, at::kFloat, 17);
+  at::Tensor k = problem.k.clone();
+  k.narrow(2, 3, 40).fill_(std::numeric_limits<float>::quiet_NaN());
+  k.narrow(2, 100, 5).fill_(std::numeric_limits<float>::infinity());
+  k.narrow(2, 200, 5).fill_(-std::numeric_limits<float>::infinity());
+  const std::vector<MitaItem> items = SequenceItems(problem.q, {{6, 20}});
+  for (MitaBackend backend : {MitaBackend::kAuto, MitaBackend::kReference}) {
+    std::vector<MitaItemStatistics> statistics;
+    absl::StatusOr<at::Tensor> output = MitaAttentionForward(problem.q, k, problem.v, items, &statistics, backend);
+    ASSERT_TRUE(output.ok()) << output.status();
+    EXPECT_EQ(output->sizes(), problem.q.sizes());
+    ASSERT_EQ(statistics.size(), 1u);
+  }
+  EXPECT_TRUE(FullAttentionForward(problem.q, k, problem.v).ok());
+}
+
+TEST(MitaAttention, EmptyBatchGivesEmptyOutput) {
+  const at::Tensor q = at::zeros({0, 2, 5, 4});
+  std::vector<MitaItemStatistics> statistics(3);
+  absl::StatusOr<at::Tensor> output = MitaAttentionForward(q, q, q, {}, &statistics);
+  ASSERT_TRUE(output.ok()) << output.status();
+  EXPECT_EQ(output->sizes(), q.sizes());
+  EXPECT_TRUE(statistics.empty());
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// (3) Full attention, and the identity "k = N without the compressed branch = full attention".
+
+TEST(FullAttention, MatchesLoop) {
+  for (at::ScalarType type : {at::kDouble, at::kFloat}) {
+    const Dims dims{2, 3, 29, 8};
+    const RandomProblem problem = MakeRandomProblem(dims, type, 21);
+    absl::StatusOr<at::Tensor> output = FullAttentionForward(problem.q, problem.k, problem.v);
+    ASSERT_TRUE(output.ok()) << output.status();
+    EXPECT_EQ(output->scalar_type(), type);
+    EXPECT_LT(MaxAbsDifference(ToDoubles(*output),
+                               FullAttentionLoop(problem.q_values, problem.k_values, problem.v_values, dims)),
+              type == at::kDouble ? 1e-12 : 1e-5);
+  }
+}
+
+TEST(FullAttention, WidthEqualsTokensWithoutCompressedBranchIsFullAttention) {
+  const Dims dims{2, 2, 300, 8};  // more than one key block
+  const RandomProblem problem = MakeRandomProblem(dims, at::kDouble, 31);
+  const std::vector<MitaItem> items = SequenceItems(problem.q, {{5, 300}, {1, 300}});
+  absl::StatusOr<at::Tensor> full = FullAttentionForward(problem.q, problem.k, problem.v);
+  ASSERT_TRUE(full.ok());
+  const std::vector<double> full_values = ToDoubles(*full);
+  EXPECT_LT(MaxAbsDifference(full_values,
+                             FullAttentionLoop(problem.q_values, problem.k_values, problem.v_values, dims)),
+            1e-12);
+  for (MitaBackend backend : {MitaBackend::kAuto, MitaBackend::kReference}) {
+    SCOPED_TRACE(BackendName(backend));
+    const BackendRun run = RunBackend(problem.q, problem.k, problem.v, items, backend, /*include_shared_expert=*/false);
+    ASSERT_TRUE(run.output.defined());
+    EXPECT_LT(MaxAbsDifference(ToDoubles(run.output), full_values), 1e-12);
+    // With the compressed branch (the public API), k = N is not full attention.
+    absl::StatusOr<at::Tensor> with_shared = MitaAttentionForward(problem.q, problem.k, problem.v, items, nullptr,
+                                                                  backend);
+    ASSERT_TRUE(with_shared.ok());
+    EXPECT_GT(MaxAbsDifference(ToDoubles(*with_shared), full_values), 1e-4);
+  }
+}
+
+TEST(MitaAttention, WithoutCompressedBranchMatchesLoop) {
+  const Dims dims{2, 2, 31, 8};
+  const RandomProblem problem = MakeRandomProblem(dims, at::kDouble, 41);
+  const std::vector<MitaItem> items = SequenceItems(problem.q, {{4, 5}, {2, 12}});
+  const LoopResult expected = MitaLoop(problem.q_values, problem.k_values, problem.v_values, dims,
+                                       ToLoopItems(items), /*include_shared_expert=*/false);
+  for (MitaBackend backend : {MitaBackend::kAuto, MitaBackend::kReference}) {
+    SCOPED_TRACE(BackendName(backend));
+    const BackendRun run = RunBackend(problem.q, problem.k, problem.v, items, backend, false);
+    ASSERT_TRUE(run.output.defined());
+    EXPECT_LT(MaxAbsDifference(ToDoubles(run.output), expected.output), 1e-10);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// (4) Ties. Small integer values make every dot product exact in any summation order, so ties are exact in
+// every implementation.
+
+TEST(MitaTies, EqualScoresPreferLowerKeyIndexAndFirstExpert) {
+  const int64_t tokens = 10, d = 4;
+  // Key j = (a_j, 1, 0, 0): landmark (1, 0, 0, 0) scores a_j. Keys 2, 5 and 7 tie at the top (5), keys 4 and
+  // 9 tie next (3), then key 3 (2).
+  const std::vector<double> first_channel = {0, 1, 5, 2, 3, 5, 1, 5, 0, 3};
+  std::vector<double> keys(tokens * d, 0.0), queries(tokens * d, 0.0), values(tokens * d, 0.0);
+  for (int64_t j = 0; j < tokens; ++j) {
+    keys[j * d] = first_channel[j];
+    keys[j * d + 1] = 1;
+    queries[j * d + j % d] = 1 + j;  // arbitrary queries
+    values[j * d + (j + 1) % d] = j;
+  }
+  // Landmarks: 0 = (1, 0, 0, 0), 1 = a duplicate of 0 (so its gate always ties with 0), 2 = (0, 0, 0, 1).
+  const std::vector<double> landmarks = {1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1};
+  const Dims dims{1, 1, tokens, d};
+  for (at::ScalarType type : {at::kFloat, at::kDouble}) {
+    const at::Tensor q = MakeTensor(queries, {1, 1, tokens, d}, type);
+    const at::Tensor k = MakeTensor(keys, {1, 1, tokens, d}, type);
+    const at::Tensor v = MakeTensor(values, {1, 1, tokens, d}, type);
+    for (int64_t width : {2, 4, 6}) {
+      const std::vector<MitaItem> items = {MitaItem{MakeTensor(landmarks, {1, 3, d}, type), width}};
+      const LoopResult expected = MitaLoop(queries, keys, values, dims, ToLoopItems(items));
+      // The rule spelled out: width 2 -> the two lowest of the tied top keys {2, 5, 7}; width 4 -> all three
+      // plus the lower of the tied next keys {4, 9}; width 6 -> both of those.
+      const std::vector<std::vector<int64_t>> expected_top = {{2, 5}, {2, 4, 5, 7}, {2, 4, 5, 7, 9, 3}};
+      std::vector<int64_t> top = expected_top[width / 2 - 1];
+      std::sort(top.begin(), top.end());
+      ASSERT_EQ(expected.routing[0].expert_keys[0], top) << "the test's own loop, width " << width;
+      // Landmark 2 scores 0 for every key: all tie, so it owns keys 0 .. width-1.
+      std::vector<int64_t> first_keys(width);
+      std::iota(first_keys.begin(), first_keys.end(), 0);
+      ASSERT_EQ(expected.routing[0].expert_keys[2], first_keys);
+      for (MitaBackend backend : {MitaBackend::kAuto, MitaBackend::kReference}) {
+        SCOPED_TRACE(std::string(BackendName(backend)) + " width " + std::to_string(width));
+        const BackendRun run = RunBackend(q, k, v, items, backend);
+        ASSERT_EQ(run.routing.size(), 1u);
+        EXPECT_EQ(run.routing[0].expert_keys, expected.routing[0].expert_keys);
+        EXPECT_EQ(run.routing[0].expert_of_query, expected.routing[0].expert_of_query);
+        // Expert 1 duplicates expert 0: the first maximum wins, so it never receives a query.
+        EXPECT_EQ(std::count(run.routing[0].expert_of_query.begin(), run.routing[0].expert_of_query.end(), 1), 0);
+        EXPECT_EQ(run.statistics[0].queries_per_expert[1], 0.0);
+        EXPECT_LT(MaxAbsDifference(ToDoubles(run.output), expected.output), 1e-5);
+      }
+    }
+  }
+}
+
+// All-zero landmarks: every score and every gate value ties. Expert i owns keys 0 .. k-1 and every query goes
+// to expert 0; the statistics follow in closed form.
+TEST(MitaTies, AllTiedRouting) {
+  const Dims dims{1, 2, 12, 4};
+  const int64_t experts = 3, width = 5;
+  const RandomProblem problem = MakeRandomProblem(dims, at::kFloat, 51);
+  const std::vector<MitaItem> items = {MitaItem{at::zeros({2, experts, 4}), width}};
+  for (MitaBackend backend : {MitaBackend::kAuto, MitaBackend::kReference}) {
+    SCOPED_TRACE(BackendName(backend));
+    const BackendRun run = RunBackend(problem.q, problem.k, problem.v, items, backend);
+    for (const internal::MitaHeadRouting& routing : run.routing) {
+      EXPECT_EQ(routing.expert_of_query, std::vector<int64_t>(12, 0));
+      for (const std::vector<int64_t>& keys : routing.expert_keys) {
+        EXPECT_EQ(keys, (std::vector<int64_t>{0, 1, 2, 3, 4}));
+      }
+    }
+    const MitaItemStatistics& statistics = run.statistics[0];
+    EXPECT_EQ(statistics.queries_per_expert, (std::vector<double>{12, 0, 0}));
+    EXPECT_DOUBLE_EQ(statistics.load_imbalance, 3.0);
+    EXPECT_DOUBLE_EQ(statistics.routing_entropy, 0.0);
+    EXPECT_DOUBLE_EQ(statistics.pruned_key_fraction, 7.0 / 12);
+    EXPECT_DOUBLE_EQ(statistics.expert_overlap_fraction, 5.0 / 12);
+  }
+}
+
+// The CPU kernel's vectorisable float exp: within 2e-7 relative of the float64 exp on its whole range.
+TEST(FastExp, MatchesStdExp) {
+  double worst = 0;
+  for (float x = internal::kFastExpMin; x <= 88.0f; x += 1e-3f) {
+    const double exact = std::exp(static_cast<double>(x));
+    worst = std::max(worst, std::abs(internal::FastExp(x) - exact) / exact);
+  }
+  EXPECT_LT(worst, 2e-7);
+  EXPECT_EQ(internal::FastExp(0.0f), 1.0f);
+  EXPECT_TRUE(std::isnan(internal::FastExp(std::numeric_limits<float>::quiet_NaN())));
+}
+
+// Small random integers: scores collide all the time, across the kernel's key blocks and top-k compactions.
+TEST(MitaTies, ManyTiesAcrossKeyBlocks) {
+  const Dims dims{1, 2, 700, 4};
+  std::mt19937_64 generator(81);
+  std::uniform_int_distribution<int> small_integer(-2, 2);
+  auto random_integers = [&](int64_t count) {
+    std::vector<double> values(count);
+    for (double& value : values) value = small_integer(generator);
+    return values;
+  };
+  const int64_t size = dims.batch * dims.heads * dims.tokens * dims.head_dim;
+  const std::vector<double> queries = random_integers(size), keys = random_integers(size);
+  const std::vector<double> values = RandomNormal(size, 82), landmarks = random_integers(2 * 6 * 4);
+  for (at::ScalarType type : {at::kFloat, at::kDouble}) {
+    const std::vector<int64_t> shape = {1, 2, 700, 4};
+    const at::Tensor q = MakeTensor(queries, shape, type), k = MakeTensor(keys, shape, type);
+    const at::Tensor v = MakeTensor(values, shape, type);
+    const std::vector<double> v_values = ToDoubles(v);
+    for (int64_t width : {1, 37, 350, 699}) {
+      const std::vector<MitaItem> items = {MitaItem{MakeTensor(landmarks, {2, 6, 4}, type), width}};
+      const LoopResult expected = MitaLoop(queries, keys, v_values, dims, ToLoopItems(items));
+      for (MitaBackend backend : {MitaBackend::kAuto, MitaBackend::kReference}) {
+        SCOPED_TRACE(std::string(BackendName(backend)) + " width " + std::to_string(width));
+        const BackendRun run = RunBackend(q, k, v, items, backend);
+        ExpectRoutingEqual(run.routing, expected.routing, BackendName(backend));
+        EXPECT_LT(MaxAbsDifference(ToDoubles(run.output), expected.output), 1e-5);
+        ExpectStatisticsNear(run.statistics, expected.statistics, BackendName(backend));
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// (5) Landmarks against hand loops.
+
+// Window i of an adaptive pool of `size` inputs into `outputs` windows: [floor(i*size/outputs),
+// ceil((i+1)*size/outputs)).
+std::pair<int64_t, int64_t> Window(int64_t i, int64_t size, int64_t outputs) {
+  return {i * size / outputs, ((i + 1) * size + outputs - 1) / outputs};
+}
+
+TEST(Landmarks, ImageLandmarksMatchHandLoopWithOneTokenShift) {
+  const int64_t side = 7, tokens = side * side + 1, d = 3, batch = 2, heads = 2;
+  const std::vector<double> values = RandomNormal(batch * heads * tokens * d, 61);
+  const at::Tensor q = MakeTensor(values, {batch, heads, tokens, d}, at::kDouble);
+  for (int64_t pool : {1, 3, 4, 7}) {  // 4 on 7 has overlapping windows: [0,2) [1,4) [3,6) [5,7)
+    SCOPED_TRACE("pool side " + std::to_string(pool));
+    absl::StatusOr<at::Tensor> landmarks = ImageLandmarks(q, pool);
+    ASSERT_TRUE(landmarks.ok()) << landmarks.status();
+    ASSERT_EQ(landmarks->sizes(), (std::vector<int64_t>{batch, heads, pool * pool, d}));
+    std::vector<double> expected;
+    for (int64_t head = 0; head < batch * heads; ++head) {
+      for (int64_t row = 0; row < pool; ++row) {
+        for (int64_t column = 0; column < pool; ++column) {
+          const auto [row_begin, row_end] = Window(row, side, pool);
+          const auto [column_begin, column_end] = Window(column, side, pool);
+          for (int64_t c = 0; c < d; ++c) {
+            double sum = 0;
+            for (int64_t y = row_begin; y < row_end; ++y) {
+              for (int64_t x = column_begin; x < column_end; ++x) {
+                const int64_t token = y * side + x;  // tokens 0 .. N-2: cls first, last patch dropped
+                sum += values[(head * tokens + token) * d + c];
+              }
+            }
+            expected.push_back(sum / static_cast<double>((row_end - row_begin) * (column_end - column_begin)));
+          }
+        }
+      }
+    }
+    EXPECT_LT(MaxAbsDifference(ToDoubles(*landmarks), expected), 1e-12);
+  }
+  EXPECT_EQ(Window(1, 7, 4), std::make_pair(int64_t{1}, int64_t{4}));  // the windows really overlap
+
+  // The last patch token has no influence; the cls token (token 0) has.
+  absl::StatusOr<at::Tensor> base = ImageLandmarks(q, 3);
+  at::Tensor changed_last = q.clone();
+  changed_last.narrow(2, tokens - 1, 1).fill_(100.0);
+  absl::StatusOr<at::Tensor> after_last = ImageLandmarks(changed_last, 3);
+  at::Tensor changed_cls = q.clone();
+  changed_cls.narrow(2, 0, 1).fill_(100.0);
+  absl::StatusOr<at::Tensor> after_cls = ImageLandmarks(changed_cls, 3);
+  ASSERT_TRUE(base.ok() && after_last.ok() && after_cls.ok());
+  EXPECT_TRUE(after_last->equal(*base));
+  EXPECT_GT(MaxAbsDifference(ToDoubles(*after_cls), ToDoubles(*base)), 1.0);
+}
+
+TEST(Landmarks, SequenceLandmarksMatchHandLoop) {
+  const int64_t tokens = 10, d = 3, batch = 2, heads = 3;
+  const std::vector<double> values = RandomNormal(batch * heads * tokens * d, 71);
+  const at::Tensor q = MakeTensor(values, {batch, heads, tokens, d}, at::kFloat);
+  const std::vector<double> q_values = ToDoubles(q);
+  for (int64_t experts : {1, 3, 4, 7, 10}) {  // 4 and 7 on 10 tokens: uneven, overlapping windows
+    SCOPED_TRACE("expert count " + std::to_string(experts));
+    absl::StatusOr<at::Tensor> landmarks = SequenceLandmarks(q.transpose(2, 3).contiguous().transpose(2, 3),
+                                                             experts);
+    ASSERT_TRUE(landmarks.ok()) << landmarks.status();
+    ASSERT_EQ(landmarks->sizes(), (std::vector<int64_t>{batch, heads, experts, d}));
+    std::vector<double> expected;
+    for (int64_t head = 0; head < batch * heads; ++head) {
+      for (int64_t i = 0; i < experts; ++i) {
+        const auto [begin, end] = Window(i, tokens, experts);
+        for (int64_t c = 0; c < d; ++c) {
+          double sum = 0;
+          for (int64_t n = begin; n < end; ++n) sum += q_values[(head * tokens + n) * d + c];
+          expected.push_back(sum / static_cast<double>(end - begin));
+        }
+      }
+    }
+    EXPECT_LT(MaxAbsDifference(ToDoubles(*landmarks), expected), 1e-5);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// (6) Every invalid argument is INVALID_ARGUMENT, without a crash.
+
+void ExpectInvalid(const absl::Status& status, const std::string& message_part) {
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr(message_part));
+}
+
+TEST(Validation, MitaAttentionRejectsEveryInvalidArgument) {
+  const int64_t heads = 2, tokens = 9, d = 4;
+  const at::Tensor q = at::zeros({2, heads, tokens, d});
+  const at::Tensor landmarks = at::zeros({heads, 3, d});
+  const std::vector<MitaItem> good = {MitaItem{landmarks, 4}, MitaItem{landmarks, 4}};
+  ASSERT_TRUE(MitaAttentionForward(q, q, q, good).ok());
+  auto forward = [&](const at::Tensor& q_arg, const at::Tensor& k_arg, const at::Tensor& v_arg,
+                     const std::vector<MitaItem>& items) {
+    std::vector<absl::Status> statuses;
+    for (MitaBackend backend : {MitaBackend::kAuto, MitaBackend::kReference}) {
+      std::vector<MitaItemStatistics> statistics;
+      statuses.push_back(MitaAttentionForward(q_arg, k_arg, v_arg, items, &statistics, backend).status());
+    }
+    EXPECT_EQ(statuses[0], statuses[1]);
+    return statuses[0];
+  };
+  auto with_item = [&](int64_t b, MitaItem item) {
+    std::vector<MitaItem> items = good;
+    items[b] = std::move(item);
+    return items;
+  };
+  ExpectInvalid(forward(at::Tensor(), q, q, good), "q is undefined");
+  ExpectInvalid(forward(q[0], q[0], q[0], good), "q must be a 4-D tensor [B, H, N, d], got 3-D");
+  ExpectInvalid(forward(q, q.narrow(2, 0, 8), q, good), "k shape [2, 2, 8, 4] differs from q shape [2, 2, 9, 4]");
+  ExpectInvalid(forward(q, q, q.narrow(3, 0, 3), good), "v shape");
+  ExpectInvalid(forward(q.to(at::kHalf), q.to(at::kHalf), q.to(at::kHalf), good), "q has dtype float16");
+  ExpectInvalid(forward(q.to(at::kLong), q.to(at::kLong), q.to(at::kLong), good), "supported dtypes");
+  ExpectInvalid(forward(q, q.to(at::kDouble), q, good), "k dtype float64 differs from q dtype float32");
+  ExpectInvalid(forward(q, q, q, {good[0]}), "items.size() 1 differs from the batch size B = 2");
+  ExpectInvalid(forward(q, q, q, with_item(1, MitaItem{landmarks, 0})), "items[1].expert_width 0 is outside [1, 9]");
+  ExpectInvalid(forward(q, q, q, with_item(0, MitaItem{landmarks, 10})), "items[0].expert_width 10 is outside");
+  ExpectInvalid(forward(q, q, q, with_item(0, MitaItem{landmarks, -3})), "items[0].expert_width -3");
+  ExpectInvalid(forward(q, q, q, with_item(1, MitaItem{at::Tensor(), 4})), "items[1].landmarks is undefined");
+  ExpectInvalid(forward(q, q, q, with_item(1, MitaItem{at::zeros({3, d}), 4})),
+                "items[1].landmarks must have shape [H, M, d] = [2, M >= 1, 4], got [3, 4]");
+  ExpectInvalid(forward(q, q, q, with_item(0, MitaItem{at::zeros({heads, 0, d}), 4})), "M >= 1");
+  ExpectInvalid(forward(q, q, q, with_item(0, MitaItem{at::zeros({heads + 1, 3, d}), 4})), "items[0].landmarks");
+  ExpectInvalid(forward(q, q, q, with_item(0, MitaItem{at::zeros({heads, 3, d + 1}), 4})), "items[0].landmarks");
+  ExpectInvalid(forward(q, q, q, with_item(0, MitaItem{landmarks.to(at::kDouble), 4})),
+                "items[0].landmarks dtype float64 differs");
+  ExpectInvalid(forward(at::zeros({1, heads, 0, d}), at::zeros({1, heads, 0, d}), at::zeros({1, heads, 0, d}),
+                        {MitaItem{landmarks, 1}}),
+                "N = 0");
+  ExpectInvalid(forward(at::zeros({1, 0, tokens, d}), at::zeros({1, 0, tokens, d}), at::zeros({1, 0, tokens, d}),
+                        {MitaItem{at::zeros({0, 3, d}), 1}}),
+                "H = 0");
+}
+
+TEST(Validation, FullAttentionAndLandmarksRejectInvalidArguments) {
+  const at::Tensor q = at::zeros({1, 2, 10, 4});  // N - 1 = 9 = 3 x 3
+  ExpectInvalid(FullAttentionForward(q, q.narrow(2, 0, 5), q).status(), "k shape");
+  ExpectInvalid(FullAttentionForward(q, q, q.to(at::kDouble)).status(), "v dtype");
+  ExpectInvalid(FullAttentionForward(q[0], q[0], q[0]).status(), "4-D");
+  ExpectInvalid(FullAttentionForward(q.to(at::kInt), q.to(at::kInt), q.to(at::kInt)).status(), "supported dtypes");
+
+  ExpectInvalid(ImageLandmarks(at::zeros({1, 2, 11, 4}), 2).status(), "perfect square");
+  ExpectInvalid(ImageLandmarks(at::zeros({1, 2, 1, 4}), 1).status(), "perfect square");
+  ExpectInvalid(ImageLandmarks(q, 0).status(), "pool_side 0 is outside [1, 3]");
+  ExpectInvalid(ImageLandmarks(q, 4).status(), "pool_side 4 is outside [1, 3]");
+  ExpectInvalid(ImageLandmarks(q[0], 2).status(), "4-D");
+  ExpectInvalid(ImageLandmarks(at::Tensor(), 2).status(), "undefined");
+  ExpectInvalid(ImageLandmarks(q.to(at::kLong), 2).status(), "supported dtypes");
+
+  ExpectInvalid(SequenceLandmarks(q, 0).status(), "expert_count 0 is outside [1, 10]");
+  ExpectInvalid(SequenceLandmarks(q, 11).status(), "expert_count 11 is outside [1, 10]");
+  ExpectInvalid(SequenceLandmarks(q[0][0], 2).status(), "4-D");
+}
+
+}  // namespace
+}  // namespace mita::kernels

@@ -1,1 +1,771 @@
-// (being written)
+// Tests of models/: config parsing and budgets, safetensors, model packages, and the MiTA-ViT classifier
+// against its independent PyTorch twin (tools/mita_reference.py via tools/reference_logits.py).
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Formatting.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/stack.h>
+
+#include "absl/status/status.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "models/image_decoder.h"
+#include "models/model_config.h"
+#include "models/model_package.h"
+#include "models/safetensors.h"
+#include "models/vit_classifier.h"
+#include "nlohmann/json.hpp"
+#include "tools/fashion_mnist.h"
+
+namespace mita::models {
+namespace {
+
+using ::testing::HasSubstr;
+using Json = nlohmann::json;
+
+// ----- helpers -----
+
+std::string SourceDirectory() {
+  const char* directory = std::getenv("MITA_SOURCE_DIR");
+  return directory != nullptr ? directory : ".";
+}
+
+// Folders made by MakeTempDirectory, removed when the test program ends.
+std::vector<std::string>& TempDirectories() {
+  static auto* directories = new std::vector<std::string>();
+  return *directories;
+}
+
+class TempDirectoryCleanup : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    for (const std::string& directory : TempDirectories()) {
+      std::error_code error;
+      std::filesystem::remove_all(directory, error);
+    }
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kCleanup =
+    ::testing::AddGlobalTestEnvironment(new TempDirectoryCleanup);
+
+// A fresh folder under the test temp dir.
+std::string MakeTempDirectory(const std::string& name) {
+  std::filesystem::path path = std::filesystem::path(::testing::TempDir()) /
+                               ("mita_models_test_" + std::to_string(::getpid()) + "_" + name);
+  std::filesystem::remove_all(path);
+  std::filesystem::create_directories(path);
+  TempDirectories().push_back(path.string());
+  return path.string();
+}
+
+void WriteFile(const std::string& path, const std::string& bytes) {
+  std::ofstream file(path, std::ios::binary);
+  file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  ASSERT_TRUE(file.good()) << path;
+}
+
+std::string ReadFileBytes(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+}
+
+std::string LittleEndian64(uint64_t value) {
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((value >> (8 * i)) & 0xFF);
+  return bytes;
+}
+
+// A safetensors file from header JSON text and the data buffer, written by hand.
+std::string SafetensorsFile(const std::string& header, const std::string& data) {
+  return LittleEndian64(header.size()) + header + data;
+}
+
+template <typename T>
+std::string Bytes(const std::vector<T>& values) {
+  return std::string(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
+}
+
+// Writes float32 tensors as safetensors (name order, contiguous offsets).
+std::string SafetensorsFromTensors(const std::map<std::string, at::Tensor>& tensors) {
+  Json header = Json::object();
+  std::string data;
+  for (const auto& [name, tensor] : tensors) {
+    const at::Tensor contiguous = tensor.contiguous();
+    const size_t begin = data.size();
+    data.append(static_cast<const char*>(contiguous.data_ptr()), contiguous.numel() * sizeof(float));
+    header[name] = {{"dtype", "F32"},
+                    {"shape", std::vector<int64_t>(tensor.sizes().begin(), tensor.sizes().end())},
+                    {"data_offsets", {begin, data.size()}}};
+  }
+  return SafetensorsFile(header.dump(), data);
+}
+
+void ExpectStatus(const absl::Status& status, absl::StatusCode code, const std::string& message_part) {
+  EXPECT_EQ(status.code(), code) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr(message_part));
+}
+
+// ----- config -----
+
+// config.json as written by tools/train_image.py.
+Json ValidConfigJson() {
+  return Json::parse(R"({
+    "architecture": "mita_vit", "task": "image_classification",
+    "image_size": 28, "patch_size": 4, "in_channels": 1,
+    "embed_dim": 96, "depth": 4, "num_heads": 4, "mlp_hidden_dim": 192,
+    "layer_norm_eps": 1e-6, "num_classes": 10,
+    "normalization": {"mean": [0.2860], "std": [0.3530]},
+    "attention": {"type": "mita", "depthwise_conv": true,
+                  "default_budget": {"expert_count": 9, "expert_width": 16},
+                  "presets": {"fast": {"expert_count": 4, "expert_width": 8},
+                              "balanced": {"expert_count": 9, "expert_width": 16},
+                              "accurate": {"expert_count": 16, "expert_width": 32},
+                              "exact": {"full_attention": true}}}
+  })");
+}
+
+TEST(ModelConfigTest, ValidConfigParses) {
+  absl::StatusOr<VitConfig> config = ParseVitConfig(ValidConfigJson().dump());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->architecture, "mita_vit");
+  EXPECT_EQ(config->image_size, 28);
+  EXPECT_EQ(config->patch_size, 4);
+  EXPECT_EQ(config->grid_side(), 7);
+  EXPECT_EQ(config->tokens(), 50);
+  EXPECT_EQ(config->head_dim(), 24);
+  EXPECT_EQ(config->mlp_hidden_dim, 192);
+  EXPECT_DOUBLE_EQ(config->layer_norm_eps, 1e-6);
+  EXPECT_EQ(config->num_classes, 10);
+  EXPECT_EQ(config->mean, std::vector<float>{0.286f});
+  EXPECT_EQ(config->std, std::vector<float>{0.353f});
+  EXPECT_TRUE(config->depthwise_conv);
+  EXPECT_EQ(config->default_budget.expert_count, 9);
+  EXPECT_EQ(config->default_budget.expert_width, 16);
+  ASSERT_EQ(config->presets.size(), 4u);
+  EXPECT_EQ(config->presets.at("fast").expert_count, 4);
+  EXPECT_EQ(config->presets.at("accurate").expert_width, 32);
+  EXPECT_TRUE(config->presets.at("exact").full_attention);
+  EXPECT_EQ(config->max_image_side, 4096);
+}
+
+TEST(ModelConfigTest, EachMissingFieldIsNamed) {
+  for (const std::string pointer :
+       {"/architecture", "/image_size", "/patch_size", "/in_channels", "/embed_dim", "/depth", "/num_heads",
+        "/mlp_hidden_dim", "/num_classes", "/normalization", "/normalization/mean", "/normalization/std",
+        "/attention", "/attention/type", "/attention/default_budget", "/attention/default_budget/expert_count",
+        "/attention/default_budget/expert_width"}) {
+    Json config = ValidConfigJson();
+    const Json::json_pointer path(pointer);
+    config[path.parent_pointer()].erase(path.back());
+    std::string field = pointer.substr(1);
+    std::replace(field.begin(), field.end(), '/', '.');
+    ExpectStatus(ParseVitConfig(config.dump()).status(), absl::StatusCode::kInvalidArgument,
+                 "missing required field " + field);
+  }
+}
+
+TEST(ModelConfigTest, EachWrongTypeIsNamed) {
+  for (const std::string pointer :
+       {"/architecture", "/image_size", "/patch_size", "/in_channels", "/embed_dim", "/depth", "/num_heads",
+        "/mlp_hidden_dim", "/layer_norm_eps", "/num_classes", "/normalization", "/normalization/mean",
+        "/normalization/std", "/attention", "/attention/type", "/attention/depthwise_conv",
+        "/attention/default_budget", "/attention/default_budget/expert_count", "/attention/presets",
+        "/attention/presets/fast/expert_width", "/max_image_side"}) {
+    Json config = ValidConfigJson();
+    config[Json::json_pointer(pointer)] = pointer == "/architecture" || pointer == "/attention/type"
+                                              ? Json(7)
+                                              : Json("seven");
+    std::string field = pointer.substr(1);
+    std::replace(field.begin(), field.end(), '/', '.');
+    const absl::Status status = ParseVitConfig(config.dump()).status();
+    ExpectStatus(status, absl::StatusCode::kInvalidArgument, field);
+  }
+  Json fractional = ValidConfigJson();
+  fractional["image_size"] = 28.5;
+  ExpectStatus(ParseVitConfig(fractional.dump()).status(), absl::StatusCode::kInvalidArgument,
+               "image_size must be an integer");
+}
+
+TEST(ModelConfigTest, OutOfRangeValuesAreNamedWithTheRange) {
+  struct Case {
+    std::string pointer;
+    Json value;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"/architecture", "resnet", "architecture \"resnet\" is not supported"},
+      {"/task", "translation", "task \"translation\" is not supported"},
+      {"/image_size", 0, "image_size 0 is out of range [1, 16384]"},
+      {"/patch_size", 5, "patch_size 5 does not divide image_size 28"},
+      {"/patch_size", 56, "patch_size 56 is out of range [1, 28]"},
+      {"/in_channels", 2, "in_channels 2 is not supported"},
+      {"/in_channels", 4, "in_channels 4 is out of range [1, 3]"},
+      {"/embed_dim", -1, "embed_dim -1 is out of range"},
+      {"/num_heads", 5, "num_heads 5 does not divide embed_dim 96"},
+      {"/depth", 0, "depth 0 is out of range [1, 1024]"},
+      {"/mlp_hidden_dim", 0, "mlp_hidden_dim 0 is out of range"},
+      {"/num_classes", 0, "num_classes 0 is out of range"},
+      {"/layer_norm_eps", 0, "layer_norm_eps must be > 0"},
+      {"/normalization/mean", Json::array({0.1, 0.2, 0.3}), "normalization.mean has 3 entries, expected in_channels = 1"},
+      {"/normalization/std", Json::array({0.0}), "normalization.std[0] must be > 0"},
+      {"/attention/type", "linear", "attention.type \"linear\" is not supported"},
+      {"/attention/default_budget/expert_count", 10,
+       "attention.default_budget.expert_count 10 is not allowed: use one of 1, 4, 9, 16, 25, 36, 49"},
+      {"/attention/default_budget/expert_width", 51, "attention.default_budget.expert_width 51 is out of range [1, 50]"},
+      {"/attention/default_budget/expert_width", 0, "attention.default_budget.expert_width 0 is out of range"},
+      {"/attention/presets/fast/expert_count", 64, "attention.presets.fast.expert_count 64 is not allowed"},
+      {"/max_image_side", 0, "max_image_side 0 is out of range"},
+  };
+  for (const Case& test_case : cases) {
+    Json config = ValidConfigJson();
+    config[Json::json_pointer(test_case.pointer)] = test_case.value;
+    ExpectStatus(ParseVitConfig(config.dump()).status(), absl::StatusCode::kInvalidArgument, test_case.message);
+  }
+}
+
+TEST(ModelConfigTest, InvalidJsonIsInvalidArgument) {
+  ExpectStatus(ParseVitConfig("{\"architecture\": ").status(), absl::StatusCode::kInvalidArgument,
+               "config.json: invalid JSON");
+  ExpectStatus(ParseVitConfig("[1, 2]").status(), absl::StatusCode::kInvalidArgument, "JSON object");
+  ExpectStatus(ParseVitConfig("").status(), absl::StatusCode::kInvalidArgument, "invalid JSON");
+}
+
+TEST(ModelConfigTest, ValidateBudgetAcceptsTheAllowedRanges) {
+  absl::StatusOr<VitConfig> config = ParseVitConfig(ValidConfigJson().dump());
+  ASSERT_TRUE(config.ok());
+  EXPECT_EQ(AllowedExpertCounts(*config), (std::vector<int64_t>{1, 4, 9, 16, 25, 36, 49}));
+  for (int64_t count : {1, 4, 9, 16, 25, 36, 49}) {
+    for (int64_t width : {1, 16, 50}) EXPECT_TRUE(ValidateBudget(*config, {false, count, width}).ok());
+  }
+  EXPECT_TRUE(ValidateBudget(*config, {true, 0, 0}).ok());  // full attention ignores m and k
+}
+
+TEST(ModelConfigTest, ValidateBudgetRejectsWithTheProtoFieldAndRange) {
+  absl::StatusOr<VitConfig> config = ParseVitConfig(ValidConfigJson().dump());
+  ASSERT_TRUE(config.ok());
+  for (int64_t count : {0, -4, 2, 10, 64}) {
+    ExpectStatus(ValidateBudget(*config, {false, count, 8}), absl::StatusCode::kInvalidArgument,
+                 "budget.experts.expert_count " + std::to_string(count) +
+                     " is not allowed: use one of 1, 4, 9, 16, 25, 36, 49");
+  }
+  for (int64_t width : {0, -1, 51, 1000}) {
+    ExpectStatus(ValidateBudget(*config, {false, 9, width}), absl::StatusCode::kInvalidArgument,
+                 "budget.experts.expert_width " + std::to_string(width) + " is out of range: allowed [1, 50]");
+  }
+}
+
+// ----- safetensors -----
+
+TEST(SafetensorsTest, HandWrittenFileRoundTrips) {
+  // F32 [2, 3] = 0 .. 5; F16 [2] = 1.5, -2 (0x3E00, 0xC000); BF16 [1] = 3 (0x4040); F64 [2] = 0.25, -1000;
+  // a scalar F32 (shape []) = 7; an empty F32 [0, 4].
+  const std::string f32 = Bytes(std::vector<float>{0, 1, 2, 3, 4, 5});
+  const std::string f16 = Bytes(std::vector<uint16_t>{0x3E00, 0xC000});
+  const std::string bf16 = Bytes(std::vector<uint16_t>{0x4040});
+  const std::string f64 = Bytes(std::vector<double>{0.25, -1000});
+  const std::string scalar = Bytes(std::vector<float>{7});
+  const std::string data = f32 + f16 + bf16 + f64 + scalar;
+  const std::string header = R"({"__metadata__": {"format": "pt"},
+    "matrix": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+    "half": {"dtype": "F16", "shape": [2], "data_offsets": [24, 28]},
+    "brain": {"dtype": "BF16", "shape": [1], "data_offsets": [28, 30]},
+    "double": {"dtype": "F64", "shape": [2], "data_offsets": [30, 46]},
+    "scalar": {"dtype": "F32", "shape": [], "data_offsets": [46, 50]},
+    "empty": {"dtype": "F32", "shape": [0, 4], "data_offsets": [50, 50]}})";
+  absl::StatusOr<std::map<std::string, at::Tensor>> tensors = ParseSafetensors(SafetensorsFile(header, data));
+  ASSERT_TRUE(tensors.ok()) << tensors.status();
+  ASSERT_EQ(tensors->size(), 6u);
+  for (const auto& [name, tensor] : *tensors) {
+    EXPECT_EQ(tensor.scalar_type(), at::kFloat) << name;
+    EXPECT_TRUE(tensor.device().is_cpu()) << name;
+  }
+  const at::Tensor& matrix = tensors->at("matrix");
+  EXPECT_EQ(matrix.sizes(), at::IntArrayRef({2, 3}));
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(matrix.reshape({-1})[i].item<float>(), static_cast<float>(i));
+  EXPECT_EQ(tensors->at("half")[0].item<float>(), 1.5f);
+  EXPECT_EQ(tensors->at("half")[1].item<float>(), -2.0f);
+  EXPECT_EQ(tensors->at("brain")[0].item<float>(), 3.0f);
+  EXPECT_EQ(tensors->at("double")[0].item<float>(), 0.25f);
+  EXPECT_EQ(tensors->at("double")[1].item<float>(), -1000.0f);
+  EXPECT_EQ(tensors->at("scalar").dim(), 0);
+  EXPECT_EQ(tensors->at("scalar").item<float>(), 7.0f);
+  EXPECT_EQ(tensors->at("empty").sizes(), at::IntArrayRef({0, 4}));
+}
+
+TEST(SafetensorsTest, WrittenByTheTestWriterRoundTrips) {
+  std::map<std::string, at::Tensor> tensors = {{"a", at::randn({3, 4})}, {"b", at::randn({5})}};
+  absl::StatusOr<std::map<std::string, at::Tensor>> parsed = ParseSafetensors(SafetensorsFromTensors(tensors));
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_TRUE(parsed->at("a").equal(tensors["a"]));
+  EXPECT_TRUE(parsed->at("b").equal(tensors["b"]));
+}
+
+TEST(SafetensorsTest, FileShorterThanEightBytes) {
+  ExpectStatus(ParseSafetensors("").status(), absl::StatusCode::kInvalidArgument, "shorter than the 8-byte");
+  ExpectStatus(ParseSafetensors(std::string("\x02\x00\x00", 3)).status(), absl::StatusCode::kInvalidArgument,
+               "file is 3 bytes, shorter than the 8-byte header length");
+}
+
+TEST(SafetensorsTest, HeaderLengthBeyondFile) {
+  ExpectStatus(ParseSafetensors(LittleEndian64(100) + "{}").status(), absl::StatusCode::kInvalidArgument,
+               "header length 100 is beyond the file: only 2 bytes follow");
+  ExpectStatus(ParseSafetensors(LittleEndian64(~uint64_t{0}) + "{}").status(), absl::StatusCode::kInvalidArgument,
+               "is beyond the file");
+}
+
+TEST(SafetensorsTest, InvalidJson) {
+  ExpectStatus(ParseSafetensors(SafetensorsFile("{\"a\": [", "")).status(), absl::StatusCode::kInvalidArgument,
+               "header is not valid JSON");
+  ExpectStatus(ParseSafetensors(SafetensorsFile("[1]", "")).status(), absl::StatusCode::kInvalidArgument,
+               "header must be a JSON object");
+  ExpectStatus(ParseSafetensors(SafetensorsFile(R"({"a": 5})", "")).status(), absl::StatusCode::kInvalidArgument,
+               "tensor \"a\": entry must be a JSON object");
+  ExpectStatus(ParseSafetensors(SafetensorsFile(R"({"a": {"dtype": "F32", "shape": [1]}})", "xxxx")).status(),
+               absl::StatusCode::kInvalidArgument, "tensor \"a\": missing \"data_offsets\"");
+}
+
+TEST(SafetensorsTest, UnknownDtype) {
+  ExpectStatus(
+      ParseSafetensors(SafetensorsFile(R"({"a": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}})",
+                                       std::string(8, '\0')))
+          .status(),
+      absl::StatusCode::kInvalidArgument, "tensor \"a\": dtype \"I64\" is not supported: use F32, F16, BF16 or F64");
+  ExpectStatus(
+      ParseSafetensors(SafetensorsFile(R"({"a": {"dtype": "F31", "shape": [1], "data_offsets": [0, 4]}})",
+                                       std::string(4, '\0')))
+          .status(),
+      absl::StatusCode::kInvalidArgument, "dtype \"F31\" is not supported");
+}
+
+TEST(SafetensorsTest, NegativeOrNonIntegerShape) {
+  for (const std::string shape : {"[-1]", "[2.5]", "[\"2\"]", "5", "[1, null]"}) {
+    const std::string header = R"({"a": {"dtype": "F32", "shape": )" + shape + R"(, "data_offsets": [0, 4]}})";
+    ExpectStatus(ParseSafetensors(SafetensorsFile(header, std::string(4, '\0'))).status(),
+                 absl::StatusCode::kInvalidArgument, "tensor \"a\": shape");
+  }
+}
+
+TEST(SafetensorsTest, OffsetsOutOfBounds) {
+  ExpectStatus(
+      ParseSafetensors(SafetensorsFile(R"({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})",
+                                       std::string(8, '\0')))
+          .status(),
+      absl::StatusCode::kInvalidArgument, "tensor \"a\": data_offsets [0, 16] are out of bounds: the data buffer holds 8 bytes");
+  ExpectStatus(
+      ParseSafetensors(SafetensorsFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}})",
+                                       std::string(8, '\0')))
+          .status(),
+      absl::StatusCode::kInvalidArgument, "end before they begin");
+  ExpectStatus(
+      ParseSafetensors(SafetensorsFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}})",
+                                       std::string(8, '\0')))
+          .status(),
+      absl::StatusCode::kInvalidArgument, "must be two non-negative integers");
+}
+
+TEST(SafetensorsTest, OffsetsNotMatchingShape) {
+  ExpectStatus(
+      ParseSafetensors(SafetensorsFile(R"({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}})",
+                                       std::string(12, '\0')))
+          .status(),
+      absl::StatusCode::kInvalidArgument, "data_offsets [0, 12] span 12 bytes but shape [2,2] x F32 needs 16");
+  ExpectStatus(
+      ParseSafetensors(SafetensorsFile(R"({"a": {"dtype": "F16", "shape": [3], "data_offsets": [0, 12]}})",
+                                       std::string(12, '\0')))
+          .status(),
+      absl::StatusCode::kInvalidArgument, "x F16 needs 6");
+}
+
+TEST(SafetensorsTest, OverlappingOffsets) {
+  ExpectStatus(ParseSafetensors(SafetensorsFile(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                                                    "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})",
+                                                std::string(12, '\0')))
+                   .status(),
+               absl::StatusCode::kInvalidArgument, "tensor \"b\": data_offsets [4, 12] overlap tensor \"a\" [0, 8]");
+}
+
+TEST(SafetensorsTest, HolesAndUnindexedBytes) {
+  // The format requires the data buffer to be fully indexed (no polyglot files).
+  ExpectStatus(ParseSafetensors(SafetensorsFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})",
+                                                std::string(8, '\0')))
+                   .status(),
+               absl::StatusCode::kInvalidArgument, "leaving a gap after byte 0");
+  ExpectStatus(ParseSafetensors(SafetensorsFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})",
+                                                std::string(8, '\0')))
+                   .status(),
+               absl::StatusCode::kInvalidArgument, "the tensors cover 4 bytes of the 8-byte data buffer");
+}
+
+TEST(SafetensorsTest, MissingFileIsNotFound) {
+  ExpectStatus(LoadSafetensors("/nonexistent/model.safetensors").status(), absl::StatusCode::kNotFound,
+               "/nonexistent/model.safetensors");
+}
+
+// ----- model packages (a tiny model with weights written here, no Python) -----
+
+// image 4, patch 2 (grid 2, N = 5), C = 4, 2 heads, 1 block, MLP 8, 3 classes.
+Json TinyConfigJson(bool depthwise_conv) {
+  Json config = {{"architecture", "mita_vit"},
+                 {"image_size", 4},
+                 {"patch_size", 2},
+                 {"in_channels", 1},
+                 {"embed_dim", 4},
+                 {"depth", 1},
+                 {"num_heads", 2},
+                 {"mlp_hidden_dim", 8},
+                 {"num_classes", 3},
+                 {"normalization", {{"mean", {0.5}}, {"std", {0.25}}}},
+                 {"attention",
+                  {{"type", "mita"},
+                   {"depthwise_conv", depthwise_conv},
+                   {"default_budget", {{"expert_count", 1}, {"expert_width", 2}}}}}};
+  return config;
+}
+
+std::map<std::string, at::Tensor> TinyWeights(bool depthwise_conv) {
+  std::map<std::string, at::Tensor> weights = {
+      {"patch_embed.proj.weight", at::randn({4, 1, 2, 2})},
+      {"patch_embed.proj.bias", at::randn({4})},
+      {"cls_token", at::randn({1, 1, 4})},
+      {"pos_embed", at::randn({1, 5, 4})},
+      {"blocks.0.norm1.weight", at::randn({4})},
+      {"blocks.0.norm1.bias", at::randn({4})},
+      {"blocks.0.attn.qkv.weight", at::randn({12, 4})},
+      {"blocks.0.attn.qkv.bias", at::randn({12})},
+      {"blocks.0.attn.proj.weight", at::randn({4, 4})},
+      {"blocks.0.attn.proj.bias", at::randn({4})},
+      {"blocks.0.norm2.weight", at::randn({4})},
+      {"blocks.0.norm2.bias", at::randn({4})},
+      {"blocks.0.mlp.fc1.weight", at::randn({8, 4})},
+      {"blocks.0.mlp.fc1.bias", at::randn({8})},
+      {"blocks.0.mlp.fc2.weight", at::randn({4, 8})},
+      {"blocks.0.mlp.fc2.bias", at::randn({4})},
+      {"norm.weight", at::randn({4})},
+      {"norm.bias", at::randn({4})},
+      {"head.weight", at::randn({3, 4})},
+      {"head.bias", at::randn({3})},
+  };
+  if (depthwise_conv) {
+    weights["blocks.0.attn.dwc.weight"] = at::randn({4, 1, 3, 3});
+    weights["blocks.0.attn.dwc.bias"] = at::randn({4});
+  }
+  return weights;
+}
+
+std::string WriteTinyPackage(const std::string& name, const Json& config,
+                             const std::map<std::string, at::Tensor>& weights, const std::string& labels) {
+  const std::string directory = MakeTempDirectory(name);
+  WriteFile(directory + "/config.json", config.dump(2));
+  WriteFile(directory + "/model.safetensors", SafetensorsFromTensors(weights));
+  WriteFile(directory + "/labels.txt", labels);
+  return directory;
+}
+
+TEST(ModelPackageTest, ValidPackageLoads) {
+  const std::string directory =
+      WriteTinyPackage("valid", TinyConfigJson(true), TinyWeights(true), "cat\ndog\r\nbird\n");
+  absl::StatusOr<ModelPackage> package = LoadModelPackage(directory);
+  ASSERT_TRUE(package.ok()) << package.status();
+  EXPECT_EQ(package->name, std::filesystem::path(directory).filename().string());
+  EXPECT_EQ(package->labels, (std::vector<std::string>{"cat", "dog", "bird"}));
+  ASSERT_NE(package->model, nullptr);
+  EXPECT_EQ(package->model->config().num_classes, 3);
+  // Loads without a final newline too.
+  WriteFile(directory + "/labels.txt", "cat\ndog\nbird");
+  EXPECT_TRUE(LoadModelPackage(directory).ok());
+}
+
+TEST(ModelPackageTest, MissingFolderAndFilesAreNotFound) {
+  ExpectStatus(LoadModelPackage("/nonexistent/package").status(), absl::StatusCode::kNotFound, "no folder");
+  for (const std::string file : {"config.json", "model.safetensors", "labels.txt"}) {
+    const std::string directory =
+        WriteTinyPackage("missing_" + file, TinyConfigJson(false), TinyWeights(false), "a\nb\nc\n");
+    std::filesystem::remove(directory + "/" + file);
+    ExpectStatus(LoadModelPackage(directory).status(), absl::StatusCode::kNotFound, "missing file");
+    ExpectStatus(LoadModelPackage(directory).status(), absl::StatusCode::kNotFound, file);
+  }
+}
+
+TEST(ModelPackageTest, MissingTensorIsNamed) {
+  std::map<std::string, at::Tensor> weights = TinyWeights(true);
+  weights.erase("blocks.0.attn.dwc.weight");
+  const std::string directory = WriteTinyPackage("missing_tensor", TinyConfigJson(true), weights, "a\nb\nc\n");
+  ExpectStatus(LoadModelPackage(directory).status(), absl::StatusCode::kInvalidArgument,
+               "model.safetensors: weights: missing tensor \"blocks.0.attn.dwc.weight\" (expected shape [4, 1, 3, 3])");
+}
+
+TEST(ModelPackageTest, WrongShapeIsNamedWithBothShapes) {
+  std::map<std::string, at::Tensor> weights = TinyWeights(false);
+  weights["blocks.0.attn.qkv.weight"] = at::randn({4, 12});
+  const std::string directory = WriteTinyPackage("wrong_shape", TinyConfigJson(false), weights, "a\nb\nc\n");
+  ExpectStatus(LoadModelPackage(directory).status(), absl::StatusCode::kInvalidArgument,
+               "tensor \"blocks.0.attn.qkv.weight\" has shape [4, 12], expected [12, 4]");
+}
+
+TEST(ModelPackageTest, ExtraTensorIsAnError) {
+  std::map<std::string, at::Tensor> weights = TinyWeights(false);
+  weights["blocks.0.attn.extra"] = at::randn({2});
+  const std::string directory = WriteTinyPackage("extra_tensor", TinyConfigJson(false), weights, "a\nb\nc\n");
+  ExpectStatus(LoadModelPackage(directory).status(), absl::StatusCode::kInvalidArgument,
+               "unexpected tensor \"blocks.0.attn.extra\"");
+  // DWC weights in a package whose config says no DWC.
+  const std::string dwc_directory =
+      WriteTinyPackage("extra_dwc", TinyConfigJson(false), TinyWeights(true), "a\nb\nc\n");
+  ExpectStatus(LoadModelPackage(dwc_directory).status(), absl::StatusCode::kInvalidArgument,
+               "attention.depthwise_conv is false");
+}
+
+TEST(ModelPackageTest, LabelsCountMismatch) {
+  const std::string directory = WriteTinyPackage("labels", TinyConfigJson(false), TinyWeights(false), "a\nb\n");
+  ExpectStatus(LoadModelPackage(directory).status(), absl::StatusCode::kInvalidArgument,
+               "labels.txt: holds 2 labels, config.json num_classes is 3");
+  WriteFile(directory + "/labels.txt", "a\n\nc\n");
+  ExpectStatus(LoadModelPackage(directory).status(), absl::StatusCode::kInvalidArgument,
+               "labels.txt: line 2 is empty");
+}
+
+TEST(ModelPackageTest, MalformedFilesArePrefixed) {
+  const std::string directory = WriteTinyPackage("malformed", TinyConfigJson(false), TinyWeights(false), "a\nb\nc\n");
+  WriteFile(directory + "/model.safetensors", "\x01\x02");
+  ExpectStatus(LoadModelPackage(directory).status(), absl::StatusCode::kInvalidArgument,
+               "model.safetensors: safetensors: file is 2 bytes");
+  WriteFile(directory + "/config.json", "{");
+  ExpectStatus(LoadModelPackage(directory).status(), absl::StatusCode::kInvalidArgument, "config.json: invalid JSON");
+}
+
+// ----- classifier -----
+
+TEST(VitClassifierTest, ForwardRejectsBadInputs) {
+  absl::StatusOr<VitConfig> config = ParseVitConfig(TinyConfigJson(true).dump());
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<std::unique_ptr<VitClassifier>> model = VitClassifier::Create(*config, TinyWeights(true));
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::vector<AttentionBudget> two = {{false, 1, 2}, {false, 4, 5}};
+  ExpectStatus((*model)->Forward(at::randn({2, 1, 8, 8}), two, false).status(), absl::StatusCode::kInvalidArgument,
+               "images: shape [2, 1, 8, 8], expected [B >= 1, 1, 4, 4]");
+  ExpectStatus((*model)->Forward(at::randn({3, 1, 4, 4}), two, false).status(), absl::StatusCode::kInvalidArgument,
+               "budgets: 2 entries for a batch of 3 images");
+  const std::vector<AttentionBudget> bad = {{false, 1, 2}, {false, 9, 2}};
+  ExpectStatus((*model)->Forward(at::randn({2, 1, 4, 4}), bad, false).status(), absl::StatusCode::kInvalidArgument,
+               "budget.experts.expert_count 9 is not allowed: use one of 1, 4");
+  ExpectStatus((*model)->Forward(at::randn({2, 1, 4, 4}).to(at::kDouble), two, false).status(),
+               absl::StatusCode::kInvalidArgument, "float32");
+}
+
+TEST(VitClassifierTest, TinyModelRunsAllBudgetsAndReportsStatistics) {
+  absl::StatusOr<VitConfig> config = ParseVitConfig(TinyConfigJson(true).dump());
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<std::unique_ptr<VitClassifier>> model = VitClassifier::Create(*config, TinyWeights(true));
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::vector<AttentionBudget> budgets = {{false, 1, 2}, {true, 0, 0}, {false, 4, 5}};
+  absl::StatusOr<ClassifierOutput> output = (*model)->Forward(at::randn({3, 1, 4, 4}), budgets, true);
+  ASSERT_TRUE(output.ok()) << output.status();
+  EXPECT_EQ(output->logits.sizes(), at::IntArrayRef({3, 3}));
+  EXPECT_TRUE(output->logits.isfinite().all().item<bool>());
+  ASSERT_EQ(output->statistics.size(), 3u);
+  EXPECT_EQ(output->statistics[0].size(), 1u);  // one layer
+  EXPECT_TRUE(output->statistics[1].empty());   // full attention: no routing
+  ASSERT_EQ(output->statistics[2].size(), 1u);
+  EXPECT_EQ(output->statistics[2][0].queries_per_expert.size(), 4u);
+  output->logits.add_(1);  // callers may modify the logits (not an inference-mode tensor)
+}
+
+// The images the Python comparison uses: the first `count` Fashion-MNIST test images, preprocessed.
+absl::StatusOr<at::Tensor> FashionMnistBatch(const VitConfig& config, int64_t count) {
+  absl::StatusOr<datasets::FashionMnist> data = datasets::ReadFashionMnist("t10k");
+  if (!data.ok()) return data.status();
+  std::vector<at::Tensor> images;
+  for (int64_t i = 0; i < count; ++i) {
+    DecodedImage image;
+    image.width = data->columns;
+    image.height = data->rows;
+    image.channels = 1;
+    const auto begin = data->pixels.begin() + i * data->rows * data->columns;
+    image.pixels.assign(begin, begin + data->rows * data->columns);
+    absl::StatusOr<at::Tensor> tensor = PreprocessImage(image, config);
+    if (!tensor.ok()) return tensor.status();
+    images.push_back(*tensor);
+  }
+  return at::stack(images);
+}
+
+Json BudgetJson(const AttentionBudget& budget) {
+  if (budget.full_attention) return {{"full_attention", true}};
+  return {{"expert_count", budget.expert_count}, {"expert_width", budget.expert_width}};
+}
+
+constexpr char kPython[] = "/usr/bin/python3";
+
+bool PythonHasTorch() {
+  static const bool has_torch =
+      std::system((std::string(kPython) + " -c 'import torch' > /dev/null 2>&1").c_str()) == 0;
+  return has_torch;
+}
+
+// Runs tools/reference_logits.py on `images` [B, C, S, S] with per-item budgets; returns logits [B, classes].
+absl::StatusOr<at::Tensor> PythonLogits(const std::string& package, const at::Tensor& images,
+                                        const std::vector<AttentionBudget>& budgets, const std::string& work) {
+  const at::Tensor contiguous = images.contiguous();
+  WriteFile(work + "/images.f32",
+            std::string(static_cast<const char*>(contiguous.data_ptr()), contiguous.numel() * sizeof(float)));
+  Json budget_list = Json::array();
+  for (const AttentionBudget& budget : budgets) budget_list.push_back(BudgetJson(budget));
+  WriteFile(work + "/budgets.json", budget_list.dump());
+  const std::string command = std::string(kPython) + " " + SourceDirectory() +
+                              "/tools/reference_logits.py logits --package " + package + " --images " + work +
+                              "/images.f32 --budgets " + work + "/budgets.json --out " + work +
+                              "/logits.f32 2> " + work + "/python_stderr.txt";
+  if (std::system(command.c_str()) != 0) {
+    return absl::InternalError("reference_logits.py failed: " + ReadFileBytes(work + "/python_stderr.txt"));
+  }
+  const std::string bytes = ReadFileBytes(work + "/logits.f32");
+  const int64_t batch = images.size(0);
+  if (bytes.size() % (batch * sizeof(float)) != 0 || bytes.empty()) {
+    return absl::InternalError("reference_logits.py wrote " + std::to_string(bytes.size()) + " bytes");
+  }
+  at::Tensor logits = at::empty({batch, static_cast<int64_t>(bytes.size() / sizeof(float)) / batch});
+  std::memcpy(logits.data_ptr(), bytes.data(), bytes.size());
+  return logits;
+}
+
+// A random-weight package made by the Python twin (DWC on unless `no_dwc`).
+class PythonTwinTest : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override {
+    if (!PythonHasTorch()) {
+      GTEST_SKIP() << kPython << " cannot import torch: the comparison with the PyTorch twin "
+                   << "(tools/reference_logits.py) needs Debian's python3-torch";
+    }
+    const bool no_dwc = GetParam();
+    work_ = MakeTempDirectory(no_dwc ? "twin_no_dwc" : "twin_dwc");
+    package_ = work_ + "/package";
+    const std::string command = std::string(kPython) + " " + SourceDirectory() +
+                                "/tools/reference_logits.py make-package --seed 3 --out " + package_ +
+                                (no_dwc ? " --no-dwc" : "") + " 2> " + work_ + "/make_stderr.txt";
+    ASSERT_EQ(std::system(command.c_str()), 0) << ReadFileBytes(work_ + "/make_stderr.txt");
+    absl::StatusOr<ModelPackage> package = LoadModelPackage(package_);
+    ASSERT_TRUE(package.ok()) << package.status();
+    ASSERT_EQ(package->config.depthwise_conv, !no_dwc);
+    package_value_ = std::move(*package);
+  }
+
+  std::string work_;
+  std::string package_;
+  ModelPackage package_value_;
+};
+
+// The largest |C++ - Python| logit difference seen by the comparisons (printed by the last one).
+double max_difference_seen = 0;
+
+void CompareWithPython(const ModelPackage& package, const std::string& package_directory, const at::Tensor& images,
+                       const std::vector<AttentionBudget>& budgets, const std::string& work, double tolerance,
+                       kernels::MitaBackend backend = kernels::MitaBackend::kAuto) {
+  absl::StatusOr<ClassifierOutput> output = package.model->Forward(images, budgets, false, backend);
+  ASSERT_TRUE(output.ok()) << output.status();
+  absl::StatusOr<at::Tensor> expected = PythonLogits(package_directory, images, budgets, work);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  ASSERT_EQ(output->logits.sizes(), expected->sizes());
+  const at::Tensor difference = output->logits.sub(*expected).abs();
+  for (int64_t b = 0; b < images.size(0); ++b) {
+    const double item_difference = difference[b].max().item<double>();
+    max_difference_seen = std::max(max_difference_seen, item_difference);
+    EXPECT_LE(item_difference, tolerance)
+        << "item " << b << " budget " << BudgetJson(budgets[b]).dump() << "\nC++:    " << output->logits[b]
+        << "\nPython: " << (*expected)[b];
+  }
+  std::cout << "[ info ] max |C++ - Python| logit difference so far: " << max_difference_seen << "\n";
+}
+
+TEST_P(PythonTwinTest, LogitsMatchOnFashionMnistAtThreeBudgets) {
+  absl::StatusOr<at::Tensor> images = FashionMnistBatch(package_value_.config, 6);
+  if (!images.ok()) GTEST_SKIP() << "Fashion-MNIST not installed: " << images.status();
+  for (const AttentionBudget budget : {AttentionBudget{false, 9, 16}, AttentionBudget{false, 4, 8},
+                                       AttentionBudget{false, 16, 32}, AttentionBudget{true, 0, 0}}) {
+    CompareWithPython(package_value_, package_, *images, std::vector<AttentionBudget>(6, budget), work_, 1e-4);
+  }
+}
+
+TEST_P(PythonTwinTest, LogitsMatchWithDifferentBudgetsInOneBatch) {
+  absl::StatusOr<at::Tensor> images = FashionMnistBatch(package_value_.config, 9);
+  if (!images.ok()) GTEST_SKIP() << "Fashion-MNIST not installed: " << images.status();
+  const std::vector<AttentionBudget> budgets = {{false, 4, 8},  {false, 16, 32}, {true, 0, 0},
+                                                {false, 9, 16}, {false, 49, 50}, {false, 1, 1},
+                                                {false, 25, 5}, {true, 0, 0},    {false, 9, 16}};
+  CompareWithPython(package_value_, package_, *images, budgets, work_, 1e-4);
+  // Random inputs too (not only the black-background images).
+  CompareWithPython(package_value_, package_, at::randn({9, 1, 28, 28}), budgets, work_, 1e-4);
+  // And the reference kernel.
+  CompareWithPython(package_value_, package_, *images, budgets, work_, 1e-4, kernels::MitaBackend::kReference);
+}
+
+TEST_P(PythonTwinTest, MixedBatchEqualsEachItemAlone) {
+  const at::Tensor images = at::randn({7, 1, 28, 28});
+  const std::vector<AttentionBudget> budgets = {{false, 4, 8}, {true, 0, 0},   {false, 16, 32}, {false, 9, 16},
+                                                {false, 4, 50}, {false, 36, 3}, {true, 0, 0}};
+  absl::StatusOr<ClassifierOutput> batched = package_value_.model->Forward(images, budgets, true);
+  ASSERT_TRUE(batched.ok()) << batched.status();
+  ASSERT_EQ(batched->statistics.size(), budgets.size());
+  for (size_t b = 0; b < budgets.size(); ++b) {
+    absl::StatusOr<ClassifierOutput> alone =
+        package_value_.model->Forward(images.narrow(0, b, 1), {budgets[b]}, true);
+    ASSERT_TRUE(alone.ok()) << alone.status();
+    EXPECT_LE(batched->logits[b].sub(alone->logits[0]).abs().max().item<double>(), 1e-5) << "item " << b;
+    EXPECT_EQ(batched->statistics[b].size(), budgets[b].full_attention ? 0u : 4u) << "item " << b;
+    ASSERT_EQ(batched->statistics[b].size(), alone->statistics[0].size());
+    for (size_t layer = 0; layer < batched->statistics[b].size(); ++layer) {
+      EXPECT_EQ(batched->statistics[b][layer].queries_per_expert, alone->statistics[0][layer].queries_per_expert);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dwc, PythonTwinTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? std::string("NoDwc") : std::string("Dwc");
+                         });
+
+// The trained package in the repository, when it has been trained (tools/train_image.py).
+TEST(TrainedPackageTest, MatchesPythonAndClassifiesFashionMnist) {
+  const std::string directory = SourceDirectory() + "/models/repository/fashion-mnist-vit";
+  if (!std::filesystem::exists(directory + "/model.safetensors")) {
+    GTEST_SKIP() << "no trained package at " << directory << " (train it with tools/train_image.py)";
+  }
+  absl::StatusOr<ModelPackage> package = LoadModelPackage(directory);
+  ASSERT_TRUE(package.ok()) << package.status();
+  EXPECT_EQ(package->labels, datasets::FashionMnistLabels());
+  absl::StatusOr<datasets::FashionMnist> data = datasets::ReadFashionMnist("t10k");
+  if (!data.ok()) GTEST_SKIP() << "Fashion-MNIST not installed: " << data.status();
+  constexpr int64_t kCount = 200;
+  absl::StatusOr<at::Tensor> images = FashionMnistBatch(package->config, kCount);
+  ASSERT_TRUE(images.ok()) << images.status();
+  absl::StatusOr<ClassifierOutput> output = package->model->Forward(
+      *images, std::vector<AttentionBudget>(kCount, package->config.default_budget), false);
+  ASSERT_TRUE(output.ok()) << output.status();
+  const at::Tensor predicted = output->logits.argmax(1);
+  int64_t correct = 0;
+  for (int64_t i = 0; i < kCount; ++i) correct += predicted[i].item<int64_t>() == data->labels[i];
+  EXPECT_GE(correct, kCount * 8 / 10) << "accuracy on the first " << kCount << " test images";
+  if (PythonHasTorch()) {
+    const std::string work = MakeTempDirectory("trained");
+    const std::vector<AttentionBudget> budgets = {{false, 9, 16}, {false, 4, 8}, {true, 0, 0}, {false, 16, 32},
+                                                  {false, 49, 50}, {false, 1, 4}};
+    CompareWithPython(*package, directory, images->narrow(0, 0, 6), budgets, work, 1e-4);
+  }
+}
+
+}  // namespace
+}  // namespace mita::models

@@ -1,1 +1,746 @@
-// (being written)
+// End-to-end test of the service over loopback: the real model package (models/repository), real
+// Fashion-MNIST test images encoded as PNG, the client library, grpc.health.v1, and a /metrics scrape.
+//
+// The model repository is $MITA_MODEL_REPOSITORY when set (development with another package), else
+// $MITA_SOURCE_DIR/models/repository.
+#include <arpa/inet.h>
+#include <grpcpp/client_context.h>
+#include <grpcpp/completion_queue.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/mita_client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "prometheus/metric_family.h"
+#include "server/classify_service.h"
+#include "server/grpc_status.h"
+#include "server/metrics.h"
+#include "server/model_registry.h"
+#include "tools/fashion_mnist.h"
+
+namespace mita::server {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+
+constexpr char kModel[] = "fashion-mnist-vit";
+constexpr int kImages = 64;                               // encoded test images kept
+constexpr int64_t kMaxImageBytes = int64_t{1} << 20;      // encoded image limit of the test server
+constexpr int kMaxReceiveBytes = (1 << 20) + (64 << 10);  // gRPC receive limit of the test server
+
+std::string RepositoryPath() {
+  if (const char* repository = std::getenv("MITA_MODEL_REPOSITORY"); repository != nullptr && *repository) {
+    return repository;
+  }
+  const char* source = std::getenv("MITA_SOURCE_DIR");
+  return absl::StrCat(source != nullptr ? source : ".", "/models/repository");
+}
+
+// An HTTP/1.0 GET over a plain socket; returns the body.
+absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return absl::InternalError("socket");
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    close(fd);
+    return absl::UnavailableError("connect");
+  }
+  const std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+  if (send(fd, request.data(), request.size(), 0) != static_cast<ssize_t>(request.size())) {
+    close(fd);
+    return absl::UnavailableError("send");
+  }
+  std::string reply;
+  char buffer[65536];
+  for (ssize_t n; (n = recv(fd, buffer, sizeof(buffer), 0)) > 0;) reply.append(buffer, static_cast<size_t>(n));
+  close(fd);
+  const size_t body = reply.find("\r\n\r\n");
+  if (!absl::StartsWith(reply, "HTTP/1.") || body == std::string::npos) {
+    return absl::InternalError(absl::StrCat("bad HTTP reply: ", reply.substr(0, 200)));
+  }
+  if (reply.find(" 200 ") > reply.find("\r\n")) return absl::InternalError(reply.substr(0, reply.find("\r\n")));
+  return reply.substr(body + 4);
+}
+
+// The value of the sample `series` (name and labels exactly as exposed, e.g.
+// 'mita_batch_size_count{model="m"}') in a text exposition, or -1 when absent.
+double SampleValue(const std::string& exposition, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(exposition, '\n')) {
+    if (!absl::StartsWith(line, series) || line.size() <= series.size() || line[series.size()] != ' ') continue;
+    double value = 0;
+    if (absl::SimpleAtod(line.substr(series.size() + 1), &value)) return value;
+  }
+  return -1;
+}
+
+// A counter value read in-process from the registry: the sum over samples of `name` whose labels include
+// all of `labels`.
+double CounterValue(const prometheus::Registry& registry, const std::string& name,
+                    const std::map<std::string, std::string>& labels) {
+  double total = 0;
+  for (const prometheus::MetricFamily& family : registry.Collect()) {
+    if (family.name != name) continue;
+    for (const prometheus::ClientMetric& metric : family.metric) {
+      bool match = true;
+      for (const auto& [key, value] : labels) {
+        bool found = false;
+        for (const prometheus::ClientMetric::Label& label : metric.label) {
+          if (label.name == key && label.value == value) found = true;
+        }
+        match = match && found;
+      }
+      if (match) total += metric.counter.value;
+    }
+  }
+  return total;
+}
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    absl::StatusOr<std::unique_ptr<ModelRegistry>> registry = ModelRegistry::LoadFromDirectory(RepositoryPath());
+    ASSERT_TRUE(registry.ok()) << registry.status();
+    registry_ = registry->release();
+    absl::StatusOr<const models::ModelPackage*> package = registry_->Lookup(kModel);
+    ASSERT_TRUE(package.ok()) << package.status();
+
+    std::vector<ServerMetrics::ModelInfo> infos;
+    for (const models::ModelPackage* p : registry_->packages()) infos.push_back({p->name, p->config.depth});
+    metrics_ = new ServerMetrics(infos);
+    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> metrics_server =
+        MetricsHttpServer::Start("127.0.0.1:0", metrics_->registry());
+    ASSERT_TRUE(metrics_server.ok()) << metrics_server.status();
+    metrics_server_ = metrics_server->release();
+    metrics_port_ = metrics_server_->port();
+    ASSERT_GT(metrics_port_, 0);
+
+    ServiceOptions options;
+    options.batching.max_batch_size = 8;
+    // Long enough that concurrent callers share batches.
+    options.batching.max_queue_delay = absl::Milliseconds(50);
+    options.batching.queue_capacity = 64;
+    options.batching.num_batch_threads = 1;
+    options.max_encoded_image_bytes = kMaxImageBytes;
+    absl::StatusOr<std::unique_ptr<ClassifyService>> service = ClassifyService::Create(registry_, metrics_, options);
+    ASSERT_TRUE(service.ok()) << service.status();
+    service_ = service->release();
+
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.SetMaxReceiveMessageSize(kMaxReceiveBytes);
+    builder.RegisterService(service_);
+    server_ = builder.BuildAndStart().release();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_NE(port, 0);
+    server_->GetHealthCheckService()->SetServingStatus(true);
+    server_->GetHealthCheckService()->SetServingStatus(v1::MitaService::service_full_name(), true);
+    target_ = absl::StrCat("127.0.0.1:", port);
+    client_ = client::MitaClient::Connect(target_).release();
+
+    absl::StatusOr<datasets::FashionMnist> test_set = datasets::ReadFashionMnist("t10k");
+    ASSERT_TRUE(test_set.ok()) << test_set.status();
+    const int64_t pixels = test_set->rows * test_set->columns;
+    for (int i = 0; i < kImages; ++i) {
+      std::vector<uint8_t> image(test_set->pixels.begin() + i * pixels, test_set->pixels.begin() + (i + 1) * pixels);
+      absl::StatusOr<std::string> png = datasets::EncodePng(image, test_set->columns, test_set->rows, 1);
+      ASSERT_TRUE(png.ok()) << png.status();
+      images_.push_back(*png);
+      labels_.push_back(test_set->labels[i]);
+    }
+  }
+
+  static void TearDownTestSuite() {
+    delete client_;
+    if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    if (service_ != nullptr) service_->Shutdown();
+    delete server_;
+    delete service_;
+    delete metrics_server_;
+    delete metrics_;
+    delete registry_;
+  }
+
+  void SetUp() override { ASSERT_NE(client_, nullptr) << "suite set-up failed"; }
+
+  static client::ClassifyOptions Options() {
+    client::ClassifyOptions options;
+    options.model = kModel;
+    options.deadline = absl::Seconds(60);
+    return options;
+  }
+
+  // Expects a successful response that is internally consistent.
+  static void ExpectWellFormed(const v1::ClassifyResponse& response, int expected_classes) {
+    EXPECT_EQ(response.model(), kModel);
+    ASSERT_EQ(response.classes_size(), expected_classes);
+    for (int i = 0; i < response.classes_size(); ++i) {
+      const v1::ClassScore& score = response.classes(i);
+      EXPECT_GE(score.index(), 0);
+      EXPECT_LT(score.index(), 10);
+      EXPECT_EQ(score.label(), datasets::FashionMnistLabels()[static_cast<size_t>(score.index())]);
+      EXPECT_GE(score.score(), 0.0f);
+      EXPECT_LE(score.score(), 1.0f);
+      if (i > 0) {
+        EXPECT_LE(score.score(), response.classes(i - 1).score());
+      }
+    }
+    EXPECT_GT(response.timing().compute_us(), 0);
+    EXPECT_GE(response.timing().queue_delay_us(), 0);
+    EXPECT_GT(response.timing().total_us(), 0);
+    EXPECT_GE(response.timing().total_us(), response.timing().queue_delay_us() + response.timing().compute_us());
+    EXPECT_GE(response.timing().batch_size(), 1);
+    EXPECT_LE(response.timing().batch_size(), 8);
+    EXPECT_EQ(response.token_count(), 50);  // 7 x 7 patches + cls
+  }
+
+  // Expects `status` to have `code` and a message containing `text`.
+  static void ExpectError(const absl::Status& status, absl::StatusCode code, const std::string& text) {
+    EXPECT_EQ(status.code(), code) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(text));
+  }
+
+  static ModelRegistry* registry_;
+  static ServerMetrics* metrics_;
+  static MetricsHttpServer* metrics_server_;
+  static int metrics_port_;
+  static ClassifyService* service_;
+  static grpc::Server* server_;
+  static std::string target_;
+  static client::MitaClient* client_;
+  static std::vector<std::string> images_;
+  static std::vector<int> labels_;
+};
+
+ModelRegistry* ServiceTest::registry_ = nullptr;
+ServerMetrics* ServiceTest::metrics_ = nullptr;
+MetricsHttpServer* ServiceTest::metrics_server_ = nullptr;
+int ServiceTest::metrics_port_ = 0;
+ClassifyService* ServiceTest::service_ = nullptr;
+grpc::Server* ServiceTest::server_ = nullptr;
+std::string ServiceTest::target_;
+client::MitaClient* ServiceTest::client_ = nullptr;
+std::vector<std::string> ServiceTest::images_;
+std::vector<int> ServiceTest::labels_;
+
+TEST_F(ServiceTest, ClassifiesRealImagesWithTheDefaultBudget) {
+  constexpr int kCount = 50;
+  // Eight callers at a time, so that the run also exercises batching.
+  std::vector<absl::StatusOr<v1::ClassifyResponse>> responses(kCount, absl::UnknownError("not run"));
+  std::atomic<int> next{0};
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 8; ++t) {
+    callers.emplace_back([&] {
+      for (int i = next++; i < kCount; i = next++) {
+        client::ClassifyOptions options = Options();
+        options.return_statistics = true;
+        responses[static_cast<size_t>(i)] = client_->Classify(images_[static_cast<size_t>(i)], options);
+      }
+    });
+  }
+  for (std::thread& caller : callers) caller.join();
+
+  int correct = 0;
+  for (int i = 0; i < kCount; ++i) {
+    const absl::StatusOr<v1::ClassifyResponse>& response = responses[static_cast<size_t>(i)];
+    ASSERT_TRUE(response.ok()) << "image " << i << ": " << response.status();
+    ExpectWellFormed(*response, 5);
+    if (response->classes(0).index() == labels_[static_cast<size_t>(i)]) ++correct;
+    EXPECT_FALSE(response->budget().full_attention());
+    EXPECT_EQ(response->budget().expert_count(), 9);
+    EXPECT_EQ(response->budget().expert_width(), 16);
+    EXPECT_EQ(response->budget().preset(), "default");
+    ASSERT_EQ(response->statistics_size(), 4);
+    for (int layer = 0; layer < 4; ++layer) {
+      const v1::LayerStatistics& stats = response->statistics(layer);
+      EXPECT_EQ(stats.layer(), layer);
+      ASSERT_EQ(stats.queries_per_expert_size(), 9);
+      double queries = 0;
+      for (float q : stats.queries_per_expert()) queries += q;
+      EXPECT_NEAR(queries, 50.0, 1e-3) << "every query is routed to one expert";
+      EXPECT_GT(stats.routing_entropy(), 0.0f);
+      EXPECT_LE(stats.routing_entropy(), 1.0f + 1e-6f);
+      EXPECT_GE(stats.pruned_key_fraction(), 0.0f);
+      EXPECT_LT(stats.pruned_key_fraction(), 1.0f);
+      EXPECT_GE(stats.load_imbalance(), 1.0f - 1e-6f);
+      EXPECT_LE(stats.load_imbalance(), 9.0f + 1e-4f);
+      EXPECT_GE(stats.expert_overlap_fraction(), 0.0f);
+      EXPECT_LE(stats.expert_overlap_fraction(), 1.0f);
+    }
+  }
+  const double accuracy = static_cast<double>(correct) / kCount;
+  std::cout << "top-1 accuracy on " << kCount << " Fashion-MNIST test images: " << accuracy << "\n";
+  EXPECT_GE(accuracy, 0.8);
+}
+
+TEST_F(ServiceTest, StatisticsOnlyWhenAsked) {
+  absl::StatusOr<v1::ClassifyResponse> response = client_->Classify(images_[0], Options());
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->statistics_size(), 0);
+}
+
+TEST_F(ServiceTest, ExplicitBudgetAndPresetAreApplied) {
+  client::ClassifyOptions options = Options();
+  options.expert_count = 16;
+  options.expert_width = 32;
+  options.return_statistics = true;
+  options.top_n = 3;
+  absl::StatusOr<v1::ClassifyResponse> response = client_->Classify(images_[1], options);
+  ASSERT_TRUE(response.ok()) << response.status();
+  ExpectWellFormed(*response, 3);
+  EXPECT_FALSE(response->budget().full_attention());
+  EXPECT_EQ(response->budget().expert_count(), 16);
+  EXPECT_EQ(response->budget().expert_width(), 32);
+  EXPECT_EQ(response->budget().preset(), "");
+  ASSERT_EQ(response->statistics_size(), 4);
+  EXPECT_EQ(response->statistics(0).queries_per_expert_size(), 16);
+
+  options = Options();
+  options.preset = "fast";
+  options.top_n = 10;
+  response = client_->Classify(images_[2], options);
+  ASSERT_TRUE(response.ok()) << response.status();
+  ExpectWellFormed(*response, 10);
+  EXPECT_EQ(response->budget().expert_count(), 4);
+  EXPECT_EQ(response->budget().expert_width(), 8);
+  EXPECT_EQ(response->budget().preset(), "fast");
+  double total = 0;
+  for (const v1::ClassScore& score : response->classes()) total += score.score();
+  EXPECT_NEAR(total, 1.0, 1e-4) << "all ten probabilities";
+}
+
+TEST_F(ServiceTest, FullAttention) {
+  int agree = 0;
+  for (int i = 0; i < 10; ++i) {
+    client::ClassifyOptions options = Options();
+    options.full_attention = true;
+    options.return_statistics = true;
+    absl::StatusOr<v1::ClassifyResponse> full = client_->Classify(images_[static_cast<size_t>(i)], options);
+    ASSERT_TRUE(full.ok()) << full.status();
+    ExpectWellFormed(*full, 5);
+    EXPECT_TRUE(full->budget().full_attention());
+    EXPECT_EQ(full->budget().expert_count(), 0);
+    EXPECT_EQ(full->budget().expert_width(), 0);
+    EXPECT_EQ(full->statistics_size(), 0) << "no MiTA statistics under full attention";
+    absl::StatusOr<v1::ClassifyResponse> mita = client_->Classify(images_[static_cast<size_t>(i)], Options());
+    ASSERT_TRUE(mita.ok()) << mita.status();
+    if (mita->classes(0).index() == full->classes(0).index()) ++agree;
+  }
+  // The same weights with full attention mostly agree with MiTA (DESIGN.md section 2.7).
+  EXPECT_GE(agree, 6);
+}
+
+TEST_F(ServiceTest, ConcurrentRequestsWithDifferentBudgetsShareBatches) {
+  struct Caller {
+    std::optional<int64_t> expert_count, expert_width;
+    std::string preset;
+    bool full = false;
+  };
+  const std::vector<Caller> callers = {{std::nullopt, std::nullopt, "", false},
+                                       {std::nullopt, std::nullopt, "fast", false},
+                                       {16, 32, "", false},
+                                       {std::nullopt, std::nullopt, "", true},
+                                       {4, 50, "", false},
+                                       {1, 1, "", false},
+                                       {49, 50, "", false},
+                                       {std::nullopt, std::nullopt, "accurate", false}};
+  int shared = 0;
+  for (int round = 0; round < 5 && shared == 0; ++round) {
+    std::vector<absl::StatusOr<v1::ClassifyResponse>> responses(callers.size(), absl::UnknownError("not run"));
+    std::vector<std::thread> threads;
+    for (size_t c = 0; c < callers.size(); ++c) {
+      threads.emplace_back([&, c] {
+        client::ClassifyOptions options = Options();
+        options.expert_count = callers[c].expert_count;
+        options.expert_width = callers[c].expert_width;
+        options.preset = callers[c].preset;
+        options.full_attention = callers[c].full;
+        options.return_statistics = true;
+        responses[c] = client_->Classify(images_[c], options);
+      });
+    }
+    for (std::thread& thread : threads) thread.join();
+    for (size_t c = 0; c < callers.size(); ++c) {
+      ASSERT_TRUE(responses[c].ok()) << responses[c].status();
+      const v1::ClassifyResponse& response = *responses[c];
+      ExpectWellFormed(response, 5);
+      // Each request got its own budget, whatever it was batched with.
+      EXPECT_EQ(response.budget().full_attention(), callers[c].full);
+      if (callers[c].expert_count.has_value()) {
+        EXPECT_EQ(response.budget().expert_count(), *callers[c].expert_count);
+        EXPECT_EQ(response.budget().expert_width(), *callers[c].expert_width);
+        ASSERT_EQ(response.statistics_size(), 4);
+        EXPECT_EQ(response.statistics(0).queries_per_expert_size(), *callers[c].expert_count);
+      }
+      if (!callers[c].preset.empty()) {
+        EXPECT_EQ(response.budget().preset(), callers[c].preset);
+      }
+      if (response.timing().batch_size() > 1) ++shared;
+    }
+  }
+  EXPECT_GT(shared, 0) << "no two of 8 concurrent requests shared a batch";
+}
+
+TEST_F(ServiceTest, BadRequestsGetTheRightCodeAndNameTheField) {
+  client::ClassifyOptions options = Options();
+  // Corrupt and truncated image bytes.
+  ExpectError(client_->Classify("definitely not an image", options).status(), absl::StatusCode::kInvalidArgument,
+              "image");
+  ExpectError(client_->Classify(images_[0].substr(0, images_[0].size() / 2), options).status(),
+              absl::StatusCode::kInvalidArgument, "image");
+  std::string corrupt = images_[0];
+  for (size_t i = 40; i < corrupt.size(); i += 7) corrupt[i] = static_cast<char>(corrupt[i] ^ 0x5a);
+  ExpectError(client_->Classify(corrupt, options).status(), absl::StatusCode::kInvalidArgument, "field image");
+  // Empty image; no input; a document.
+  ExpectError(client_->Classify("", options).status(), absl::StatusCode::kInvalidArgument, "field image: empty");
+  v1::ClassifyRequest no_input;
+  no_input.set_model(kModel);
+  ExpectError(client_->ClassifyRaw(no_input).status(), absl::StatusCode::kInvalidArgument, "field input");
+  v1::ClassifyRequest document;
+  document.set_model(kModel);
+  document.mutable_document()->set_text("a document");
+  ExpectError(client_->ClassifyRaw(document).status(), absl::StatusCode::kInvalidArgument,
+              "field input: model 'fashion-mnist-vit' takes an image");
+  // Unknown model.
+  options.model = "no-such-model";
+  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kNotFound,
+              "model 'no-such-model' not found; available: fashion-mnist-vit");
+  options.model = "../../etc/passwd";
+  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kNotFound, "not found");
+  // Budgets out of range.
+  options = Options();
+  options.expert_count = 10;
+  options.expert_width = 16;
+  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument, "expert_count");
+  options.expert_count = 9;
+  options.expert_width = 0;
+  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument, "expert_width");
+  options.expert_width = 51;
+  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument, "expert_width");
+  options = Options();
+  options.preset = "turbo";
+  absl::Status preset = client_->Classify(images_[0], options).status();
+  ExpectError(preset, absl::StatusCode::kInvalidArgument, "field budget.preset: unknown preset 'turbo'");
+  EXPECT_THAT(std::string(preset.message()), HasSubstr("accurate, balanced, fast"));
+  // top_n out of range.
+  options = Options();
+  options.top_n = -1;
+  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument,
+              "field top_n: -1 is out of range [0, 10]");
+  options.top_n = 11;
+  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument, "field top_n");
+  // An image over the service's encoded-size limit but under the gRPC receive limit.
+  std::string large = images_[0] + std::string(kMaxImageBytes, '\0');
+  ExpectError(client_->Classify(large, Options()).status(), absl::StatusCode::kInvalidArgument,
+              "bytes is over the limit of 1048576 bytes");
+  // A message over the gRPC receive limit: rejected by gRPC itself.
+  std::string huge(static_cast<size_t>(kMaxReceiveBytes) + 1024, 'x');
+  EXPECT_EQ(client_->Classify(huge, Options()).status().code(), absl::StatusCode::kResourceExhausted);
+  // A deadline that cannot be met.
+  options = Options();
+  options.deadline = absl::Microseconds(1);
+  EXPECT_EQ(client_->Classify(images_[0], options).status().code(), absl::StatusCode::kDeadlineExceeded);
+
+  // After all of that the server still serves.
+  absl::StatusOr<v1::ClassifyResponse> good = client_->Classify(images_[3], Options());
+  ASSERT_TRUE(good.ok()) << good.status();
+  ExpectWellFormed(*good, 5);
+}
+
+TEST_F(ServiceTest, DeadlinePassedInTheQueueIsNotRun) {
+  const prometheus::Registry& registry = *metrics_->registry();
+  const std::map<std::string, std::string> deadline_labels = {
+      {"method", "Classify"}, {"model", kModel}, {"code", "DEADLINE_EXCEEDED"}};
+  const double before = CounterValue(registry, "mita_requests_total", deadline_labels);
+  // Alone in the queue, the request waits the full 50 ms max queue delay; its deadline is 20 ms.
+  client::ClassifyOptions options = Options();
+  options.deadline = absl::Milliseconds(20);
+  EXPECT_EQ(client_->Classify(images_[4], options).status().code(), absl::StatusCode::kDeadlineExceeded);
+  // The server answers DEADLINE_EXCEEDED itself when the batch forms (counted by the handler).
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (CounterValue(registry, "mita_requests_total", deadline_labels) <= before && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_GT(CounterValue(registry, "mita_requests_total", deadline_labels), before);
+}
+
+TEST_F(ServiceTest, CancelledCallIsNotRun) {
+  const prometheus::Registry& registry = *metrics_->registry();
+  const std::map<std::string, std::string> cancelled_labels = {
+      {"method", "Classify"}, {"model", kModel}, {"code", "CANCELLED"}};
+  const double before = CounterValue(registry, "mita_requests_total", cancelled_labels);
+  auto stub = v1::MitaService::NewStub(client_->channel());
+  grpc::ClientContext context;
+  absl::StatusOr<v1::ClassifyRequest> request = client::BuildClassifyRequest(images_[5], Options());
+  ASSERT_TRUE(request.ok());
+  // Cancel 25 ms into the 50 ms max queue delay.
+  std::thread canceller([&context] {
+    absl::SleepFor(absl::Milliseconds(25));
+    context.TryCancel();
+  });
+  v1::ClassifyResponse response;
+  grpc::Status status = stub->Classify(&context, *request, &response);
+  canceller.join();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED);
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (CounterValue(registry, "mita_requests_total", cancelled_labels) <= before && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_GT(CounterValue(registry, "mita_requests_total", cancelled_labels), before);
+}
+
+TEST_F(ServiceTest, GetModelDeclaresTheKnobs) {
+  absl::StatusOr<v1::ModelMetadata> model = client_->GetModel(kModel);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(model->name(), kModel);
+  EXPECT_EQ(model->architecture(), "mita_vit");
+  EXPECT_EQ(model->input_kind(), v1::INPUT_KIND_IMAGE);
+  EXPECT_EQ(model->image_limits().width(), 28);
+  EXPECT_EQ(model->image_limits().height(), 28);
+  EXPECT_EQ(model->image_limits().channels(), 1);
+  EXPECT_GE(model->image_limits().max_width(), 28);
+  EXPECT_GE(model->image_limits().max_height(), 28);
+  EXPECT_EQ(model->image_limits().max_encoded_bytes(), kMaxImageBytes);
+  EXPECT_THAT(model->labels(), ElementsAreArray(datasets::FashionMnistLabels()));
+  const v1::Knobs& knobs = model->knobs();
+  EXPECT_THAT(knobs.allowed_expert_counts(), ElementsAre(1, 4, 9, 16, 25, 36, 49));
+  EXPECT_EQ(knobs.min_expert_count(), 1);
+  EXPECT_EQ(knobs.max_expert_count(), 49);
+  EXPECT_EQ(knobs.min_expert_width(), 1);
+  EXPECT_EQ(knobs.max_expert_width(), 50);
+  EXPECT_EQ(knobs.default_budget().expert_count(), 9);
+  EXPECT_EQ(knobs.default_budget().expert_width(), 16);
+  ASSERT_EQ(knobs.presets_size(), 3);
+  EXPECT_EQ(knobs.presets(0).name(), "accurate");
+  EXPECT_EQ(knobs.presets(0).budget().expert_count(), 16);
+  EXPECT_EQ(knobs.presets(0).budget().expert_width(), 32);
+  EXPECT_EQ(knobs.presets(1).name(), "balanced");
+  EXPECT_EQ(knobs.presets(2).name(), "fast");
+  EXPECT_EQ(knobs.presets(2).budget().expert_count(), 4);
+  EXPECT_EQ(knobs.presets(2).budget().expert_width(), 8);
+  EXPECT_TRUE(knobs.full_attention_supported());
+  EXPECT_EQ(model->layers(), 4);
+  EXPECT_EQ(model->heads(), 4);
+  EXPECT_EQ(model->embed_dim(), 96);
+  EXPECT_EQ(model->tokens_per_input(), 50);
+
+  ExpectError(client_->GetModel("nope").status(), absl::StatusCode::kNotFound,
+              "model 'nope' not found; available: fashion-mnist-vit");
+}
+
+TEST_F(ServiceTest, ListModels) {
+  absl::StatusOr<v1::ListModelsResponse> models = client_->ListModels();
+  ASSERT_TRUE(models.ok()) << models.status();
+  ASSERT_EQ(models->models_size(), static_cast<int>(registry_->size()));
+  bool found = false;
+  for (const v1::ModelMetadata& model : models->models()) {
+    if (model.name() == kModel) {
+      found = true;
+      EXPECT_EQ(model.knobs().allowed_expert_counts_size(), 7);
+    }
+  }
+  EXPECT_TRUE(found);
+}
+
+// grpc.health.v1.Health/Check over a raw call: HealthCheckRequest {string service = 1} and
+// HealthCheckResponse {ServingStatus status = 1} (SERVING = 1) encoded by hand.
+TEST_F(ServiceTest, HealthServiceReportsServing) {
+  auto check = [](const std::shared_ptr<grpc::Channel>& channel, const std::string& service) {
+    grpc::GenericStub stub(channel);
+    std::string request_bytes;
+    if (!service.empty()) {
+      request_bytes.push_back(0x0a);
+      request_bytes.push_back(static_cast<char>(service.size()));
+      request_bytes += service;
+    }
+    grpc::Slice slice(request_bytes);
+    grpc::ByteBuffer request(&slice, 1);
+    grpc::ByteBuffer response;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    absl::Notification done;
+    grpc::Status status;
+    stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                   [&](grpc::Status s) {
+                     status = std::move(s);
+                     done.Notify();
+                   });
+    done.WaitForNotification();
+    std::pair<grpc::StatusCode, std::string> result{status.error_code(), ""};
+    std::vector<grpc::Slice> slices;
+    if (status.ok() && response.Dump(&slices).ok()) {
+      for (const grpc::Slice& s : slices) result.second.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+    return result;
+  };
+  std::shared_ptr<grpc::Channel> channel = client_->channel();
+  auto overall = check(channel, "");
+  EXPECT_EQ(overall.first, grpc::StatusCode::OK);
+  EXPECT_EQ(overall.second, std::string("\x08\x01", 2)) << "status: SERVING";
+  auto service = check(channel, "mita.v1.MitaService");
+  EXPECT_EQ(service.first, grpc::StatusCode::OK);
+  EXPECT_EQ(service.second, std::string("\x08\x01", 2));
+  EXPECT_EQ(check(channel, "no.such.Service").first, grpc::StatusCode::NOT_FOUND);
+}
+
+// grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo (bidirectional stream) over a raw call:
+// ServerReflectionRequest {list_services = 7: ""} encoded by hand; the answer names the services.
+TEST_F(ServiceTest, ReflectionListsTheService) {
+  grpc::GenericStub stub(client_->channel());
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::CompletionQueue queue;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
+      stub.PrepareCall(&context, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &queue);
+  ASSERT_NE(call, nullptr);
+  auto await = [&queue](intptr_t expected) {
+    void* tag = nullptr;
+    bool ok = false;
+    EXPECT_TRUE(queue.Next(&tag, &ok));
+    EXPECT_EQ(reinterpret_cast<intptr_t>(tag), expected);
+    return ok;
+  };
+  call->StartCall(reinterpret_cast<void*>(1));
+  ASSERT_TRUE(await(1));
+  grpc::Slice slice(std::string("\x3a\x00", 2));
+  grpc::ByteBuffer request(&slice, 1);
+  call->Write(request, reinterpret_cast<void*>(2));
+  ASSERT_TRUE(await(2));
+  grpc::ByteBuffer reply;
+  call->Read(&reply, reinterpret_cast<void*>(3));
+  ASSERT_TRUE(await(3));
+  call->WritesDone(reinterpret_cast<void*>(4));
+  await(4);
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  await(5);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(reply.Dump(&slices).ok());
+  std::string bytes;
+  for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  EXPECT_THAT(bytes, HasSubstr("mita.v1.MitaService"));
+  EXPECT_THAT(bytes, HasSubstr("grpc.health.v1.Health"));
+  queue.Shutdown();
+  void* tag = nullptr;
+  bool ok = false;
+  while (queue.Next(&tag, &ok)) {
+  }
+}
+
+TEST_F(ServiceTest, MetricsScrapeHasRoutingAndPruningSeries) {
+  // Traffic of its own, so that the test does not depend on the others: MiTA (default and a preset), full
+  // attention, an unknown model and a bad request.
+  client::ClassifyOptions options = Options();
+  ASSERT_TRUE(client_->Classify(images_[6], options).ok());
+  options.preset = "fast";
+  ASSERT_TRUE(client_->Classify(images_[7], options).ok());
+  options = Options();
+  options.full_attention = true;
+  ASSERT_TRUE(client_->Classify(images_[8], options).ok());
+  options = Options();
+  options.model = "missing";
+  EXPECT_FALSE(client_->Classify(images_[8], options).ok());
+  EXPECT_FALSE(client_->Classify("", Options()).ok());
+  ASSERT_TRUE(client_->ListModels().ok());
+
+  absl::StatusOr<std::string> body = HttpGet(metrics_port_, "/metrics");
+  ASSERT_TRUE(body.ok()) << body.status();
+  const std::string& text = *body;
+  const std::string model = absl::StrCat("model=\"", kModel, "\"");
+  for (const char* family : {"mita_attention_expert_load_imbalance", "mita_attention_routing_entropy",
+                             "mita_attention_pruned_key_fraction"}) {
+    for (int layer = 0; layer < 4; ++layer) {
+      const std::string series = absl::StrCat(family, "_count{layer=\"", layer, "\",", model, "}");
+      EXPECT_GT(SampleValue(text, series), 0) << series;
+    }
+  }
+  // Entropy in [0, 1]: the sum of observations cannot exceed the count.
+  const std::string entropy = absl::StrCat("mita_attention_routing_entropy_sum{layer=\"0\",", model, "}");
+  const std::string entropy_count = absl::StrCat("mita_attention_routing_entropy_count{layer=\"0\",", model, "}");
+  EXPECT_GT(SampleValue(text, entropy), 0);
+  EXPECT_LE(SampleValue(text, entropy), SampleValue(text, entropy_count) + 1e-6);
+  EXPECT_GT(SampleValue(text, absl::StrCat("mita_requests_total{code=\"OK\",method=\"Classify\",", model, "}")), 0);
+  EXPECT_GT(
+      SampleValue(text, absl::StrCat("mita_requests_total{code=\"INVALID_ARGUMENT\",method=\"Classify\",", model, "}")),
+      0);
+  EXPECT_GT(SampleValue(text, "mita_requests_total{code=\"NOT_FOUND\",method=\"Classify\",model=\"unknown\"}"), 0);
+  EXPECT_GT(SampleValue(text, "mita_requests_total{code=\"OK\",method=\"ListModels\",model=\"\"}"), 0);
+  EXPECT_GT(SampleValue(text, absl::StrCat("mita_request_latency_seconds_count{", model, "}")), 0);
+  EXPECT_GT(SampleValue(text, absl::StrCat("mita_queue_delay_seconds_count{", model, "}")), 0);
+  EXPECT_GT(SampleValue(text, absl::StrCat("mita_compute_seconds_count{", model, "}")), 0);
+  EXPECT_GT(SampleValue(text, absl::StrCat("mita_batch_size_count{", model, "}")), 0);
+  EXPECT_GT(SampleValue(text, absl::StrCat("mita_requested_expert_count_count{", model, "}")), 0);
+  EXPECT_GT(SampleValue(text, absl::StrCat("mita_requested_expert_width_count{", model, "}")), 0);
+  EXPECT_GT(SampleValue(text, absl::StrCat("mita_full_attention_requests_total{", model, "}")), 0);
+  EXPECT_EQ(SampleValue(text, "mita_queue_depth"), 0) << "nothing is queued between requests";
+  // No series is labelled with a model name taken from a request.
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("model=\"missing\"")));
+}
+
+TEST(StatusMappingTest, EveryCodeMapsToTheSameGrpcCode) {
+  for (int code = 1; code <= 16; ++code) {
+    const absl::Status status(static_cast<absl::StatusCode>(code), "message");
+    const grpc::Status mapped = ToGrpcStatus(status);
+    EXPECT_EQ(static_cast<int>(mapped.error_code()), code);
+    EXPECT_EQ(mapped.error_message(), "message");
+  }
+  EXPECT_TRUE(ToGrpcStatus(absl::OkStatus()).ok());
+}
+
+TEST(ModelRegistryTest, MissingRepositoryIsNotFound) {
+  absl::StatusOr<std::unique_ptr<ModelRegistry>> registry =
+      ModelRegistry::LoadFromDirectory("/nonexistent/model/repository");
+  EXPECT_EQ(registry.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(registry.status().message()), HasSubstr("/nonexistent/model/repository"));
+}
+
+TEST(ResolveTopNTest, DefaultsAndRange) {
+  EXPECT_EQ(*ResolveTopN(0, 10), 5);
+  EXPECT_EQ(*ResolveTopN(0, 3), 3);
+  EXPECT_EQ(*ResolveTopN(10, 10), 10);
+  EXPECT_EQ(ResolveTopN(11, 10).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ResolveTopN(-1, 10).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace mita::server

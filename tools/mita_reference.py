@@ -156,3 +156,25 @@ def save_safetensors(tensors: dict, path: str, metadata: dict = None):
         f.write(raw)
         for blob in blobs:
             f.write(blob)
+
+
+def load_safetensors(path: str) -> dict:
+    """Reads a safetensors file written by save_safetensors (F32, F16, BF16, F64) into CPU tensors."""
+    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+    with open(path, "rb") as f:
+        raw = f.read()
+    (header_size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8: 8 + header_size])
+    data = raw[8 + header_size:]
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        dtype = dtypes[entry["dtype"]]
+        if end > begin:
+            flat = torch.frombuffer(bytearray(data[begin:end]), dtype=dtype)
+        else:
+            flat = torch.empty(0, dtype=dtype)
+        tensors[name] = flat.reshape(entry["shape"]).clone()
+    return tensors

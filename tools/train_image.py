@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mita_reference import MitaVit, save_safetensors
+from mita_reference import MitaVit, load_safetensors, save_safetensors
 
 LABELS = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
           "Ankle boot"]
@@ -57,6 +57,7 @@ def main():
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--limit", type=int, default=0, help="train on the first N images only (smoke test)")
+    parser.add_argument("--init", help="start from this package's model.safetensors (continued training)")
     args = parser.parse_args()
     torch.manual_seed(0)
     random.seed(0)
@@ -71,10 +72,12 @@ def main():
         train_x, train_y = train_x[: args.limit], train_y[: args.limit]
     train_x, test_x = train_x.unsqueeze(1), test_x.unsqueeze(1)
     model = MitaVit(cfg)
+    if args.init:
+        model.load_state_dict(load_safetensors(os.path.join(args.init, "model.safetensors")))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
     steps_per_epoch = math.ceil(len(train_x) / args.batch)
     total = args.epochs * steps_per_epoch
-    warmup = steps_per_epoch // 2
+    warmup = 1 if args.init else steps_per_epoch // 2
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
     default = cfg["attention"]["default_budget"]

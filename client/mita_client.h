@@ -1,0 +1,80 @@
+// C++ client library for the MiTA Serve API (mita.v1.MitaService). Depends on the generated proto only.
+#pragma once
+
+#include <grpcpp/channel.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "mita/v1/mita.grpc.pb.h"
+#include "mita/v1/mita.pb.h"
+
+namespace mita::client {
+
+// Options of one Classify call. At most one budget form may be set: an explicit budget (expert_count and/or
+// expert_width set), a preset, or full attention; none means the model's default budget.
+struct ClassifyOptions {
+  // Model name, as listed by ListModels.
+  std::string model;
+  // Explicit MiTA budget: expert count m and expert width k. Setting either one sends an explicit budget; an
+  // unset one is sent as 0, which the server rejects.
+  std::optional<int64_t> expert_count;
+  std::optional<int64_t> expert_width;
+  // A named preset declared by the model (ModelMetadata.knobs.presets), e.g. "fast".
+  std::string preset;
+  // Full (quadratic) attention with the same weights.
+  bool full_attention = false;
+  // Number of best classes to return; 0 means the server default (5, capped at the number of classes).
+  int32_t top_n = 0;
+  // Time allowed for the call (sent as the gRPC deadline); absl::InfiniteDuration() for none.
+  absl::Duration deadline = absl::InfiniteDuration();
+  // Ask for per-layer attention statistics.
+  bool return_statistics = false;
+};
+
+// Builds the request for `image` (encoded PNG or JPEG bytes) and `options`.
+// Errors: INVALID_ARGUMENT when more than one budget form is set.
+absl::StatusOr<v1::ClassifyRequest> BuildClassifyRequest(std::string image, const ClassifyOptions& options);
+
+// Converts a gRPC status to an absl::Status with the same code and message.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// A thin, thread-safe wrapper over the generated stub. Errors of every call are the RPC's status as an
+// absl::Status with the same code and message (see mita.proto for the service's error mapping).
+class MitaClient {
+ public:
+  // Uses `channel` (e.g. grpc::CreateChannel(target, grpc::InsecureChannelCredentials())).
+  explicit MitaClient(std::shared_ptr<grpc::Channel> channel);
+
+  // Connects without TLS to `target` ("host:port"); the channel connects lazily on the first call.
+  static std::unique_ptr<MitaClient> Connect(const std::string& target);
+
+  // Classifies one encoded image. Errors: INVALID_ARGUMENT locally for conflicting budget options; else the
+  // RPC's status (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED, ...).
+  absl::StatusOr<v1::ClassifyResponse> Classify(std::string image, const ClassifyOptions& options) const;
+
+  // Sends a request as is (e.g. a document input or a hand-built budget).
+  // `deadline`: time allowed for the call, absl::InfiniteDuration() for none.
+  absl::StatusOr<v1::ClassifyResponse> ClassifyRaw(const v1::ClassifyRequest& request,
+                                                   absl::Duration deadline = absl::InfiniteDuration()) const;
+
+  // The models the server hosts.
+  absl::StatusOr<v1::ListModelsResponse> ListModels(absl::Duration deadline = absl::InfiniteDuration()) const;
+
+  // Metadata of one model. Errors: NOT_FOUND for an unknown model.
+  absl::StatusOr<v1::ModelMetadata> GetModel(const std::string& name,
+                                             absl::Duration deadline = absl::InfiniteDuration()) const;
+
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+
+ private:
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::MitaService::Stub> stub_;
+};
+
+}  // namespace mita::client

@@ -1,0 +1,91 @@
+// Internal interface of kernels/: what mita_attention.cc (validation, dispatch), mita_attention_cpu.cc (the
+// production CPU forward) and mita_attention_reference.cc (plain ATen ops) share, plus hooks for tests.
+// Not part of the public API: models/ and server/ use kernels/mita_attention.h only.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kernels/mita_attention.h"
+
+namespace mita::kernels::internal {
+
+// The routing of one (batch item, head): which keys each routed expert owns and which expert each query uses.
+struct MitaHeadRouting {
+  // e(n) = argmax_i G[i, n] for each query n (first maximum on ties), length N.
+  std::vector<int64_t> expert_of_query;
+  // expert_keys[i]: the expert_width keys routed expert i owns (top-k of S[i, :], ties to the lower key
+  // index), listed in ascending key index. M lists of expert_width entries.
+  std::vector<std::vector<int64_t>> expert_keys;
+};
+
+// Options of the MiTA forward that the public API does not expose.
+struct MitaForwardOptions {
+  // Testing hook. When false the compressed (shared-expert) logits are left out of the softmax, so each query
+  // attends only to its routed expert's keys. With expert width N every query then attends to all N keys:
+  // exactly full attention softmax(q k^T s) v (DESIGN.md section 2.7).
+  bool include_shared_expert = true;
+  // When not null, resized to B * H and filled with the routing of item b, head h at index b * H + h.
+  std::vector<MitaHeadRouting>* routing = nullptr;
+};
+
+// Checks the MiTA forward's arguments (see MitaAttentionForward in mita_attention.h). OK, or
+// INVALID_ARGUMENT naming the argument and the allowed values.
+absl::Status ValidateMitaArguments(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   absl::Span<const MitaItem> items);
+
+// MitaAttentionForward with the internal options: validates, then dispatches to the backend. Never throws:
+// ATen failures (e.g. out of memory) come back as RESOURCE_EXHAUSTED or INTERNAL.
+absl::StatusOr<at::Tensor> MitaAttentionForwardWithOptions(const at::Tensor& q, const at::Tensor& k,
+                                                           const at::Tensor& v, absl::Span<const MitaItem> items,
+                                                           std::vector<MitaItemStatistics>* statistics,
+                                                           MitaBackend backend, const MitaForwardOptions& options);
+
+// exp(x) in float for x in [kFastExpMin, 88], written so loops over it vectorise (a libm call does not):
+// Cody-Waite range reduction x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for exp(r) (Cephes expf
+// coefficients), and 2^n from the exponent bits. Relative error <= 1e-7 (about 1 ulp) in that range; NaN stays
+// NaN. The caller clamps x from below to kFastExpMin, in a separate loop: a clamp inside this function makes
+// GCC 12 thread jumps around the polynomial and give up vectorising.
+constexpr float kFastExpMin = -87.33654f;  // exp(kFastExpMin) = 2^-126, the smallest normal float
+
+inline float FastExp(float x) {
+  // Adding 1.5 * 2^23 rounds x / ln2 to the nearest integer n and leaves n in the low mantissa bits.
+  constexpr float kRoundingShift = 12582912.0f;
+  const float shifted = x * 1.44269504088896341f + kRoundingShift;
+  const float n = shifted - kRoundingShift;
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // ln2 split in two for an exact n * ln2
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float exp_r = p * r * r + r + 1.0f;
+  uint32_t shifted_bits;
+  std::memcpy(&shifted_bits, &shifted, sizeof shifted_bits);
+  const uint32_t power_bits = (shifted_bits - 0x4B400000u + 127u) << 23;  // 0x4B400000: the bits of 1.5 * 2^23
+  float power_of_two;
+  std::memcpy(&power_of_two, &power_bits, sizeof power_of_two);
+  return exp_r * power_of_two;
+}
+
+// The backends. Preconditions: ValidateMitaArguments(q, k, v, items) is OK. They may throw c10::Error or
+// std::bad_alloc (the caller converts); `statistics`, when not null, is resized to B and filled.
+
+// Production CPU forward (mita_attention_cpu.cc): CPU tensors, float32 or float64.
+at::Tensor MitaAttentionCpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            absl::Span<const MitaItem> items, std::vector<MitaItemStatistics>* statistics,
+                            const MitaForwardOptions& options);
+
+// Reference forward from plain ATen ops (mita_attention_reference.cc): any device ATen supports.
+at::Tensor MitaAttentionReference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  absl::Span<const MitaItem> items, std::vector<MitaItemStatistics>* statistics,
+                                  const MitaForwardOptions& options);
+
+}  // namespace mita::kernels::internal

@@ -1,0 +1,188 @@
+// Prometheus metrics of the server (prometheus-cpp), scraped over HTTP at /metrics on a separate address.
+//
+// Why not prometheus::Exposer: it serves HTTP with civetweb, whose threads are created with a fixed 100 KiB
+// stack (Debian's civetweb 1.15, USE_STACK_SIZE). In a process that links LibTorch the static TLS of its
+// dependency tree is larger than that, so pthread_create fails with EINVAL and the Exposer constructor throws
+// ("null context when constructing CivetServer"; civetweb logs "Cannot create threads: error 0").
+// MetricsHttpServer below is a small blocking HTTP/1.1 endpoint with prometheus::TextSerializer instead.
+//
+// Families are registered once at start and every label combination is created up front; the hot path only
+// observes through references kept here (no lookups, no allocation, no locks beyond the metric's own atomics).
+// Label sets are bounded: model names come from the model registry, never from a request (a request for an
+// unknown model is counted with model="unknown"); code is the gRPC status code name ("OK",
+// "INVALID_ARGUMENT", ...); method is the RPC name; layer is the transformer block index "0" .. depth-1.
+//
+// Series (seconds and counts; histograms export _bucket, _sum and _count):
+//   mita_requests_total{method,model,code}          counter   RPCs answered by the service, by final status.
+//                                                             ListModels has model="". Requests rejected by
+//                                                             gRPC before the handler runs (e.g. a message
+//                                                             over the receive size limit) are not counted.
+//   mita_request_latency_seconds{model}             histogram Time in the server from receipt to answer of
+//                                                             successful Classify RPCs.
+//   mita_queue_delay_seconds{model}                 histogram Admission to the start of the request's batch.
+//   mita_compute_seconds{model}                     histogram Model forward time of the request's batch
+//                                                             (observed per request).
+//   mita_batch_size{model}                          histogram Requests per batch run (observed per batch).
+//   mita_queue_depth                                gauge     Requests queued in all batchers, not yet in a
+//                                                             batch.
+//   mita_requested_expert_count{model}              histogram Expert count m of admitted MiTA requests.
+//   mita_requested_expert_width{model}              histogram Expert width k of admitted MiTA requests.
+//   mita_full_attention_requests_total{model}       counter   Admitted requests that asked for full attention.
+//   mita_attention_expert_load_imbalance{model,layer} histogram max/mean queries per expert (1 = balanced),
+//                                                             averaged over heads; one observation per request
+//                                                             that ran MiTA, per layer.
+//   mita_attention_routing_entropy{model,layer}     histogram Normalised routing entropy in [0, 1] (1 = uniform).
+//   mita_attention_pruned_key_fraction{model,layer} histogram Fraction of keys selected by no routed expert
+//                                                             (emergent token pruning), in [0, 1].
+// Attention statistics are always computed by the server for these metrics; they are returned to a client
+// only when it asks (ClassifyRequest.return_statistics).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "prometheus/counter.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace mita::server {
+
+// The RPCs counted in mita_requests_total.
+enum class RpcMethod { kClassify = 0, kListModels = 1, kGetModel = 2 };
+inline constexpr int kNumRpcMethods = 3;
+// gRPC status codes 0 (OK) .. 16 (UNAUTHENTICATED).
+inline constexpr int kNumStatusCodes = 17;
+
+// The metrics of one model (label model="<name>"). Thread-safe; all methods only observe.
+class ModelMetrics {
+ public:
+  // Time from receipt to answer of a successful Classify.
+  void ObserveLatency(absl::Duration total) { latency_->Observe(absl::ToDoubleSeconds(total)); }
+  // Admission to batch start of one request.
+  void ObserveQueueDelay(absl::Duration delay) { queue_delay_->Observe(absl::ToDoubleSeconds(delay)); }
+  // Forward time of the batch that ran one request.
+  void ObserveCompute(absl::Duration compute) { compute_->Observe(absl::ToDoubleSeconds(compute)); }
+  // Requests in one batch run.
+  void ObserveBatchSize(int64_t requests) { batch_size_->Observe(static_cast<double>(requests)); }
+  // The budget of one admitted request: full attention, or expert count m and expert width k.
+  void ObserveBudget(bool full_attention, int64_t expert_count, int64_t expert_width);
+  // Routing and pruning statistics of one request that ran MiTA, for `layer` in [0, layers); other layers
+  // are ignored.
+  void ObserveLayer(int64_t layer, double load_imbalance, double routing_entropy, double pruned_key_fraction);
+
+  const std::string& name() const { return name_; }
+  int64_t layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  friend class ServerMetrics;
+  struct Layer {
+    prometheus::Histogram* load_imbalance = nullptr;
+    prometheus::Histogram* routing_entropy = nullptr;
+    prometheus::Histogram* pruned_key_fraction = nullptr;
+  };
+  using CodeCounters = std::array<prometheus::Counter*, kNumStatusCodes>;
+  std::string name_;
+  // mita_requests_total{method, model=name_, code} for Classify and GetModel (indexed by RpcMethod).
+  std::array<CodeCounters, kNumRpcMethods> requests_{};
+  prometheus::Histogram* latency_ = nullptr;
+  prometheus::Histogram* queue_delay_ = nullptr;
+  prometheus::Histogram* compute_ = nullptr;
+  prometheus::Histogram* batch_size_ = nullptr;
+  prometheus::Histogram* expert_count_ = nullptr;
+  prometheus::Histogram* expert_width_ = nullptr;
+  prometheus::Counter* full_attention_ = nullptr;
+  std::vector<Layer> layers_;
+};
+
+// All server metrics, registered once in one prometheus::Registry. Thread-safe.
+class ServerMetrics {
+ public:
+  // A model known at start: its name (from the registry) and its number of attention layers.
+  struct ModelInfo {
+    std::string name;
+    int64_t layers = 0;
+  };
+
+  // Registers every family and creates every series for `models`.
+  explicit ServerMetrics(const std::vector<ModelInfo>& models);
+
+  ServerMetrics(const ServerMetrics&) = delete;
+  ServerMetrics& operator=(const ServerMetrics&) = delete;
+
+  // The metrics of model `name`, or nullptr when it was not declared at construction. Not for the hot path
+  // (a map lookup): resolve once and keep the pointer.
+  ModelMetrics* ForModel(const std::string& name);
+
+  // Counts one answered RPC. `model` is nullptr for an unknown model (counted as model="unknown"), and
+  // ignored for ListModels (model=""). Codes outside 0..16 count as UNKNOWN.
+  void CountRequest(RpcMethod method, const ModelMetrics* model, absl::StatusCode code);
+
+  // Adds `delta` (may be negative) to mita_queue_depth.
+  void AddQueueDepth(int64_t delta) { queue_depth_->Increment(static_cast<double>(delta)); }
+
+  // The registry to serve (MetricsHttpServer) or collect in tests.
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+ private:
+  using CodeCounters = std::array<prometheus::Counter*, kNumStatusCodes>;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::map<std::string, std::unique_ptr<ModelMetrics>> models_;
+  // mita_requests_total with model="unknown" (Classify, GetModel) and model="" (ListModels), by RpcMethod.
+  std::array<CodeCounters, kNumRpcMethods> other_requests_{};
+  prometheus::Gauge* queue_depth_ = nullptr;
+};
+
+// The gRPC name of a status code ("OK", "INVALID_ARGUMENT", ...; "UNKNOWN" for codes outside 0..16).
+const char* StatusCodeName(absl::StatusCode code);
+
+// Serves a registry in the Prometheus text format (version 0.0.4) at GET /metrics (HEAD too) on one thread;
+// other paths get 404 and other methods 405. One connection at a time, closed after each answer; a client
+// gets 5 s to send its request. Thread-safe.
+class MetricsHttpServer {
+ public:
+  // Listens on `address`, "host:port" ("0.0.0.0:9464", "127.0.0.1:0", "[::]:9464", "localhost:9464"; port 0
+  // picks a free port, see port()). Errors: INVALID_ARGUMENT for a malformed address; UNAVAILABLE when it
+  // cannot be resolved or bound (the message names the address and the system error).
+  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& address,
+                                                                  std::shared_ptr<prometheus::Registry> registry);
+
+  // Stops serving (Stop()).
+  ~MetricsHttpServer();
+
+  MetricsHttpServer(const MetricsHttpServer&) = delete;
+  MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
+
+  // The bound TCP port.
+  int port() const { return port_; }
+
+  // Stops accepting, finishes the connection in progress and joins the thread. Idempotent.
+  void Stop();
+
+ private:
+  MetricsHttpServer(int listen_fd, int wake_read_fd, int wake_write_fd, int port,
+                    std::shared_ptr<prometheus::Registry> registry);
+  void Run();
+  void Serve(int connection_fd) const;
+
+  const int listen_fd_;
+  const int wake_read_fd_;
+  const int wake_write_fd_;
+  const int port_;
+  const std::shared_ptr<prometheus::Registry> registry_;
+  absl::Mutex stop_mu_;
+  bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;
+  std::thread thread_;
+};
+
+}  // namespace mita::server

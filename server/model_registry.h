@@ -1,0 +1,43 @@
+// The models this server hosts: every package folder under a model repository directory, loaded at start.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "models/model_package.h"
+
+namespace mita::server {
+
+// An immutable set of loaded model packages, keyed by name (= package folder name). Thread-safe once built.
+// Model names from requests are only looked up here, never used to build paths.
+class ModelRegistry {
+ public:
+  // Loads every sub-folder of `repository` (hidden entries and plain files are skipped) with
+  // models::LoadModelPackage; the model name is the folder name. Loading is all or nothing: a package that
+  // fails to load fails the whole registry.
+  // Errors: NOT_FOUND when `repository` is not a readable directory or holds no package folder; the package's
+  // own error (NOT_FOUND or INVALID_ARGUMENT), prefixed with its folder, when one fails to load.
+  static absl::StatusOr<std::unique_ptr<ModelRegistry>> LoadFromDirectory(const std::string& repository);
+
+  // Builds a registry from already loaded packages (tests). Errors: INVALID_ARGUMENT for an empty or
+  // duplicate name or a package without a model.
+  static absl::StatusOr<std::unique_ptr<ModelRegistry>> FromPackages(std::vector<models::ModelPackage> packages);
+
+  // The model called `name`. Errors: NOT_FOUND "model 'x' not found; available: a, b".
+  absl::StatusOr<const models::ModelPackage*> Lookup(const std::string& name) const;
+
+  // Model names, sorted.
+  std::vector<std::string> names() const;
+  // All packages, sorted by name.
+  std::vector<const models::ModelPackage*> packages() const;
+  size_t size() const { return packages_.size(); }
+
+ private:
+  ModelRegistry() = default;
+  std::map<std::string, std::unique_ptr<models::ModelPackage>> packages_;
+};
+
+}  // namespace mita::server
