@@ -19,7 +19,7 @@ work=$(mktemp -d)
 server=$!
 trap 'kill $server 2>/dev/null || true; rm -rf "$work"' EXIT
 for _ in $(seq 1 120); do
-  ./build/client/mita-client --server="127.0.0.1:$PORT" --list_models > "$work/models.txt" 2>/dev/null && break
+  ./build/client/mita-client --server="127.0.0.1:$PORT" --list > "$work/models.txt" 2>/dev/null && break
   kill -0 $server 2>/dev/null || { cat "$work/server.log"; exit 1; }
   sleep 0.5
 done

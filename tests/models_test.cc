@@ -18,6 +18,7 @@
 #include <ATen/core/Formatting.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/equal.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/stack.h>
 
@@ -731,6 +732,42 @@ TEST_P(PythonTwinTest, MixedBatchEqualsEachItemAlone) {
       EXPECT_EQ(batched->statistics[b][layer].queries_per_expert, alone->statistics[0][layer].queries_per_expert);
     }
   }
+}
+
+// tools/convert_timm_checkpoint.py: a timm-style .pth ({"model": state_dict}) of the same weights converts to a
+// package whose config (inferred from the tensor shapes) and logits equal the original package's.
+TEST_P(PythonTwinTest, ConvertedTimmCheckpointGivesTheSameLogits) {
+  const std::string checkpoint = work_ + "/checkpoint.pth";
+  const std::string converted = work_ + "/converted";
+  const std::string save = std::string(kPython) + " -c 'import sys, torch; sys.path.insert(0, \"" +
+                           SourceDirectory() + "/tools\"); from mita_reference import load_safetensors; " +
+                           "torch.save({\"model\": load_safetensors(\"" + package_ +
+                           "/model.safetensors\"), \"epoch\": 300}, \"" + checkpoint + "\")' 2> " + work_ +
+                           "/save_stderr.txt";
+  ASSERT_EQ(std::system(save.c_str()), 0) << ReadFileBytes(work_ + "/save_stderr.txt");
+  // pool_size 3 and kv_topk 4: the official constructor squares them (M = 9, k = 16).
+  const std::string convert = std::string(kPython) + " " + SourceDirectory() +
+                              "/tools/convert_timm_checkpoint.py --checkpoint " + checkpoint + " --out " + converted +
+                              " --num_heads 4 --pool_size 3 --kv_topk 4 --mean 0.2860 --std 0.3530 > " + work_ +
+                              "/convert_log.txt 2>&1";
+  ASSERT_EQ(std::system(convert.c_str()), 0) << ReadFileBytes(work_ + "/convert_log.txt");
+  absl::StatusOr<ModelPackage> package = LoadModelPackage(converted);
+  ASSERT_TRUE(package.ok()) << package.status();
+  const VitConfig& original = package_value_.config;
+  EXPECT_EQ(package->config.image_size, original.image_size);
+  EXPECT_EQ(package->config.patch_size, original.patch_size);
+  EXPECT_EQ(package->config.embed_dim, original.embed_dim);
+  EXPECT_EQ(package->config.depth, original.depth);
+  EXPECT_EQ(package->config.mlp_hidden_dim, original.mlp_hidden_dim);
+  EXPECT_EQ(package->config.depthwise_conv, original.depthwise_conv);
+  EXPECT_EQ(package->config.default_budget.expert_count, 9);
+  EXPECT_EQ(package->config.default_budget.expert_width, 16);
+  const at::Tensor images = at::randn({4, 1, 28, 28});
+  const std::vector<AttentionBudget> budgets = {{false, 9, 16}, {false, 4, 8}, {true, 0, 0}, {false, 16, 32}};
+  absl::StatusOr<ClassifierOutput> expected = package_value_.model->Forward(images, budgets, false);
+  absl::StatusOr<ClassifierOutput> actual = package->model->Forward(images, budgets, false);
+  ASSERT_TRUE(expected.ok() && actual.ok());
+  EXPECT_TRUE(at::equal(actual->logits, expected->logits));
 }
 
 INSTANTIATE_TEST_SUITE_P(Dwc, PythonTwinTest, ::testing::Values(false, true),

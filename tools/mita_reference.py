@@ -46,6 +46,8 @@ def mita_attention(q, k, v, landmarks, expert_width: int):
     n = k.shape[2]
     width = min(expert_width, n)
     scores = landmarks @ k.transpose(-1, -2)  # [B, H, M, N], no scale
+    # torch.topk does not promise the kernels' tie rule (higher score, then lower index); exact float ties
+    # between keys of trained weights are rare, and the C++ tests use their own float64 loop for ties.
     expert_keys = scores.topk(width, dim=-1).indices  # [B, H, M, k]
     expert_mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, expert_keys, True)
     shared = torch.softmax(scores * scale, dim=-1) @ v  # [B, H, M, d]
@@ -57,6 +59,25 @@ def mita_attention(q, k, v, landmarks, expert_width: int):
     weights = torch.softmax(torch.cat([compressed_logits, routed_logits], dim=-1), dim=-1)
     m = landmarks.shape[2]
     return weights[..., :m] @ shared + weights[..., m:] @ v
+
+
+def fashion_mnist_config():
+    """config.json of the embedded default model (models/repository/fashion-mnist-vit)."""
+    return {
+        "architecture": "mita_vit",
+        "task": "image_classification",
+        "image_size": 28, "patch_size": 4, "in_channels": 1,
+        "embed_dim": 96, "depth": 4, "num_heads": 4, "mlp_hidden_dim": 192,
+        "layer_norm_eps": 1e-6, "num_classes": 10,
+        "normalization": {"mean": [0.2860], "std": [0.3530]},
+        "attention": {
+            "type": "mita", "depthwise_conv": True,
+            "default_budget": {"expert_count": 9, "expert_width": 16},
+            "presets": {"fast": {"expert_count": 4, "expert_width": 8},
+                        "balanced": {"expert_count": 9, "expert_width": 16},
+                        "accurate": {"expert_count": 16, "expert_width": 32}},
+        },
+    }
 
 
 class Attention(nn.Module):

@@ -24,31 +24,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mita_reference import MitaVit, load_safetensors, save_safetensors  # noqa: E402
-
-
-def package_config():
-    # The same configuration as the trained package (tools/train_image.py config()), without importing numpy.
-    return {
-        "architecture": "mita_vit",
-        "task": "image_classification",
-        "image_size": 28, "patch_size": 4, "in_channels": 1,
-        "embed_dim": 96, "depth": 4, "num_heads": 4, "mlp_hidden_dim": 192,
-        "layer_norm_eps": 1e-6, "num_classes": 10,
-        "normalization": {"mean": [0.2860], "std": [0.3530]},
-        "attention": {
-            "type": "mita", "depthwise_conv": True,
-            "default_budget": {"expert_count": 9, "expert_width": 16},
-            "presets": {"fast": {"expert_count": 4, "expert_width": 8},
-                        "balanced": {"expert_count": 9, "expert_width": 16},
-                        "accurate": {"expert_count": 16, "expert_width": 32}},
-        },
-    }
+from mita_reference import MitaVit, fashion_mnist_config, load_safetensors, save_safetensors  # noqa: E402
 
 
 def make_package(args):
     torch.manual_seed(args.seed)
-    cfg = package_config()
+    cfg = fashion_mnist_config()
     cfg["attention"]["depthwise_conv"] = not args.no_dwc
     model = MitaVit(cfg)
     with torch.no_grad():

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mita_reference import MitaVit, load_safetensors, save_safetensors
+from mita_reference import MitaVit, fashion_mnist_config, load_safetensors, save_safetensors
 
 LABELS = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
           "Ankle boot"]
@@ -29,24 +29,6 @@ def read_idx(name):
     dims = raw[3]
     shape = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(dims)]
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * dims).reshape(shape)
-
-
-def config():
-    return {
-        "architecture": "mita_vit",
-        "task": "image_classification",
-        "image_size": 28, "patch_size": 4, "in_channels": 1,
-        "embed_dim": 96, "depth": 4, "num_heads": 4, "mlp_hidden_dim": 192,
-        "layer_norm_eps": 1e-6, "num_classes": 10,
-        "normalization": {"mean": [0.2860], "std": [0.3530]},
-        "attention": {
-            "type": "mita", "depthwise_conv": True,
-            "default_budget": {"expert_count": 9, "expert_width": 16},
-            "presets": {"fast": {"expert_count": 4, "expert_width": 8},
-                        "balanced": {"expert_count": 9, "expert_width": 16},
-                        "accurate": {"expert_count": 16, "expert_width": 32}},
-        },
-    }
 
 
 def main():
@@ -62,7 +44,7 @@ def main():
     torch.manual_seed(0)
     random.seed(0)
     torch.set_num_threads(args.threads)
-    cfg = config()
+    cfg = fashion_mnist_config()
     mean, std = cfg["normalization"]["mean"][0], cfg["normalization"]["std"][0]
     train_x = torch.from_numpy(read_idx("train-images-idx3-ubyte.gz").copy()).float().div(255).sub(mean).div(std)
     train_y = torch.from_numpy(read_idx("train-labels-idx1-ubyte.gz").astype(np.int64))
@@ -76,7 +58,7 @@ def main():
         model.load_state_dict(load_safetensors(os.path.join(args.init, "model.safetensors")))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
     steps_per_epoch = math.ceil(len(train_x) / args.batch)
-    total = args.epochs * steps_per_epoch
+    total = max(1, args.epochs * steps_per_epoch)
     warmup = 1 if args.init else steps_per_epoch // 2
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
