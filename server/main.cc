@@ -38,6 +38,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/openmp_environment.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -82,6 +83,7 @@ int Fail(const std::string& message) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  mita::kernels::ReexecWithPassiveOpenMpWaitIfUnset(argv);
   // Block the shutdown signals in every thread; the main thread waits for them with sigwait.
   sigset_t shutdown_signals;
   sigemptyset(&shutdown_signals);

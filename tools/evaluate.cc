@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/openmp_environment.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
@@ -41,6 +42,7 @@ double Milliseconds(Clock::duration d) { return std::chrono::duration<double, st
 }  // namespace
 
 int main(int argc, char** argv) {
+  mita::kernels::ReexecWithPassiveOpenMpWaitIfUnset(argv);
   absl::ParseCommandLine(argc, argv);
   at::set_num_threads(absl::GetFlag(FLAGS_threads));
   auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));
