@@ -23,7 +23,7 @@ for _ in $(seq 1 120); do
   kill -0 $server 2>/dev/null || { cat "$work/server.log"; exit 1; }
   sleep 0.5
 done
-echo "== server up: $(tr '\n' ' ' < "$work/models.txt")"
+echo "== server up: $(head -1 "$work/models.txt")"
 
 client=(./build/client/mita-client --server="127.0.0.1:$PORT" --model=fashion-mnist-vit
         --manifest="$work/images/manifest.csv" --concurrency=4 --quiet)
@@ -41,7 +41,8 @@ echo "== one image with attention statistics"
 echo "== metrics scrape (routing and pruning series)"
 exec 3<>"/dev/tcp/127.0.0.1/$METRICS_PORT"
 printf 'GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n' >&3
-grep -E '^mita_(attention_[a-z_]+_(sum|count)|requests_total|batch_size_(sum|count))' <&3 | head -40
+# non-zero series only: requests by code, batch sizes, per-layer routing and pruning histograms (sum, count)
+grep -E '^mita_(attention_[a-z_]+_(sum|count)|requests_total|batch_size_(sum|count))' <&3 | awk '$NF != 0'
 exec 3>&-
 
 kill -TERM $server
