@@ -26,6 +26,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
+#include "absl/flags/usage_config.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -189,6 +191,11 @@ int main(int argc, char** argv) {
       "Classifies images with a MiTA Serve server.\n"
       "  mita-client [flags] image.png ...\n  mita-client --manifest=FILE [--concurrency=N] [flags]\n"
       "  mita-client --list");
+  // --help lists the flags of this file (Abseil would look for a file named after the binary).
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "/client_main.cc"); };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   std::vector<std::string> files(positional.begin() + 1, positional.end());
 

@@ -43,11 +43,11 @@ absl::StatusOr<at::Tensor> DecodeAndPreprocess(const std::string& bytes, const m
       return absl::Status(code == absl::StatusCode::kInternal || code == absl::StatusCode::kUnknown
                               ? absl::StatusCode::kInvalidArgument
                               : code,
-                          absl::StrCat("field image: ", decoded.status().message()));
+                          absl::StrCat("field ", decoded.status().message()));
     }
     absl::StatusOr<at::Tensor> image = models::PreprocessImage(*decoded, config);
     if (!image.ok()) {
-      return absl::Status(image.status().code(), absl::StrCat("field image: ", image.status().message()));
+      return absl::Status(image.status().code(), absl::StrCat("field ", image.status().message()));
     }
     return image;
   } catch (const std::exception& e) {
@@ -106,9 +106,18 @@ absl::StatusOr<ResolvedBudget> ResolveBudget(const models::VitConfig& config, co
       return ResolvedBudget{it->second, it->first};
     }
     case v1::Budget::kExperts: {
+      // A knob left at 0 takes the model's default, so a client may set only the expert count or only the
+      // expert width. Negative values are errors (ValidateBudget names the field and the range).
       models::AttentionBudget resolved;
-      resolved.expert_count = budget.experts().expert_count();
-      resolved.expert_width = budget.experts().expert_width();
+      resolved.expert_count = budget.experts().expert_count() == 0 ? config.default_budget.expert_count
+                                                                   : budget.experts().expert_count();
+      resolved.expert_width = budget.experts().expert_width() == 0 ? config.default_budget.expert_width
+                                                                   : budget.experts().expert_width();
+      if (config.default_budget.full_attention && (resolved.expert_count == 0 || resolved.expert_width == 0)) {
+        return absl::InvalidArgumentError(
+            "field budget.experts: the model's default is full attention, so set both expert_count and "
+            "expert_width");
+      }
       if (absl::Status status = models::ValidateBudget(config, resolved); !status.ok()) {
         // ValidateBudget names the field and the range; keep its code unless it is not a user error code.
         if (status.code() == absl::StatusCode::kInvalidArgument) return status;

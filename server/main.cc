@@ -41,6 +41,8 @@
 #include "kernels/openmp_environment.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
+#include "absl/flags/usage_config.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -92,6 +94,11 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &shutdown_signals, nullptr);
 
   absl::SetProgramUsageMessage("Serves MiTA classifiers over gRPC. mita-server --model_repository=DIR [flags]");
+  // --help lists the flags of this file (Abseil would look for a file named after the binary).
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "/server/main.cc"); };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
   absl::ParseCommandLine(argc, argv);
 
   const int64_t max_receive = absl::GetFlag(FLAGS_max_receive_message_bytes);

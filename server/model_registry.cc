@@ -67,6 +67,10 @@ absl::StatusOr<std::unique_ptr<ModelRegistry>> ModelRegistry::FromPackages(std::
 }
 
 absl::StatusOr<const models::ModelPackage*> ModelRegistry::Lookup(const std::string& name) const {
+  if (name.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the model name is empty; available: ", absl::StrJoin(names(), ", ")));
+  }
   auto it = packages_.find(name);
   if (it == packages_.end()) {
     // The name comes from a request: echo at most 100 bytes of it.

@@ -26,7 +26,8 @@ class ModelRegistry {
   // duplicate name or a package without a model.
   static absl::StatusOr<std::unique_ptr<ModelRegistry>> FromPackages(std::vector<models::ModelPackage> packages);
 
-  // The model called `name`. Errors: NOT_FOUND "model 'x' not found; available: a, b".
+  // The model called `name`. Errors: INVALID_ARGUMENT for an empty name; NOT_FOUND "model 'x' not found;
+  // available: a, b".
   absl::StatusOr<const models::ModelPackage*> Lookup(const std::string& name) const;
 
   // Model names, sorted.

@@ -334,6 +334,14 @@ TEST_F(ServiceTest, ExplicitBudgetAndPresetAreApplied) {
   ASSERT_EQ(response->statistics_size(), 4);
   EXPECT_EQ(response->statistics(0).queries_per_expert_size(), 16);
 
+  // Only the expert count: the expert width takes the model's default (16).
+  options = Options();
+  options.expert_count = 25;
+  response = client_->Classify(images_[1], options);
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->budget().expert_count(), 25);
+  EXPECT_EQ(response->budget().expert_width(), 16);
+
   options = Options();
   options.preset = "fast";
   options.top_n = 10;
@@ -452,10 +460,21 @@ TEST_F(ServiceTest, BadRequestsGetTheRightCodeAndNameTheField) {
   options.expert_width = 16;
   ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument, "expert_count");
   options.expert_count = 9;
-  options.expert_width = 0;
-  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument, "expert_width");
+  options.expert_width = -1;
+  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument,
+              "budget.experts.expert_width -1 is out of range: allowed [1, 50]");
   options.expert_width = 51;
   ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument, "expert_width");
+  // Only the expert width set (the expert count takes the default): the error names the value sent.
+  options = Options();
+  options.expert_width = 51;
+  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument,
+              "budget.experts.expert_width 51 is out of range: allowed [1, 50]");
+  // An empty model name.
+  options = Options();
+  options.model = "";
+  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument,
+              "the model name is empty; available: fashion-mnist-vit");
   options = Options();
   options.preset = "turbo";
   absl::Status preset = client_->Classify(images_[0], options).status();

@@ -18,6 +18,9 @@
 #include "kernels/openmp_environment.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
+#include "absl/flags/usage_config.h"
+#include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -43,6 +46,12 @@ double Milliseconds(Clock::duration d) { return std::chrono::duration<double, st
 
 int main(int argc, char** argv) {
   mita::kernels::ReexecWithPassiveOpenMpWaitIfUnset(argv);
+  // --help lists the flags of this file (Abseil would look for a file named after the binary).
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "/evaluate.cc"); };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
+  absl::SetProgramUsageMessage("mita-eval: Fashion-MNIST test accuracy and latency of a model package per budget. Flags below.");
   absl::ParseCommandLine(argc, argv);
   at::set_num_threads(absl::GetFlag(FLAGS_threads));
   auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));

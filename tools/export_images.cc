@@ -9,6 +9,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
+#include "absl/flags/usage_config.h"
+#include "absl/flags/usage.h"
 #include "absl/strings/str_format.h"
 #include "tools/fashion_mnist.h"
 
@@ -18,6 +21,12 @@ ABSL_FLAG(std::string, out, "", "output folder (created)");
 ABSL_FLAG(std::string, data, mita::datasets::kFashionMnistDirectory, "folder of the gzipped IDX files");
 
 int main(int argc, char** argv) {
+  // --help lists the flags of this file (Abseil would look for a file named after the binary).
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "/export_images.cc"); };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
+  absl::SetProgramUsageMessage("mita-export-images: writes Fashion-MNIST images as PNG plus manifest.csv. Flags below.");
   absl::ParseCommandLine(argc, argv);
   const std::string out = absl::GetFlag(FLAGS_out);
   if (out.empty()) {
