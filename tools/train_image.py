@@ -1,7 +1,8 @@
 """Trains the embedded default image model (MiTA-ViT with DWC) on Fashion-MNIST and writes its package.
 
 Usage (reproduces models/repository/fashion-mnist-vit):
-  /usr/bin/python3 tools/train_image.py --out models/repository/fashion-mnist-vit --epochs 12
+  /usr/bin/python3 tools/train_image.py --out models/repository/fashion-mnist-vit --epochs 8
+(about 40 minutes on 2 idle cores; test accuracy printed per epoch, 0.8823 after the last one)
 Data: Debian package dataset-fashion-mnist (/usr/share/datasets/fashion-mnist).
 """
 import argparse
@@ -34,7 +35,7 @@ def read_idx(name):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
