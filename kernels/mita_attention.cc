@@ -61,6 +61,19 @@ absl::Status CheckAttentionInput(const at::Tensor& tensor, const char* name) {
   return absl::OkStatus();
 }
 
+// `tensor` (k, v or landmarks, called `name` in errors) has q's dtype and device.
+absl::Status CheckSameDtypeAndDeviceAsQuery(const at::Tensor& tensor, absl::string_view name, const at::Tensor& q) {
+  if (tensor.scalar_type() != q.scalar_type()) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " dtype ", DtypeName(tensor.scalar_type()),
+                                                   " differs from q dtype ", DtypeName(q.scalar_type())));
+  }
+  if (tensor.device() != q.device()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " is on device ", tensor.device().str(), " but q is on device ", q.device().str()));
+  }
+  return absl::OkStatus();
+}
+
 // k and v: same shape, dtype and device as q (self-attention).
 absl::Status CheckQueryKeyValue(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   for (const auto& [tensor, name] : {std::pair<const at::Tensor&, const char*>{q, "q"}, {k, "k"}, {v, "v"}}) {
@@ -71,14 +84,7 @@ absl::Status CheckQueryKeyValue(const at::Tensor& q, const at::Tensor& k, const 
       return absl::InvalidArgumentError(
           absl::StrCat(name, " shape ", ShapeString(tensor), " differs from q shape ", ShapeString(q)));
     }
-    if (tensor.scalar_type() != q.scalar_type()) {
-      return absl::InvalidArgumentError(absl::StrCat(name, " dtype ", DtypeName(tensor.scalar_type()),
-                                                     " differs from q dtype ", DtypeName(q.scalar_type())));
-    }
-    if (tensor.device() != q.device()) {
-      return absl::InvalidArgumentError(absl::StrCat(name, " is on device ", tensor.device().str(),
-                                                     " but q is on device ", q.device().str()));
-    }
+    if (absl::Status status = CheckSameDtypeAndDeviceAsQuery(tensor, name, q); !status.ok()) return status;
   }
   return absl::OkStatus();
 }
@@ -135,14 +141,7 @@ absl::Status ValidateMitaArguments(const at::Tensor& q, const at::Tensor& k, con
       return absl::InvalidArgumentError(absl::StrCat(name, " must have shape [H, M, d] = [", heads, ", M >= 1, ",
                                                      head_dim, "], got ", ShapeString(landmarks)));
     }
-    if (landmarks.scalar_type() != q.scalar_type()) {
-      return absl::InvalidArgumentError(absl::StrCat(name, " dtype ", DtypeName(landmarks.scalar_type()),
-                                                     " differs from q dtype ", DtypeName(q.scalar_type())));
-    }
-    if (landmarks.device() != q.device()) {
-      return absl::InvalidArgumentError(absl::StrCat(name, " is on device ", landmarks.device().str(),
-                                                     " but q is on device ", q.device().str()));
-    }
+    if (absl::Status status = CheckSameDtypeAndDeviceAsQuery(landmarks, name, q); !status.ok()) return status;
     const int64_t width = items[b].expert_width;
     if (width < 1 || width > tokens) {
       return absl::InvalidArgumentError(

@@ -224,17 +224,23 @@ void ClassifyService::Shutdown() {
   }
 }
 
+absl::StatusOr<const ClassifyService::ModelSlot*> ClassifyService::FindSlot(const std::string& name,
+                                                                            RpcMethod method) const {
+  auto it = slots_.find(name);
+  if (it != slots_.end()) return it->second.get();
+  // The registry's error says what is wrong with the name (empty, or unknown with the available ones).
+  absl::Status status = registry_->Lookup(name).status();
+  if (status.ok()) status = absl::InternalError(absl::StrCat("model '", name, "' is registered but not served"));
+  metrics_->CountRequest(method, nullptr, status.code());
+  return status;
+}
+
 grpc::Status ClassifyService::Classify(grpc::ServerContext* context, const v1::ClassifyRequest* request,
                                        v1::ClassifyResponse* response) {
   const absl::Time receipt = clock_->Now();
-  auto it = slots_.find(request->model());
-  if (it == slots_.end()) {
-    absl::Status status = registry_->Lookup(request->model()).status();
-    if (status.ok()) status = absl::InternalError("model registered without a batcher");
-    metrics_->CountRequest(RpcMethod::kClassify, nullptr, status.code());
-    return ToGrpcStatus(status);
-  }
-  const ModelSlot& slot = *it->second;
+  absl::StatusOr<const ModelSlot*> found = FindSlot(request->model(), RpcMethod::kClassify);
+  if (!found.ok()) return ToGrpcStatus(found.status());
+  const ModelSlot& slot = **found;
   absl::StatusOr<v1::ClassifyResponse> result = absl::UnknownError("not run");
   try {
     result = DoClassify(slot, *request, DeadlineOf(*context), [context] { return context->IsCancelled(); });
@@ -429,15 +435,10 @@ grpc::Status ClassifyService::ListModels(grpc::ServerContext* /*context*/, const
 
 grpc::Status ClassifyService::GetModel(grpc::ServerContext* /*context*/, const v1::GetModelRequest* request,
                                        v1::ModelMetadata* response) {
-  auto it = slots_.find(request->name());
-  if (it == slots_.end()) {
-    absl::Status status = registry_->Lookup(request->name()).status();
-    if (status.ok()) status = absl::InternalError("model registered without metadata");
-    metrics_->CountRequest(RpcMethod::kGetModel, nullptr, status.code());
-    return ToGrpcStatus(status);
-  }
-  *response = it->second->metadata;
-  metrics_->CountRequest(RpcMethod::kGetModel, it->second->metrics, absl::StatusCode::kOk);
+  absl::StatusOr<const ModelSlot*> found = FindSlot(request->name(), RpcMethod::kGetModel);
+  if (!found.ok()) return ToGrpcStatus(found.status());
+  *response = (*found)->metadata;
+  metrics_->CountRequest(RpcMethod::kGetModel, (*found)->metrics, absl::StatusCode::kOk);
   return grpc::Status::OK;
 }
 

@@ -104,6 +104,9 @@ class ClassifyService final : public v1::MitaService::Service {
   // `cancelled` tells whether the caller gave up. Fills everything but timing.total_us.
   absl::StatusOr<v1::ClassifyResponse> DoClassify(const ModelSlot& slot, const v1::ClassifyRequest& request,
                                                   absl::Time deadline, std::function<bool()> cancelled);
+  // The slot of model `name`. On failure counts the RPC (`method`, model "unknown") and returns the
+  // registry's error: INVALID_ARGUMENT for an empty name, NOT_FOUND for an unknown one.
+  absl::StatusOr<const ModelSlot*> FindSlot(const std::string& name, RpcMethod method) const;
   // Runs one batch on a batch thread.
   void ProcessBatch(const ModelSlot& slot, Batch<Task> batch);
 
