@@ -188,9 +188,10 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
       const at::Tensor qkv = at::linear(normed, block.qkv_weight, block.qkv_bias)
                                  .reshape({batch, tokens, 3, heads, head_dim})
                                  .permute({2, 0, 3, 1, 4});
-      const at::Tensor q = qkv[0].contiguous();
-      const at::Tensor k = qkv[1].contiguous();
-      const at::Tensor v = qkv[2].contiguous();
+      // Strided views into the fused qkv output: the kernels read them in place (no per-layer copies).
+      const at::Tensor q = qkv[0];
+      const at::Tensor k = qkv[1];
+      const at::Tensor v = qkv[2];
 
       // Attention per item: MiTA items in one kernel call (each with its own landmarks and width), full-attention
       // items in another. attention: [B, H, N, d].
