@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 IMAGES=${IMAGES:-200}
 PORT=${PORT:-50051}
 METRICS_PORT=${METRICS_PORT:-9464}
-bash scripts/build.sh > /tmp/mita-build.log 2>&1 || { tail -50 /tmp/mita-build.log; exit 1; }
-echo "== built (log: /tmp/mita-build.log)"
+mkdir -p build
+bash scripts/build.sh > build/main-job-build.log 2>&1 || { tail -50 build/main-job-build.log; exit 1; }
+echo "== built (log: build/main-job-build.log)"
 
 work=$(mktemp -d)
 ./build/tools/mita-export-images --split=t10k --count="$IMAGES" --out="$work/images"
