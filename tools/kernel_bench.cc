@@ -1,0 +1,292 @@
+// mita-kernel-bench: speed of the MiTA CPU kernel against this machine's fp32 GEMM rate, full attention and the
+// reference kernel, all measured in the same run on the same inputs (docs/kernels.md has the table).
+//
+//   build/tools/mita-kernel-bench                 # default grid: N {1K,4K,16K,64K} x d {32,64} x H {4,8}
+//                                                 #               x (m,k) {(16,16),(64,64),(256,256)}
+//   build/tools/mita-kernel-bench --quick         # N {1K,4K}, d 64, H 4: a few seconds
+//   build/tools/mita-kernel-bench --tokens=65536 --head_dims=64 --heads=8 --budgets=64x64
+//
+// Inputs: one batch item (B = 1), q, k, v ~ N(0, 1) float32 [1, H, N, d] from at::manual_seed(--seed), sequence
+// landmarks (adaptive 1-D average pooling of q into m windows), expert width k. Landmarks are computed before
+// the clock starts: they are an input of the kernel.
+//
+// Columns:
+//   MiTA ms     median wall time of MitaAttentionForward(kAuto) over --repeats runs after one warm-up run.
+//   GFLOP/s     useful MiTA FLOPs / MiTA time, counting a multiply-add as 2 FLOPs, per head:
+//                 2 N d (4 m + 2 k) = S = l K^T (2 m N d) + A = softmax(S s) V (2 m N d) + gate G = Q l^T
+//                 (2 N m d) + routed logits (2 N k d) + output (2 N (m + k) d).
+//               The compressed logits q . l s^2 equal the gate times s^2, so they are not counted a second
+//               time; exponentials, top-k selection and gathers are not counted.
+//   %GEMM       GFLOP/s / the fp32 GEMM rate of this machine: at::mm on --gemm_size^3 fp32 squares, all
+//               threads, best of 5, measured at the start of the run (and again at the end, printed).
+//   full ms     FullAttentionForward (the project's full attention: chunked ATen mm + softmax + mm) on the
+//               same q, k, v, once per (N, d, H) and reused across (m, k) (it does not depend on them).
+//               FLOPs 4 N^2 d per head.
+//   x full      full ms / MiTA ms.
+//   ref ms      the reference kernel (kReference: plain ATen sort/gather/softmax), one run, head by head
+//               (q[:, h] etc.; the same work as all heads at once with 1/H of the peak memory), summed over
+//               heads.
+//   x ref       ref ms / MiTA ms.
+// Full attention and the reference are skipped where a prediction from a smaller N with the same other
+// parameters (N^2 for full attention, N for the reference) exceeds --full_max_seconds / --reference_max_seconds,
+// or where the reference's gathered keys and values (2 N k d floats per head) exceed --reference_max_bytes;
+// such cells show the prediction marked '~' (extrapolated, not measured).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/randn.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/Context.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "kernels/mita_attention.h"
+#include "kernels/openmp_environment.h"
+
+ABSL_FLAG(std::string, tokens, "1024,4096,16384,65536", "comma-separated token counts N");
+ABSL_FLAG(std::string, head_dims, "32,64", "comma-separated head dimensions d");
+ABSL_FLAG(std::string, heads, "4,8", "comma-separated head counts H");
+ABSL_FLAG(std::string, budgets, "16x16,64x64,256x256", "comma-separated expert_count x expert_width (m x k)");
+ABSL_FLAG(bool, quick, false, "reduced grid: N {1024, 4096}, d 64, H 4, all budgets (overrides the lists)");
+ABSL_FLAG(int, threads, 0, "LibTorch intra-op threads; 0 = all cores (LibTorch 1.13 would start with half)");
+ABSL_FLAG(int, repeats, 5, "timed MiTA runs per row (median), after one warm-up run");
+ABSL_FLAG(int64_t, gemm_size, 2048, "side of the square fp32 matrices of the GEMM rate measurement");
+ABSL_FLAG(double, full_max_seconds, 150, "skip (and extrapolate) full attention predicted to take longer");
+ABSL_FLAG(double, reference_max_seconds, 20, "skip (and extrapolate) a reference run predicted to take longer");
+ABSL_FLAG(double, reference_max_bytes, 3e9, "skip (and extrapolate) a reference run gathering more bytes per head");
+ABSL_FLAG(bool, no_full, false, "do not run full attention");
+ABSL_FLAG(bool, no_reference, false, "do not run the reference kernel");
+ABSL_FLAG(uint64_t, seed, 1, "at::manual_seed for the random inputs");
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+std::vector<int64_t> ParseIntegers(const std::string& text) {
+  std::vector<int64_t> values;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    int64_t value = 0;
+    if (!absl::SimpleAtoi(part, &value) || value < 1) {
+      std::fprintf(stderr, "not a positive integer: '%s'\n", std::string(part).c_str());
+      std::exit(2);
+    }
+    values.push_back(value);
+  }
+  return values;
+}
+
+std::vector<std::pair<int64_t, int64_t>> ParseBudgets(const std::string& text) {
+  std::vector<std::pair<int64_t, int64_t>> budgets;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    std::vector<std::string> sides = absl::StrSplit(part, 'x');
+    int64_t m = 0, k = 0;
+    if (sides.size() != 2 || !absl::SimpleAtoi(sides[0], &m) || !absl::SimpleAtoi(sides[1], &k) || m < 1 || k < 1) {
+      std::fprintf(stderr, "budget '%s' is not MxK with positive integers\n", std::string(part).c_str());
+      std::exit(2);
+    }
+    budgets.emplace_back(m, k);
+  }
+  return budgets;
+}
+
+// Best fp32 GEMM rate (GFLOP/s, 2 n^3 FLOPs per n x n x n product) of at::mm over 5 runs after a warm-up.
+double MeasureGemmRate(int64_t size) {
+  const at::Tensor a = at::randn({size, size}), b = at::randn({size, size});
+  at::Tensor c = at::empty({size, size});
+  at::mm_out(c, a, b);
+  double best = 1e30;
+  for (int run = 0; run < 5; ++run) {
+    const Clock::time_point start = Clock::now();
+    at::mm_out(c, a, b);
+    best = std::min(best, SecondsSince(start));
+  }
+  return 2.0 * size * size * size / best / 1e9;
+}
+
+void Check(const absl::Status& status, const char* what) {
+  if (!status.ok()) {
+    std::fprintf(stderr, "%s failed: %s\n", what, status.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+// A measured or extrapolated time (seconds).
+struct Timing {
+  double seconds = 0;
+  bool extrapolated = false;
+  bool missing = false;  // neither measured nor predictable
+};
+
+std::string FormatMilliseconds(const Timing& timing) {
+  if (timing.missing) return "-";
+  return absl::StrFormat("%s%.1f", timing.extrapolated ? "~" : "", timing.seconds * 1e3);
+}
+
+std::string FormatRatio(const Timing& numerator, double denominator_seconds) {
+  if (numerator.missing) return "-";
+  return absl::StrFormat("%s%.1fx", numerator.extrapolated ? "~" : "", numerator.seconds / denominator_seconds);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  mita::kernels::ReexecWithPassiveOpenMpWaitIfUnset(argv);
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "/kernel_bench.cc"); };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
+  absl::SetProgramUsageMessage(
+      "mita-kernel-bench: MiTA CPU kernel vs GEMM rate, full attention and the reference kernel. Flags below.");
+  absl::ParseCommandLine(argc, argv);
+
+  int threads = absl::GetFlag(FLAGS_threads);
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  at::set_num_threads(threads);
+  at::NoGradGuard no_grad;
+
+  std::vector<int64_t> token_counts = ParseIntegers(absl::GetFlag(FLAGS_tokens));
+  std::vector<int64_t> head_dims = ParseIntegers(absl::GetFlag(FLAGS_head_dims));
+  std::vector<int64_t> head_counts = ParseIntegers(absl::GetFlag(FLAGS_heads));
+  const std::vector<std::pair<int64_t, int64_t>> budgets = ParseBudgets(absl::GetFlag(FLAGS_budgets));
+  if (absl::GetFlag(FLAGS_quick)) {
+    token_counts = {1024, 4096};
+    head_dims = {64};
+    head_counts = {4};
+  }
+  std::sort(token_counts.begin(), token_counts.end());  // extrapolation uses smaller N
+
+  const double gemm_rate = MeasureGemmRate(absl::GetFlag(FLAGS_gemm_size));
+  std::printf("threads %d, OMP_WAIT_POLICY=%s, fp32 GEMM rate (at::mm %lld^3, best of 5) %.1f GFLOP/s\n\n", threads,
+              std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "(unset)",
+              static_cast<long long>(absl::GetFlag(FLAGS_gemm_size)), gemm_rate);
+  std::printf("| N | d | H | m | k | MiTA ms | GFLOP/s | %%GEMM | full ms | x full | ref ms | x ref |\n");
+  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  std::fflush(stdout);
+
+  // Largest measured N so far, and its time, per key (for extrapolation).
+  std::map<std::tuple<int64_t, int64_t>, std::pair<int64_t, double>> full_measured;                  // (d, H)
+  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, std::pair<int64_t, double>> ref_measured;  // (d,H,m,k)
+  const double full_limit = absl::GetFlag(FLAGS_full_max_seconds);
+  const double reference_limit = absl::GetFlag(FLAGS_reference_max_seconds);
+  const int repeats = std::max(1, absl::GetFlag(FLAGS_repeats));
+  const Clock::time_point run_start = Clock::now();
+
+  for (int64_t tokens : token_counts) {
+    for (int64_t head_dim : head_dims) {
+      for (int64_t heads : head_counts) {
+        at::manual_seed(absl::GetFlag(FLAGS_seed));
+        const at::Tensor q = at::randn({1, heads, tokens, head_dim});
+        const at::Tensor k = at::randn({1, heads, tokens, head_dim});
+        const at::Tensor v = at::randn({1, heads, tokens, head_dim});
+
+        // Full attention: once per (N, d, H).
+        Timing full;
+        const auto full_key = std::make_tuple(head_dim, heads);
+        const auto full_previous = full_measured.find(full_key);
+        double full_prediction = -1;
+        if (full_previous != full_measured.end()) {
+          const double ratio = static_cast<double>(tokens) / full_previous->second.first;
+          full_prediction = full_previous->second.second * ratio * ratio;
+        }
+        if (absl::GetFlag(FLAGS_no_full)) {
+          full.missing = true;
+        } else if (full_prediction > full_limit) {
+          full = {full_prediction, true, false};
+        } else {
+          const Clock::time_point start = Clock::now();
+          Check(mita::kernels::FullAttentionForward(q, k, v).status(), "full attention");
+          full.seconds = SecondsSince(start);
+          full_measured[full_key] = {tokens, full.seconds};
+        }
+
+        for (const auto& [expert_count, width] : budgets) {
+          if (expert_count > tokens || width > tokens) continue;
+          absl::StatusOr<at::Tensor> landmarks = mita::kernels::SequenceLandmarks(q, expert_count);
+          Check(landmarks.status(), "landmarks");
+          const std::vector<mita::kernels::MitaItem> items = {{(*landmarks)[0], width}};
+
+          // MiTA CPU kernel: warm-up, then the median of `repeats` runs.
+          Check(mita::kernels::MitaAttentionForward(q, k, v, items).status(), "MiTA");
+          std::vector<double> times;
+          for (int run = 0; run < repeats; ++run) {
+            const Clock::time_point start = Clock::now();
+            Check(mita::kernels::MitaAttentionForward(q, k, v, items).status(), "MiTA");
+            times.push_back(SecondsSince(start));
+          }
+          std::sort(times.begin(), times.end());
+          const double mita_seconds = times[times.size() / 2];
+          const double flops = 2.0 * tokens * head_dim * (4.0 * expert_count + 2.0 * width) * heads;
+          const double gflops = flops / mita_seconds / 1e9;
+
+          // Reference: head by head, once.
+          Timing reference;
+          const auto ref_key = std::make_tuple(head_dim, heads, expert_count, width);
+          const auto ref_previous = ref_measured.find(ref_key);
+          double ref_prediction = -1;
+          if (ref_previous != ref_measured.end()) {
+            ref_prediction = ref_previous->second.second * tokens / ref_previous->second.first;
+          }
+          const double gathered_bytes = 2.0 * tokens * width * head_dim * sizeof(float);
+          if (absl::GetFlag(FLAGS_no_reference)) {
+            reference.missing = true;
+          } else if (ref_prediction > reference_limit ||
+                     gathered_bytes > absl::GetFlag(FLAGS_reference_max_bytes)) {
+            if (ref_prediction > 0) {
+              reference = {ref_prediction, true, false};
+            } else {
+              reference.missing = true;
+            }
+          } else {
+            double total = 0;
+            for (int64_t h = 0; h < heads; ++h) {
+              const std::vector<mita::kernels::MitaItem> head_items = {
+                  {items[0].landmarks.narrow(0, h, 1), width}};
+              const at::Tensor qh = q.narrow(1, h, 1), kh = k.narrow(1, h, 1), vh = v.narrow(1, h, 1);
+              const Clock::time_point start = Clock::now();
+              Check(mita::kernels::MitaAttentionForward(qh, kh, vh, head_items, nullptr,
+                                                        mita::kernels::MitaBackend::kReference)
+                        .status(),
+                    "reference");
+              total += SecondsSince(start);
+            }
+            reference.seconds = total;
+            ref_measured[ref_key] = {tokens, total};
+          }
+
+          std::printf("| %lld | %lld | %lld | %lld | %lld | %.2f | %.1f | %.0f%% | %s | %s | %s | %s |\n",
+                      static_cast<long long>(tokens), static_cast<long long>(head_dim),
+                      static_cast<long long>(heads), static_cast<long long>(expert_count),
+                      static_cast<long long>(width), mita_seconds * 1e3, gflops, 100.0 * gflops / gemm_rate,
+                      FormatMilliseconds(full).c_str(), FormatRatio(full, mita_seconds).c_str(),
+                      FormatMilliseconds(reference).c_str(), FormatRatio(reference, mita_seconds).c_str());
+          std::fflush(stdout);
+        }
+      }
+    }
+  }
+  std::printf("\nfp32 GEMM rate at the end of the run: %.1f GFLOP/s; total run %.0f s\n",
+              MeasureGemmRate(absl::GetFlag(FLAGS_gemm_size)), SecondsSince(run_start));
+  return 0;
+}
