@@ -13,8 +13,8 @@
 //   4. per routed expert: its k keys and values are gathered once; its queries, in chunks, get their M + k
 //      logits from two GEMMs into one row buffer, one max-subtracted softmax, and the output from two GEMMs
 //      (weights x A, weights x V_expert), normalised by the softmax sum.
-// The GEMMs are at::mm_out on from_blob views (system BLAS, no copies); MatmulTransposed/MatmulAccumulate are
-// the single place to swap in a hand-written micro-kernel later. The float exponentials use FastExp in
+// The GEMMs call the system BLAS (sgemm_/dgemm_) directly on the buffers (no copies); MatmulTransposed and
+// MatmulAccumulate are the single place to swap in a hand-written micro-kernel later. The float exponentials use FastExp in
 // vectorised row loops. Buffers live in a HeadWorkspace reused by all the (item, head) pairs of one thread.
 // Left for later: reusing the gate's q l^T for the compressed logits (now recomputed per expert chunk), AVX2
 // code paths (the build targets baseline x86-64), splitting one head over threads when B * H < threads.
@@ -27,8 +27,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
-#include <ATen/ops/mm.h>
 
 #include "kernels/mita_attention_internal.h"
 
@@ -50,31 +48,49 @@ int64_t BlockRows(int64_t other_dimensions) {
   return std::clamp<int64_t>(kSingleThreadGemmVolume / other_dimensions, 1, kMaxBlockRows);
 }
 
-template <typename T>
-at::Tensor MatrixView(const T* data, int64_t rows, int64_t columns, int64_t row_stride) {
-  return at::from_blob(const_cast<T*>(data), {rows, columns}, {row_stride, 1},
-                       at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
+// The system BLAS, called directly (Fortran interface, column-major): an at::mm_out on from_blob views costs
+// several microseconds of tensor construction and dispatch per call, which at these GEMM sizes (<= 64^3
+// multiply-adds) is comparable to the arithmetic (mita-kernel-bench, docs/kernels.md).
+extern "C" {
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
+            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+            const int* ldc);
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
+            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+            const int* ldc);
 }
 
-// out[rows, columns] = a[rows, inner] * b[columns, inner]^T. Row-major with the given row strides.
+// Column-major C[m, n] = alpha op(A) op(B) + beta C.
+inline void Gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
+  const int ldai = static_cast<int>(lda), ldbi = static_cast<int>(ldb), ldci = static_cast<int>(ldc);
+  sgemm_(&transa, &transb, &mi, &ni, &ki, &alpha, a, &ldai, b, &ldbi, &beta, c, &ldci);
+}
+
+inline void Gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
+                 int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
+  const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
+  const int ldai = static_cast<int>(lda), ldbi = static_cast<int>(ldb), ldci = static_cast<int>(ldc);
+  dgemm_(&transa, &transb, &mi, &ni, &ki, &alpha, a, &ldai, b, &ldbi, &beta, c, &ldci);
+}
+
+// out[rows, columns] = a[rows, inner] * b[columns, inner]^T. Row-major with the given row strides (a row-major
+// X with row stride ld is the column-major X^T with leading dimension ld, so this is out^T = b a^T).
 template <typename T>
 void MatmulTransposed(const T* a, int64_t a_stride, const T* b, int64_t b_stride, T* out, int64_t out_stride,
                       int64_t rows, int64_t columns, int64_t inner) {
-  at::Tensor result = MatrixView(out, rows, columns, out_stride);
-  at::mm_out(result, MatrixView(a, rows, inner, a_stride), MatrixView(b, columns, inner, b_stride).t());
+  if (rows == 0 || columns == 0) return;
+  Gemm('T', 'N', columns, rows, inner, T(1), b, b_stride, a, a_stride, T(0), out, out_stride);
 }
 
-// out[rows, columns] (+)= a[rows, inner] * b[inner, columns]; accumulates into out when `accumulate`.
+// out[rows, columns] (+)= a[rows, inner] * b[inner, columns]; accumulates into out when `accumulate`
+// (out^T = b^T a^T in column-major terms).
 template <typename T>
 void MatmulAccumulate(const T* a, int64_t a_stride, const T* b, int64_t b_stride, T* out, int64_t out_stride,
                       int64_t rows, int64_t columns, int64_t inner, bool accumulate) {
-  at::Tensor result = MatrixView(out, rows, columns, out_stride);
-  const at::Tensor left = MatrixView(a, rows, inner, a_stride), right = MatrixView(b, inner, columns, b_stride);
-  if (accumulate) {
-    result.addmm_(left, right);
-  } else {
-    at::mm_out(result, left, right);
-  }
+  if (rows == 0 || columns == 0) return;
+  Gemm('N', 'N', columns, rows, inner, T(1), b, b_stride, a, a_stride, accumulate ? T(1) : T(0), out, out_stride);
 }
 
 // The row loops below are kept out of line and free of std::min/std::max (whose branches stop GCC 12 from
@@ -454,6 +470,12 @@ at::Tensor WithContiguousRows(const at::Tensor& tensor) {
   return rows_contiguous && rows_apart ? tensor : tensor.contiguous();
 }
 
+// Row stride (elements) of a [B, H, N, d] tensor from WithContiguousRows; d when N == 1 (any stride is valid
+// for a single row, BLAS needs one >= d).
+int64_t RowStride(const at::Tensor& tensor) {
+  return tensor.size(2) == 1 ? tensor.size(3) : tensor.stride(2);
+}
+
 template <typename T>
 at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_input, const at::Tensor& v_input,
                                  absl::Span<const MitaItem> items, std::vector<MitaItemStatistics>* statistics,
@@ -485,9 +507,9 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
                              v_data + head_offset(v, b, h),
                              landmarks[b].data_ptr<T>() + h * expert_count * head_dim,
                              output_data + task * head_size,
-                             q.stride(2),
-                             k.stride(2),
-                             v.stride(2),
+                             RowStride(q),
+                             RowStride(k),
+                             RowStride(v),
                              tokens,
                              head_dim,
                              expert_count,
