@@ -22,6 +22,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/mita_attention_internal.h"
+#ifdef MITA_HAVE_CUDA
+#include "kernels/mita_attention_cuda.h"
+#endif
 
 namespace mita::kernels {
 namespace {
@@ -46,7 +49,7 @@ std::string DtypeName(at::ScalarType type) {
   }
 }
 
-// `tensor` is defined, 4-D [B, H, N, d], and float32 or float64.
+// `tensor` is defined, 4-D [B, H, N, d], and float32 or float64 (or bfloat16 on a CUDA device).
 absl::Status CheckAttentionInput(const at::Tensor& tensor, const char* name) {
   if (!tensor.defined()) return absl::InvalidArgumentError(absl::StrCat(name, " is undefined"));
   if (tensor.dim() != 4) {
@@ -54,9 +57,10 @@ absl::Status CheckAttentionInput(const at::Tensor& tensor, const char* name) {
                                                    "-D shape ", ShapeString(tensor)));
   }
   const at::ScalarType type = tensor.scalar_type();
-  if (type != at::kFloat && type != at::kDouble) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, " has dtype ", DtypeName(type), "; supported dtypes are float32 and float64"));
+  if (type != at::kFloat && type != at::kDouble && !(type == at::kBFloat16 && tensor.is_cuda())) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " has dtype ", DtypeName(type),
+                                                   "; supported dtypes are float32 and float64 (and bfloat16 on "
+                                                   "a CUDA device)"));
   }
   return absl::OkStatus();
 }
@@ -158,11 +162,17 @@ absl::StatusOr<at::Tensor> MitaAttentionForwardWithOptions(const at::Tensor& q, 
   if (absl::Status status = ValidateMitaArguments(q, k, v, items); !status.ok()) return status;
   return RunWithoutThrowing("MiTA attention", [&]() -> at::Tensor {
     at::NoGradGuard no_grad;
-    // No CUDA kernel yet: off the CPU, the reference (device-agnostic ATen ops) serves kAuto too.
-    if (backend == MitaBackend::kReference || !q.device().is_cpu()) {
-      return MitaAttentionReference(q, k, v, items, statistics, options);
-    }
-    return MitaAttentionCpu(q, k, v, items, statistics, options);
+    if (backend == MitaBackend::kReference) return MitaAttentionReference(q, k, v, items, statistics, options);
+    if (q.device().is_cpu()) return MitaAttentionCpu(q, k, v, items, statistics, options);
+#ifdef MITA_HAVE_CUDA
+    // The CUDA kernel takes float32 and bfloat16 and has no test hooks (routing, no shared expert).
+    const bool cuda_kernel_applies = q.is_cuda() && q.scalar_type() != at::kDouble &&
+                                     q.size(3) <= cuda::kMaxCudaHeadDim && options.routing == nullptr &&
+                                     options.include_shared_expert;
+    if (cuda_kernel_applies) return MitaAttentionCuda(q, k, v, items, statistics);
+#endif
+    // Other devices and cases: the reference (device-agnostic ATen ops).
+    return MitaAttentionReference(q, k, v, items, statistics, options);
   });
 }
 

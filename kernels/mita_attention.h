@@ -56,8 +56,9 @@ struct MitaItemStatistics {
 
 // Which implementation runs the MiTA forward.
 enum class MitaBackend {
-  // The fastest implementation for the tensors' device: the CPU kernel on CPU (mita_attention_cpu.cc); on
-  // other devices, until a CUDA kernel exists, the reference.
+  // The fastest implementation for the tensors' device: the CPU kernel on CPU (mita_attention_cpu.cc); on a
+  // CUDA device the CUDA kernel (mita_attention_cuda.cu; float32 and bfloat16, d <= 256) when the build has
+  // it (MITA_CUDA, docs/kernels.md), otherwise the reference.
   kAuto,
   // Plain ATen ops (sort, gather, softmax): slow, obviously correct; kept for tests.
   kReference,
@@ -66,7 +67,8 @@ enum class MitaBackend {
 // MiTA forward for a batch whose items may each have their own expert count and expert width (DESIGN.md
 // section 2, formulas above).
 //
-// q, k, v: [B, H, N, d] (the same shape), float32 or float64 (the same dtype), on CPU. Any strides: slices of
+// q, k, v: [B, H, N, d] (the same shape), float32 or float64 (the same dtype; bfloat16 too on a CUDA device),
+// on one device. Any strides: slices of
 // a fused [B, N, 3, H, d] qkv projection are read in place; other layouts are copied once. items: B entries
 // (B = 0 gives an empty output). Returns a new contiguous [B, H, N, d] tensor of q's dtype: the attention
 // output before the head merge and output projection. Softmaxes accumulate in the input's precision with the

@@ -150,13 +150,6 @@ struct HeadProblem {
   bool include_shared_expert;
 };
 
-// What the statistics need from one (item, head).
-struct HeadCounts {
-  std::vector<int64_t> queries_per_expert;  // [M]
-  int64_t pruned_keys = 0;                  // keys in no expert's set
-  int64_t overlapping_keys = 0;             // keys in two or more experts' sets
-};
-
 template <typename T>
 struct Candidate {
   T score;
@@ -428,48 +421,6 @@ void MitaHead(const HeadProblem<T>& problem, HeadWorkspace<T>& work, HeadCounts*
   }
 }
 
-// Per-item statistics: each head's load, entropy, pruning and overlap, averaged over heads (DESIGN.md
-// section 2, "Statistics that come for free").
-MitaItemStatistics AverageOverHeads(absl::Span<const HeadCounts> heads, int64_t tokens) {
-  MitaItemStatistics statistics;
-  const int64_t expert_count = static_cast<int64_t>(heads.front().queries_per_expert.size());
-  const double head_count = static_cast<double>(heads.size());
-  const double token_count = static_cast<double>(tokens);
-  statistics.queries_per_expert.assign(expert_count, 0.0);
-  for (const HeadCounts& head : heads) {
-    int64_t max_load = 0;
-    double entropy = 0;
-    for (int64_t i = 0; i < expert_count; ++i) {
-      const int64_t load = head.queries_per_expert[i];
-      statistics.queries_per_expert[i] += static_cast<double>(load) / head_count;
-      max_load = std::max(max_load, load);
-      if (load > 0) {
-        const double share = static_cast<double>(load) / token_count;
-        entropy -= share * std::log(share);
-      }
-    }
-    // max / mean, with mean = N / M.
-    statistics.load_imbalance += static_cast<double>(max_load) * static_cast<double>(expert_count) / token_count;
-    statistics.routing_entropy += expert_count == 1 ? 1.0 : entropy / std::log(static_cast<double>(expert_count));
-    statistics.pruned_key_fraction += static_cast<double>(head.pruned_keys) / token_count;
-    statistics.expert_overlap_fraction += static_cast<double>(head.overlapping_keys) / token_count;
-  }
-  statistics.load_imbalance /= head_count;
-  statistics.routing_entropy /= head_count;
-  statistics.pruned_key_fraction /= head_count;
-  statistics.expert_overlap_fraction /= head_count;
-  return statistics;
-}
-
-// `tensor` ([B, H, N, d]) itself when each (item, head, token) row of d values is contiguous and rows do not
-// overlap: e.g. q, k, v sliced from a fused [B, N, 3, H, d] qkv projection are read in place, without a copy.
-// Otherwise a contiguous copy.
-at::Tensor WithContiguousRows(const at::Tensor& tensor) {
-  const bool rows_contiguous = tensor.stride(3) == 1 || tensor.size(3) == 1;
-  const bool rows_apart = tensor.stride(2) >= tensor.size(3) || tensor.size(2) == 1;
-  return rows_contiguous && rows_apart ? tensor : tensor.contiguous();
-}
-
 // Row stride (elements) of a [B, H, N, d] tensor from WithContiguousRows; d when N == 1 (any stride is valid
 // for a single row, BLAS needs one >= d).
 int64_t RowStride(const at::Tensor& tensor) {
@@ -530,6 +481,39 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
 }
 
 }  // namespace
+
+// Per-item statistics: each head's load, entropy, pruning and overlap, averaged over heads (DESIGN.md
+// section 2, "Statistics that come for free").
+MitaItemStatistics AverageOverHeads(absl::Span<const HeadCounts> heads, int64_t tokens) {
+  MitaItemStatistics statistics;
+  const int64_t expert_count = static_cast<int64_t>(heads.front().queries_per_expert.size());
+  const double head_count = static_cast<double>(heads.size());
+  const double token_count = static_cast<double>(tokens);
+  statistics.queries_per_expert.assign(expert_count, 0.0);
+  for (const HeadCounts& head : heads) {
+    int64_t max_load = 0;
+    double entropy = 0;
+    for (int64_t i = 0; i < expert_count; ++i) {
+      const int64_t load = head.queries_per_expert[i];
+      statistics.queries_per_expert[i] += static_cast<double>(load) / head_count;
+      max_load = std::max(max_load, load);
+      if (load > 0) {
+        const double share = static_cast<double>(load) / token_count;
+        entropy -= share * std::log(share);
+      }
+    }
+    // max / mean, with mean = N / M.
+    statistics.load_imbalance += static_cast<double>(max_load) * static_cast<double>(expert_count) / token_count;
+    statistics.routing_entropy += expert_count == 1 ? 1.0 : entropy / std::log(static_cast<double>(expert_count));
+    statistics.pruned_key_fraction += static_cast<double>(head.pruned_keys) / token_count;
+    statistics.expert_overlap_fraction += static_cast<double>(head.overlapping_keys) / token_count;
+  }
+  statistics.load_imbalance /= head_count;
+  statistics.routing_entropy /= head_count;
+  statistics.pruned_key_fraction /= head_count;
+  statistics.expert_overlap_fraction /= head_count;
+  return statistics;
+}
 
 at::Tensor MitaAttentionCpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             absl::Span<const MitaItem> items, std::vector<MitaItemStatistics>* statistics,

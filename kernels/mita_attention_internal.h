@@ -35,6 +35,27 @@ struct MitaForwardOptions {
   std::vector<MitaHeadRouting>* routing = nullptr;
 };
 
+// What the statistics need from one (item, head); every backend produces these, AverageOverHeads turns them
+// into MitaItemStatistics.
+struct HeadCounts {
+  std::vector<int64_t> queries_per_expert;  // [M], sums to N
+  int64_t pruned_keys = 0;                  // keys in no expert's set
+  int64_t overlapping_keys = 0;             // keys in two or more experts' sets
+};
+
+// Per-item statistics from the counts of its H heads: each head's load imbalance, entropy, pruning and overlap
+// (formulas at MitaItemStatistics), averaged over heads (DESIGN.md section 2, "Statistics that come for free").
+MitaItemStatistics AverageOverHeads(absl::Span<const HeadCounts> heads, int64_t tokens);
+
+// `tensor` ([B, H, N, d]) itself when each (item, head, token) row of d values is contiguous and rows do not
+// overlap: e.g. q, k, v sliced from a fused [B, N, 3, H, d] qkv projection are read in place, without a copy.
+// Otherwise a contiguous copy (on the tensor's device).
+inline at::Tensor WithContiguousRows(const at::Tensor& tensor) {
+  const bool rows_contiguous = tensor.stride(3) == 1 || tensor.size(3) == 1;
+  const bool rows_apart = tensor.stride(2) >= tensor.size(3) || tensor.size(2) == 1;
+  return rows_contiguous && rows_apart ? tensor : tensor.contiguous();
+}
+
 // Checks the MiTA forward's arguments (see MitaAttentionForward in mita_attention.h). OK, or
 // INVALID_ARGUMENT naming the argument and the allowed values.
 absl::Status ValidateMitaArguments(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -82,6 +103,12 @@ inline float FastExp(float x) {
 at::Tensor MitaAttentionCpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             absl::Span<const MitaItem> items, std::vector<MitaItemStatistics>* statistics,
                             const MitaForwardOptions& options);
+
+// CUDA forward (mita_attention_cuda_dispatch.cc, built when MITA_HAVE_CUDA): float32 or bfloat16 tensors on
+// one CUDA device, through the raw-pointer API of mita_attention_cuda.h. Runs on the legacy default stream.
+// Throws std::runtime_error with the CUDA error message when the kernel fails.
+at::Tensor MitaAttentionCuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             absl::Span<const MitaItem> items, std::vector<MitaItemStatistics>* statistics);
 
 // Reference forward from plain ATen ops (mita_attention_reference.cc): any device ATen supports.
 at::Tensor MitaAttentionReference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -1,0 +1,519 @@
+// CUDA MiTA forward (DESIGN.md section 2; arXiv 2602.01219). Interface and semantics: mita_attention_cuda.h.
+// No torch headers: raw device pointers only.
+//
+// Per batch item (items differ in M and k), all heads at once, five kernels on one stream:
+//   1. ScoresKernel       S = l k^T, float32 [H, M, N] in scratch memory; each thread owns one key and a group
+//                         of landmarks (kept in shared memory), so each key row is read once per group.
+//   2. TopKKernel         one block per (head, landmark): exact top-k by an 8-pass radix select over 64-bit
+//                         keys (ordered score bits << 32 | (2^32 - 1 - key index)), which are all distinct and
+//                         order "higher score first, then lower key index"; the k keys at or above the k-th
+//                         largest are written in ascending key order by an ordered block compaction.
+//   3. SharedExpertKernel one block per (head, landmark): A_i = softmax(S[i, :] s) v, max then one pass that
+//                         sums exp and accumulates v rows (threads split keys into stripes x channels).
+//   4. QueryKernel        one warp per query: the gate l_i . q_n for 32 landmarks at a time (one per lane) gives
+//                         both e(n) (first maximum) and the compressed logits (times s^2), merged into an
+//                         online softmax with values A_i; then expert e(n)'s keys, 32 at a time, with values
+//                         v_j; one running max and sum over all M + k logits (the same single softmax).
+//   5. CountKernel        statistics only: keys selected by no expert / by two or more.
+// Simple and exact rather than tuned: no tensor cores, no grouping of queries by expert (gathered rows come
+// from L2). docs/kernels.md says what has been measured on hardware.
+#include "kernels/mita_attention_cuda.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mita::kernels::cuda {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kChannelsPerLane = static_cast<int>(kMaxCudaHeadDim / kWarp);  // register tile of one query's output
+constexpr int kLandmarkGroup = 8;      // landmarks per ScoresKernel thread
+constexpr int kScoreThreads = 128;
+constexpr int kRowThreads = 256;       // TopKKernel, SharedExpertKernel, CountKernel
+constexpr int kQueriesPerBlock = 4;    // QueryKernel: warps per block
+
+__device__ __forceinline__ float ToFloat(float x) { return x; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ void Store(float* target, float x) { *target = x; }
+__device__ __forceinline__ void Store(__nv_bfloat16* target, float x) { *target = __float2bfloat16(x); }
+
+// Element offsets of (item, head) and of a token, from [item, head, token] strides.
+struct Strides {
+  int64_t item, head, token;
+};
+
+// 1. S[h, i, j] = l_i . k_j (no scale). grid (ceil(N / kScoreThreads), ceil(M / kLandmarkGroup), H).
+template <typename T>
+__global__ void ScoresKernel(const T* __restrict__ keys, Strides key_strides, const T* __restrict__ landmarks,
+                             float* __restrict__ scores, int64_t tokens, int64_t expert_count, int64_t head_dim) {
+  extern __shared__ float group_landmarks[];  // [kLandmarkGroup, d]
+  const int64_t head = blockIdx.z;
+  const int64_t first_landmark = static_cast<int64_t>(blockIdx.y) * kLandmarkGroup;
+  const int64_t group = min(static_cast<int64_t>(kLandmarkGroup), expert_count - first_landmark);
+  const T* head_landmarks = landmarks + (head * expert_count + first_landmark) * head_dim;
+  for (int64_t e = threadIdx.x; e < group * head_dim; e += blockDim.x) group_landmarks[e] = ToFloat(head_landmarks[e]);
+  __syncthreads();
+  const int64_t key = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (key >= tokens) return;
+  const T* row = keys + head * key_strides.head + key * key_strides.token;
+  float sums[kLandmarkGroup] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t c = 0; c < head_dim; ++c) {
+    const float value = ToFloat(row[c]);
+#pragma unroll
+    for (int g = 0; g < kLandmarkGroup; ++g) {
+      if (g < group) sums[g] = fmaf(group_landmarks[g * head_dim + c], value, sums[g]);
+    }
+  }
+  float* head_scores = scores + (head * expert_count + first_landmark) * tokens;
+#pragma unroll
+  for (int g = 0; g < kLandmarkGroup; ++g) {
+    if (g < group) head_scores[g * tokens + key] = sums[g];
+  }
+}
+
+// Order-preserving map of a float to uint32 (larger float -> larger integer); NaN maps to 0, below -inf.
+__device__ __forceinline__ uint32_t OrderedBits(float score) {
+  if (isnan(score)) return 0u;
+  const uint32_t bits = __float_as_uint(score);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// The distinct 64-bit rank key of (score, index): larger key = higher score, then lower index.
+__device__ __forceinline__ uint64_t RankKey(float score, int64_t index) {
+  return (static_cast<uint64_t>(OrderedBits(score)) << 32) | (0xFFFFFFFFull - static_cast<uint64_t>(index));
+}
+
+// 2. Top-k of each row S[h, i, :]. grid (M, H), block kRowThreads. expert_keys: [H, M, k], ascending.
+// selections: [H, N] counts of experts that selected each key (statistics; may be null).
+__global__ void TopKKernel(const float* __restrict__ scores, int32_t* __restrict__ expert_keys,
+                           int32_t* __restrict__ selections, int64_t tokens, int64_t expert_count, int64_t width) {
+  __shared__ unsigned int histogram[256];
+  __shared__ uint64_t prefix_shared;
+  __shared__ int64_t remaining_shared;
+  __shared__ int64_t segment_counts[kRowThreads];
+  const int64_t head = blockIdx.y, landmark = blockIdx.x;
+  const float* row = scores + (head * expert_count + landmark) * tokens;
+  int32_t* keys_out = expert_keys + (head * expert_count + landmark) * width;
+
+  uint64_t prefix = 0, mask = 0;
+  int64_t remaining = width;  // rank of the wanted key among those matching the prefix (1 = largest)
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) histogram[b] = 0;
+    __syncthreads();
+    for (int64_t j = threadIdx.x; j < tokens; j += blockDim.x) {
+      const uint64_t key = RankKey(row[j], j);
+      if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 0xFF], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int64_t left = remaining;
+      int bucket = 255;
+      for (; bucket > 0; --bucket) {
+        if (static_cast<int64_t>(histogram[bucket]) >= left) break;
+        left -= histogram[bucket];
+      }
+      prefix_shared = prefix | (static_cast<uint64_t>(bucket) << shift);
+      remaining_shared = left;
+    }
+    __syncthreads();
+    prefix = prefix_shared;
+    remaining = remaining_shared;
+    mask |= 0xFFull << shift;
+    __syncthreads();
+  }
+  const uint64_t threshold = prefix;  // the k-th largest rank key: exactly k keys are >= it
+
+  // Ordered compaction: thread t owns keys [t * segment, (t + 1) * segment).
+  const int64_t segment = (tokens + blockDim.x - 1) / blockDim.x;
+  const int64_t begin = min(tokens, threadIdx.x * segment), end = min(tokens, begin + segment);
+  int64_t count = 0;
+  for (int64_t j = begin; j < end; ++j) count += RankKey(row[j], j) >= threshold ? 1 : 0;
+  segment_counts[threadIdx.x] = count;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t running = 0;
+    for (int t = 0; t < static_cast<int>(blockDim.x); ++t) {
+      const int64_t here = segment_counts[t];
+      segment_counts[t] = running;
+      running += here;
+    }
+  }
+  __syncthreads();
+  int64_t slot = segment_counts[threadIdx.x];
+  for (int64_t j = begin; j < end; ++j) {
+    if (RankKey(row[j], j) >= threshold) {
+      if (slot < width) keys_out[slot] = static_cast<int32_t>(j);
+      ++slot;
+      if (selections != nullptr) atomicAdd(&selections[head * tokens + j], 1);
+    }
+  }
+}
+
+// 3. A[h, i, :] = softmax(S[h, i, :] s) v. grid (M, H), block kRowThreads; dynamic shared memory
+// (stripes * d + stripes) floats.
+template <typename T>
+__global__ void SharedExpertKernel(const float* __restrict__ scores, const T* __restrict__ values,
+                                   Strides value_strides, float* __restrict__ shared_output, int64_t tokens,
+                                   int64_t expert_count, int64_t head_dim, float scale) {
+  extern __shared__ float partial[];  // [stripes, d] accumulators, then [stripes] sums
+  __shared__ float reduce[kRowThreads];
+  const int64_t head = blockIdx.y, landmark = blockIdx.x;
+  const float* row = scores + (head * expert_count + landmark) * tokens;
+  // Row maximum of S s (s > 0: max(S) s).
+  float local_max = -INFINITY;
+  for (int64_t j = threadIdx.x; j < tokens; j += blockDim.x) local_max = fmaxf(local_max, row[j]);
+  reduce[threadIdx.x] = local_max;
+  __syncthreads();
+  for (int width = blockDim.x / 2; width > 0; width /= 2) {
+    if (threadIdx.x < width) reduce[threadIdx.x] = fmaxf(reduce[threadIdx.x], reduce[threadIdx.x + width]);
+    __syncthreads();
+  }
+  const float maximum = reduce[0] * scale;
+  const int stripes = static_cast<int>(blockDim.x / head_dim);
+  const int stripe = static_cast<int>(threadIdx.x / head_dim), channel = static_cast<int>(threadIdx.x % head_dim);
+  const T* head_values = values + head * value_strides.head;
+  float accumulator = 0, sum = 0;
+  if (stripe < stripes) {
+    for (int64_t j = stripe; j < tokens; j += stripes) {
+      const float weight = expf(row[j] * scale - maximum);
+      sum += weight;
+      accumulator = fmaf(weight, ToFloat(head_values[j * value_strides.token + channel]), accumulator);
+    }
+    partial[stripe * head_dim + channel] = accumulator;
+    if (channel == 0) partial[stripes * head_dim + stripe] = sum;
+  }
+  __syncthreads();
+  if (threadIdx.x < head_dim) {
+    float total = 0, total_sum = 0;
+    for (int s = 0; s < stripes; ++s) {
+      total += partial[s * head_dim + threadIdx.x];
+      total_sum += partial[stripes * head_dim + s];
+    }
+    shared_output[(head * expert_count + landmark) * head_dim + threadIdx.x] = total / total_sum;
+  }
+}
+
+// Running softmax state of one query (every lane holds the same max and sum, and its own output channels).
+struct OnlineSoftmax {
+  float maximum = -INFINITY;
+  float sum = 0;
+  float output[kChannelsPerLane] = {0, 0, 0, 0, 0, 0, 0, 0};
+};
+
+__device__ __forceinline__ float WarpMax(float value) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) value = fmaxf(value, __shfl_xor_sync(0xFFFFFFFFu, value, offset));
+  return value;
+}
+
+__device__ __forceinline__ float WarpSum(float value) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) value += __shfl_xor_sync(0xFFFFFFFFu, value, offset);
+  return value;
+}
+
+// Adds one tile of up to 32 logits (lane l holds logit l; `present` false for lanes without an entry) to the
+// state. row_of(l) returns the value row (float or T elements) of lane l's entry; every lane calls it with the
+// same l (it may shuffle), and only for present entries.
+template <typename RowOf>
+__device__ __forceinline__ void AddTile(OnlineSoftmax& state, float logit, bool present, int64_t head_dim,
+                                        RowOf row_of) {
+  const int lane = threadIdx.x % kWarp;
+  const float tile_max = WarpMax(present ? logit : -INFINITY);
+  if (tile_max == -INFINITY) return;  // uniform: no entry, or all logits -inf, contributes nothing
+  const float new_max = fmaxf(state.maximum, tile_max);
+  const float factor = state.maximum == -INFINITY ? 0.0f : expf(state.maximum - new_max);
+  const float weight = present ? expf(logit - new_max) : 0.0f;
+  state.sum = state.sum * factor + WarpSum(weight);
+  state.maximum = new_max;
+#pragma unroll
+  for (int r = 0; r < kChannelsPerLane; ++r) state.output[r] *= factor;
+  const unsigned present_lanes = __ballot_sync(0xFFFFFFFFu, present);
+  for (int source = 0; source < kWarp; ++source) {
+    if (((present_lanes >> source) & 1u) == 0) continue;  // uniform across the warp
+    const float source_weight = __shfl_sync(0xFFFFFFFFu, weight, source);
+    const auto* row = row_of(source);
+#pragma unroll
+    for (int r = 0; r < kChannelsPerLane; ++r) {
+      const int64_t channel = lane + r * kWarp;
+      if (channel < head_dim) state.output[r] = fmaf(source_weight, ToFloat(row[channel]), state.output[r]);
+    }
+  }
+}
+
+// 4. One warp per query. grid (ceil(N / kQueriesPerBlock), H), block kQueriesPerBlock * 32, dynamic shared
+// memory kQueriesPerBlock * d floats (each warp's query).
+template <typename T>
+__global__ void QueryKernel(const T* __restrict__ queries, Strides query_strides, const T* __restrict__ keys,
+                            Strides key_strides, const T* __restrict__ values, Strides value_strides,
+                            const T* __restrict__ landmarks, const float* __restrict__ shared_output,
+                            const int32_t* __restrict__ expert_keys, T* __restrict__ output,
+                            int32_t* __restrict__ load, int64_t tokens, int64_t expert_count, int64_t width,
+                            int64_t head_dim, float scale) {
+  extern __shared__ float query_rows[];  // [kQueriesPerBlock, d]
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t head = blockIdx.y;
+  const int64_t query = static_cast<int64_t>(blockIdx.x) * kQueriesPerBlock + warp;
+  if (query >= tokens) return;  // whole warp leaves together
+  float* query_row = query_rows + warp * head_dim;
+  const T* source = queries + head * query_strides.head + query * query_strides.token;
+  for (int64_t c = lane; c < head_dim; c += kWarp) query_row[c] = ToFloat(source[c]);
+  __syncwarp();
+
+  const T* head_landmarks = landmarks + head * expert_count * head_dim;
+  const float* head_shared = shared_output + head * expert_count * head_dim;
+  const float compressed_scale = scale * scale;
+  OnlineSoftmax state;
+  float best_gate = -INFINITY;
+  int64_t best_expert = -1;
+  // Gate and compressed logits: landmark i0 + lane.
+  for (int64_t first = 0; first < expert_count; first += kWarp) {
+    const int64_t landmark = first + lane;
+    const bool present = landmark < expert_count;
+    float gate = 0;
+    if (present) {
+      const T* row = head_landmarks + landmark * head_dim;
+      for (int64_t c = 0; c < head_dim; ++c) gate = fmaf(ToFloat(row[c]), query_row[c], gate);
+      // First maximum: this lane sees its landmarks in increasing order, so only a strictly larger gate wins.
+      if (best_expert < 0 || gate > best_gate) {
+        best_gate = gate;
+        best_expert = landmark;
+      }
+    }
+    AddTile(state, gate * compressed_scale, present, head_dim,
+            [&](int entry) { return head_shared + (first + entry) * head_dim; });
+  }
+  // Warp argmax: larger gate, then lower landmark index (lanes without a landmark have index -1: they lose).
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    const float other_gate = __shfl_xor_sync(0xFFFFFFFFu, best_gate, offset);
+    const int64_t other_expert = __shfl_xor_sync(0xFFFFFFFFu, best_expert, offset);
+    const bool other_wins = other_expert >= 0 &&
+                            (best_expert < 0 || other_gate > best_gate ||
+                             (!(other_gate < best_gate) && !(other_gate > best_gate) && other_expert < best_expert));
+    if (other_wins) {
+      best_gate = other_gate;
+      best_expert = other_expert;
+    }
+  }
+  const int64_t expert = best_expert;
+  if (load != nullptr && lane == 0) atomicAdd(&load[head * expert_count + expert], 1);
+
+  // Routed logits over expert e(n)'s keys, 32 at a time.
+  const int32_t* expert_key_list = expert_keys + (head * expert_count + expert) * width;
+  const T* head_keys = keys + head * key_strides.head;
+  const T* head_values = values + head * value_strides.head;
+  for (int64_t first = 0; first < width; first += kWarp) {
+    const bool present = first + lane < width;
+    const int64_t key = present ? expert_key_list[first + lane] : 0;
+    float logit = 0;
+    if (present) {
+      const T* row = head_keys + key * key_strides.token;
+      for (int64_t c = 0; c < head_dim; ++c) logit = fmaf(ToFloat(row[c]), query_row[c], logit);
+      logit *= scale;
+    }
+    AddTile(state, logit, present, head_dim, [&](int entry) {
+      const int64_t entry_key = __shfl_sync(0xFFFFFFFFu, key, entry);
+      return head_values + entry_key * value_strides.token;
+    });
+  }
+
+  T* target = output + (head * tokens + query) * head_dim;
+  const float inverse_sum = 1.0f / state.sum;
+#pragma unroll
+  for (int r = 0; r < kChannelsPerLane; ++r) {
+    const int64_t channel = lane + r * kWarp;
+    if (channel < head_dim) Store(&target[channel], state.output[r] * inverse_sum);
+  }
+}
+
+// 5. counts[h] = {keys selected by no expert, keys selected by two or more}. grid H, block kRowThreads.
+__global__ void CountKernel(const int32_t* __restrict__ selections, unsigned long long* __restrict__ counts,
+                            int64_t tokens) {
+  const int64_t head = blockIdx.x;
+  unsigned long long pruned = 0, overlapping = 0;
+  for (int64_t j = threadIdx.x; j < tokens; j += blockDim.x) {
+    const int32_t selected = selections[head * tokens + j];
+    pruned += selected == 0 ? 1 : 0;
+    overlapping += selected >= 2 ? 1 : 0;
+  }
+  atomicAdd(&counts[2 * head], pruned);
+  atomicAdd(&counts[2 * head + 1], overlapping);
+}
+
+std::string CudaError(cudaError_t error, const char* what) {
+  return std::string(what) + ": " + cudaGetErrorName(error) + " (" + cudaGetErrorString(error) + ")";
+}
+
+// Restores the calling thread's current device on scope exit.
+class DeviceGuard {
+ public:
+  DeviceGuard() { has_previous_ = cudaGetDevice(&previous_) == cudaSuccess; }
+  ~DeviceGuard() {
+    if (has_previous_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool has_previous_ = false;
+};
+
+template <typename T>
+std::string Run(const CudaMitaProblem& problem, cudaStream_t stream) {
+  const int64_t heads = problem.heads, tokens = problem.tokens, head_dim = problem.head_dim;
+  const bool want_counts = problem.head_counts != nullptr;
+  int64_t max_experts = 0, max_width = 0;
+  for (int64_t b = 0; b < problem.batch; ++b) {
+    max_experts = std::max(max_experts, problem.items[b].expert_count);
+    max_width = std::max(max_width, problem.items[b].expert_width);
+  }
+  // Scratch: scores [H, M, N] f32 | shared output [H, M, d] f32 | expert keys [H, M, k] i32 |
+  // selections [H, N] i32 | load [H, M] i32 | counts [H, 2] u64.
+  const size_t score_bytes = sizeof(float) * heads * max_experts * tokens;
+  const size_t shared_bytes = sizeof(float) * heads * max_experts * head_dim;
+  const size_t key_bytes = sizeof(int32_t) * heads * max_experts * max_width;
+  const size_t selection_bytes = want_counts ? sizeof(int32_t) * heads * tokens : 0;
+  const size_t load_bytes = want_counts ? sizeof(int32_t) * heads * max_experts : 0;
+  const size_t count_bytes = want_counts ? sizeof(unsigned long long) * heads * 2 : 0;
+  auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
+  const size_t total = aligned(score_bytes) + aligned(shared_bytes) + aligned(key_bytes) +
+                       aligned(selection_bytes) + aligned(load_bytes) + aligned(count_bytes);
+  void* scratch = nullptr;
+  if (cudaError_t error = cudaMallocAsync(&scratch, total, stream); error != cudaSuccess) {
+    return CudaError(error, "cudaMallocAsync of the MiTA scratch memory");
+  }
+  char* cursor = static_cast<char*>(scratch);
+  auto take = [&](size_t bytes) {
+    char* here = cursor;
+    cursor += aligned(bytes);
+    return here;
+  };
+  float* scores = reinterpret_cast<float*>(take(score_bytes));
+  float* shared_output = reinterpret_cast<float*>(take(shared_bytes));
+  int32_t* expert_keys = reinterpret_cast<int32_t*>(take(key_bytes));
+  int32_t* selections = want_counts ? reinterpret_cast<int32_t*>(take(selection_bytes)) : nullptr;
+  int32_t* load = want_counts ? reinterpret_cast<int32_t*>(take(load_bytes)) : nullptr;
+  auto* counts = want_counts ? reinterpret_cast<unsigned long long*>(take(count_bytes)) : nullptr;
+
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  const Strides q_strides{problem.q_strides[0], problem.q_strides[1], problem.q_strides[2]};
+  const Strides k_strides{problem.k_strides[0], problem.k_strides[1], problem.k_strides[2]};
+  const Strides v_strides{problem.v_strides[0], problem.v_strides[1], problem.v_strides[2]};
+  std::string failure;
+  std::vector<int32_t> host_load;
+  std::vector<unsigned long long> host_counts;
+  for (int64_t b = 0; b < problem.batch && failure.empty(); ++b) {
+    const CudaMitaItem& item = problem.items[b];
+    const int64_t experts = item.expert_count, width = item.expert_width;
+    const T* q = static_cast<const T*>(problem.q) + b * q_strides.item;
+    const T* k = static_cast<const T*>(problem.k) + b * k_strides.item;
+    const T* v = static_cast<const T*>(problem.v) + b * v_strides.item;
+    const T* landmarks = static_cast<const T*>(item.landmarks);
+    T* output = static_cast<T*>(problem.output) + b * heads * tokens * head_dim;
+    if (want_counts) {
+      cudaMemsetAsync(selections, 0, selection_bytes, stream);
+      cudaMemsetAsync(load, 0, load_bytes, stream);
+      cudaMemsetAsync(counts, 0, count_bytes, stream);
+    }
+    const dim3 score_grid(static_cast<unsigned>((tokens + kScoreThreads - 1) / kScoreThreads),
+                          static_cast<unsigned>((experts + kLandmarkGroup - 1) / kLandmarkGroup),
+                          static_cast<unsigned>(heads));
+    ScoresKernel<T><<<score_grid, kScoreThreads, sizeof(float) * kLandmarkGroup * head_dim, stream>>>(
+        k, k_strides, landmarks, scores, tokens, experts, head_dim);
+    const dim3 row_grid(static_cast<unsigned>(experts), static_cast<unsigned>(heads));
+    TopKKernel<<<row_grid, kRowThreads, 0, stream>>>(scores, expert_keys, selections, tokens, experts, width);
+    const int64_t stripes = kRowThreads / head_dim;
+    SharedExpertKernel<T><<<row_grid, kRowThreads, sizeof(float) * (stripes * head_dim + stripes), stream>>>(
+        scores, v, v_strides, shared_output, tokens, experts, head_dim, scale);
+    const dim3 query_grid(static_cast<unsigned>((tokens + kQueriesPerBlock - 1) / kQueriesPerBlock),
+                          static_cast<unsigned>(heads));
+    QueryKernel<T><<<query_grid, kQueriesPerBlock * kWarp, sizeof(float) * kQueriesPerBlock * head_dim, stream>>>(
+        q, q_strides, k, k_strides, v, v_strides, landmarks, shared_output, expert_keys, output, load, tokens,
+        experts, width, head_dim, scale);
+    if (cudaError_t error = cudaGetLastError(); error != cudaSuccess) {
+      failure = CudaError(error, "MiTA kernel launch");
+      break;
+    }
+    if (want_counts) {
+      CountKernel<<<static_cast<unsigned>(heads), kRowThreads, 0, stream>>>(selections, counts, tokens);
+      host_load.resize(heads * experts);
+      host_counts.resize(heads * 2);
+      cudaMemcpyAsync(host_load.data(), load, sizeof(int32_t) * heads * experts, cudaMemcpyDeviceToHost, stream);
+      cudaMemcpyAsync(host_counts.data(), counts, count_bytes, cudaMemcpyDeviceToHost, stream);
+      if (cudaError_t error = cudaStreamSynchronize(stream); error != cudaSuccess) {
+        failure = CudaError(error, "MiTA statistics");
+        break;
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        CudaHeadCounts& head_counts = problem.head_counts[b * heads + h];
+        for (int64_t i = 0; i < experts; ++i) head_counts.queries_per_expert[i] = host_load[h * experts + i];
+        head_counts.pruned_keys = static_cast<int64_t>(host_counts[2 * h]);
+        head_counts.overlapping_keys = static_cast<int64_t>(host_counts[2 * h + 1]);
+      }
+    }
+  }
+  if (cudaError_t error = cudaFreeAsync(scratch, stream); error != cudaSuccess && failure.empty()) {
+    failure = CudaError(error, "cudaFreeAsync of the MiTA scratch memory");
+  }
+  if (failure.empty()) {
+    if (cudaError_t error = cudaGetLastError(); error != cudaSuccess) failure = CudaError(error, "MiTA forward");
+  }
+  return failure;
+}
+
+}  // namespace
+
+std::string MitaAttentionForwardCuda(const CudaMitaProblem& problem) {
+  if (problem.batch < 0) return "batch size B must be >= 0";
+  if (problem.batch == 0) return "";
+  if (problem.heads < 1 || problem.tokens < 1 || problem.head_dim < 1) return "H, N and d must be >= 1";
+  if (problem.head_dim > kMaxCudaHeadDim) {
+    return "head dimension d = " + std::to_string(problem.head_dim) + " is above the CUDA kernel's limit " +
+           std::to_string(kMaxCudaHeadDim);
+  }
+  if (problem.tokens > 0x7FFFFFFF) return "N must be < 2^31 (key indices are int32)";
+  if (problem.q == nullptr || problem.k == nullptr || problem.v == nullptr || problem.output == nullptr ||
+      problem.items == nullptr) {
+    return "q, k, v, output and items must not be null";
+  }
+  for (int64_t b = 0; b < problem.batch; ++b) {
+    const CudaMitaItem& item = problem.items[b];
+    if (item.landmarks == nullptr) return "items[" + std::to_string(b) + "].landmarks is null";
+    if (item.expert_count < 1) return "items[" + std::to_string(b) + "].expert_count must be >= 1";
+    if (item.expert_width < 1 || item.expert_width > problem.tokens) {
+      return "items[" + std::to_string(b) + "].expert_width " + std::to_string(item.expert_width) +
+             " is outside [1, " + std::to_string(problem.tokens) + "]";
+    }
+    if (problem.head_counts != nullptr) {
+      for (int64_t h = 0; h < problem.heads; ++h) {
+        if (problem.head_counts[b * problem.heads + h].queries_per_expert == nullptr) {
+          return "head_counts[" + std::to_string(b * problem.heads + h) + "].queries_per_expert is null";
+        }
+      }
+    }
+  }
+  DeviceGuard guard;
+  if (cudaError_t error = cudaSetDevice(problem.device); error != cudaSuccess) {
+    return CudaError(error, "cudaSetDevice");
+  }
+  const cudaStream_t stream = static_cast<cudaStream_t>(problem.stream);
+  if (problem.type == ElementType::kBFloat16) return Run<__nv_bfloat16>(problem, stream);
+  return Run<float>(problem, stream);
+}
+
+int CudaDeviceCount() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error state
+    return 0;
+  }
+  return count;
+}
+
+}  // namespace mita::kernels::cuda
