@@ -1,9 +1,17 @@
-// mita-client: classifies image files with a MiTA Serve server, or evaluates a labelled manifest.
+// mita-client: classifies image files or documents with a MiTA Serve server, or evaluates a labelled
+// manifest.
 //
 //   mita-client --server=localhost:50051 --model=fashion-mnist-vit [budget flags] image.png ...
+//   mita-client --model=DOCUMENT_MODEL [budget flags] [--truncate] report.txt ...   (UTF-8 text)
+//   mita-client --model=DOCUMENT_MODEL --input=token_ids ids.txt ...   (token ids: integers separated by
+//                                                                      whitespace or commas)
 //   mita-client --manifest=test.csv --concurrency=8 [--quiet]
 //   mita-client --list                      (list the server's models and their knobs)
 //
+// --input=auto (the default) asks the server for the model's input kind (GetModel): files are images for an
+// image model and UTF-8 text documents for a document model. For each document the client prints the token
+// count the server attended over, the budget applied (expert count and width after clamping to the
+// document's length), and the timings (queue delay, compute, server total, client round trip).
 // Budget flags (at most one form): --expert_count/--expert_width, --preset, --full_attention.
 // Manifest: CSV lines "path,label_index"; relative paths are relative to the manifest's folder; empty lines
 // and lines starting with '#' are skipped, and so is a first line whose label is not a number (a header).
@@ -54,6 +62,10 @@ ABSL_FLAG(std::string, manifest, "", "CSV file of 'path,label_index' lines to ev
 ABSL_FLAG(int32_t, concurrency, 1, "Manifest requests in flight at once (threads).");
 ABSL_FLAG(bool, quiet, false, "With --manifest: print only failures and the summary.");
 ABSL_FLAG(bool, list, false, "List the server's models and their knobs, then exit.");
+ABSL_FLAG(std::string, input, "auto",
+          "What the files hold: auto (ask the server for the model's input kind), image, text (UTF-8 document) "
+          "or token_ids (document as integers separated by whitespace or commas).");
+ABSL_FLAG(bool, truncate, false, "Documents: cut a document longer than the model's maximum tokens.");
 
 namespace {
 
@@ -163,6 +175,11 @@ int ListModels(const MitaClient& client, absl::Duration deadline) {
       std::cout << "  input: image " << image.width() << "x" << image.height() << "x" << image.channels()
                 << ", at most " << image.max_width() << "x" << image.max_height() << " pixels and "
                 << image.max_encoded_bytes() << " bytes\n";
+    } else if (model.input_kind() == v1::INPUT_KIND_DOCUMENT) {
+      const v1::DocumentLimits& document = model.document_limits();
+      std::cout << "  input: document (UTF-8 text or token ids), at most " << document.max_tokens()
+                << " tokens, tokenizer " << document.tokenizer() << ", vocabulary " << document.vocabulary_size()
+                << "\n";
     }
     std::cout << "  expert_count: one of " << absl::StrJoin(knobs.allowed_expert_counts(), ", ")
               << "; expert_width: " << knobs.min_expert_width() << ".." << knobs.max_expert_width()
@@ -174,6 +191,35 @@ int ListModels(const MitaClient& client, absl::Duration deadline) {
     }
   }
   return 0;
+}
+
+enum class InputKind { kImage, kText, kTokenIds };
+
+// Classifies the file at `path` as `kind`. Errors: reading or parsing the file, or the RPC's status.
+absl::StatusOr<v1::ClassifyResponse> ClassifyFile(const MitaClient& client, const std::string& path, InputKind kind,
+                                                  const ClassifyOptions& options, absl::Duration* latency) {
+  absl::StatusOr<std::string> bytes = ReadFile(path);
+  if (!bytes.ok()) return bytes.status();
+  absl::StatusOr<v1::ClassifyRequest> request = absl::UnknownError("no input");
+  switch (kind) {
+    case InputKind::kImage:
+      request = mita::client::BuildClassifyRequest(*std::move(bytes), options);
+      break;
+    case InputKind::kText:
+      request = mita::client::BuildTextRequest(*std::move(bytes), options);
+      break;
+    case InputKind::kTokenIds: {
+      absl::StatusOr<std::vector<int64_t>> ids = mita::client::ParseTokenIds(*bytes);
+      if (!ids.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", ids.status().message()));
+      request = mita::client::BuildTokenIdsRequest(*ids, options);
+      break;
+    }
+  }
+  if (!request.ok()) return request.status();
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::ClassifyResponse> response = client.ClassifyRaw(*request, options.deadline);
+  *latency = absl::Now() - start;
+  return response;
 }
 
 double Percentile(std::vector<double> sorted_values, double p) {
@@ -188,8 +234,9 @@ double Percentile(std::vector<double> sorted_values, double p) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "Classifies images with a MiTA Serve server.\n"
-      "  mita-client [flags] image.png ...\n  mita-client --manifest=FILE [--concurrency=N] [flags]\n"
+      "Classifies images and documents with a MiTA Serve server.\n"
+      "  mita-client [flags] image.png ...\n  mita-client --model=DOCUMENT_MODEL [flags] document.txt ...\n"
+      "  mita-client --manifest=FILE [--concurrency=N] [flags]\n"
       "  mita-client --list");
   // --help lists the flags of this file (Abseil would look for a file named after the binary).
   absl::FlagsUsageConfig usage_config;
@@ -218,6 +265,12 @@ int main(int argc, char** argv) {
   options.top_n = absl::GetFlag(FLAGS_top_n);
   options.deadline = deadline_ms == 0 ? absl::InfiniteDuration() : absl::Milliseconds(deadline_ms);
   options.return_statistics = absl::GetFlag(FLAGS_statistics);
+  options.truncate = absl::GetFlag(FLAGS_truncate);
+  const std::string input = absl::GetFlag(FLAGS_input);
+  if (input != "auto" && input != "image" && input != "text" && input != "token_ids") {
+    std::cerr << "--input must be auto, image, text or token_ids, got '" << input << "'\n";
+    return 2;
+  }
   if (absl::StatusOr<v1::ClassifyRequest> check = mita::client::BuildClassifyRequest("", options); !check.ok()) {
     std::cerr << check.status().message() << "\n";
     return 2;
@@ -239,9 +292,23 @@ int main(int argc, char** argv) {
     items.insert(items.end(), listed->begin(), listed->end());
   }
   if (items.empty()) {
-    std::cerr << "nothing to classify: give image files, --manifest or --list (see --help)\n";
+    std::cerr << "nothing to classify: give image or document files, --manifest or --list (see --help)\n";
     return 2;
   }
+  InputKind kind = InputKind::kImage;
+  if (input == "text") {
+    kind = InputKind::kText;
+  } else if (input == "token_ids") {
+    kind = InputKind::kTokenIds;
+  } else if (input == "auto") {
+    absl::StatusOr<v1::ModelMetadata> metadata = client->GetModel(options.model, options.deadline);
+    if (!metadata.ok()) {
+      PrintFailure(absl::StrCat("GetModel ", options.model), metadata.status());
+      return 1;
+    }
+    if (metadata->input_kind() == v1::INPUT_KIND_DOCUMENT) kind = InputKind::kText;
+  }
+  const char* noun = kind == InputKind::kImage ? "images" : "documents";
 
   std::vector<Outcome> outcomes(items.size());
   std::atomic<size_t> next{0};
@@ -250,18 +317,12 @@ int main(int argc, char** argv) {
   auto worker = [&] {
     for (size_t i = next++; i < items.size(); i = next++) {
       Outcome& outcome = outcomes[i];
-      absl::StatusOr<std::string> image = ReadFile(items[i].path);
-      if (!image.ok()) {
-        outcome.status = image.status();
+      absl::StatusOr<v1::ClassifyResponse> response =
+          ClassifyFile(*client, items[i].path, kind, options, &outcome.latency);
+      if (response.ok()) {
+        outcome.response = *std::move(response);
       } else {
-        const absl::Time start = absl::Now();
-        absl::StatusOr<v1::ClassifyResponse> response = client->Classify(*std::move(image), options);
-        outcome.latency = absl::Now() - start;
-        if (response.ok()) {
-          outcome.response = *std::move(response);
-        } else {
-          outcome.status = response.status();
-        }
+        outcome.status = response.status();
       }
       std::lock_guard<std::mutex> lock(print_mu);
       if (!outcome.status.ok()) {
@@ -298,7 +359,7 @@ int main(int argc, char** argv) {
   if (evaluating) {
     std::sort(latencies_ms.begin(), latencies_ms.end());
     const double n = std::max<double>(1, static_cast<double>(succeeded));
-    std::cout << absl::StrFormat("images: %d (%d failed)\n", items.size(), failed);
+    std::cout << absl::StrFormat("%s: %d (%d failed)\n", noun, items.size(), failed);
     if (labelled > 0) {
       std::cout << absl::StrFormat("accuracy (top-1): %.4f (%d of %d)\n",
                                    static_cast<double>(correct) / static_cast<double>(labelled), correct, labelled);
@@ -308,8 +369,8 @@ int main(int argc, char** argv) {
                                  Percentile(latencies_ms, 99));
     std::cout << absl::StrFormat("server: mean queue delay %.3f ms, mean compute %.3f ms\n", queue_us / n / 1000.0,
                                  compute_us / n / 1000.0);
-    std::cout << absl::StrFormat("throughput: %.1f images/s (%d in %.2f s, concurrency %d)\n",
-                                 static_cast<double>(succeeded) / std::max(1e-9, absl::ToDoubleSeconds(wall)),
+    std::cout << absl::StrFormat("throughput: %.1f %s/s (%d in %.2f s, concurrency %d)\n",
+                                 static_cast<double>(succeeded) / std::max(1e-9, absl::ToDoubleSeconds(wall)), noun,
                                  succeeded, absl::ToDoubleSeconds(wall), concurrency);
   }
   return failed > 0 ? 1 : 0;

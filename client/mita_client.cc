@@ -7,6 +7,8 @@
 #include <chrono>
 #include <utility>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace mita::client {
@@ -25,7 +27,11 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
-absl::StatusOr<v1::ClassifyRequest> BuildClassifyRequest(std::string image, const ClassifyOptions& options) {
+namespace {
+
+// The request without its input: model, budget, top_n, statistics. Errors: INVALID_ARGUMENT when more than
+// one budget form is set.
+absl::StatusOr<v1::ClassifyRequest> BuildRequestWithoutInput(const ClassifyOptions& options) {
   const bool explicit_budget = options.expert_count.has_value() || options.expert_width.has_value();
   const int forms = int{explicit_budget} + int{!options.preset.empty()} + int{options.full_attention};
   if (forms > 1) {
@@ -34,7 +40,6 @@ absl::StatusOr<v1::ClassifyRequest> BuildClassifyRequest(std::string image, cons
   }
   v1::ClassifyRequest request;
   request.set_model(options.model);
-  request.set_image(std::move(image));
   if (explicit_budget) {
     v1::ExpertBudget* experts = request.mutable_budget()->mutable_experts();
     experts->set_expert_count(options.expert_count.value_or(0));
@@ -49,6 +54,59 @@ absl::StatusOr<v1::ClassifyRequest> BuildClassifyRequest(std::string image, cons
   return request;
 }
 
+}  // namespace
+
+absl::StatusOr<v1::ClassifyRequest> BuildClassifyRequest(std::string image, const ClassifyOptions& options) {
+  absl::StatusOr<v1::ClassifyRequest> request = BuildRequestWithoutInput(options);
+  if (!request.ok()) return request.status();
+  request->set_image(std::move(image));
+  return request;
+}
+
+absl::StatusOr<v1::ClassifyRequest> BuildTextRequest(std::string text, const ClassifyOptions& options) {
+  absl::StatusOr<v1::ClassifyRequest> request = BuildRequestWithoutInput(options);
+  if (!request.ok()) return request.status();
+  v1::Document* document = request->mutable_document();
+  document->set_text(std::move(text));
+  document->set_truncate(options.truncate);
+  return request;
+}
+
+absl::StatusOr<v1::ClassifyRequest> BuildTokenIdsRequest(const std::vector<int64_t>& token_ids,
+                                                         const ClassifyOptions& options) {
+  absl::StatusOr<v1::ClassifyRequest> request = BuildRequestWithoutInput(options);
+  if (!request.ok()) return request.status();
+  v1::Document* document = request->mutable_document();
+  document->mutable_token_ids()->mutable_ids()->Add(token_ids.begin(), token_ids.end());
+  document->set_truncate(options.truncate);
+  return request;
+}
+
+absl::StatusOr<std::vector<int64_t>> ParseTokenIds(absl::string_view text) {
+  std::vector<int64_t> ids;
+  size_t position = 0;
+  while (position < text.size()) {
+    const char c = text[position];
+    if (absl::ascii_isspace(static_cast<unsigned char>(c)) || c == ',') {
+      ++position;
+      continue;
+    }
+    size_t end = position;
+    while (end < text.size() && !absl::ascii_isspace(static_cast<unsigned char>(text[end])) && text[end] != ',') {
+      ++end;
+    }
+    const absl::string_view entry = text.substr(position, end - position);
+    int64_t id = 0;
+    if (!absl::SimpleAtoi(entry, &id)) {
+      return absl::InvalidArgumentError(absl::StrCat("token id ", ids.size(), ": '", entry.substr(0, 32),
+                                                     "' is not an integer in the int64 range"));
+    }
+    ids.push_back(id);
+    position = end;
+  }
+  return ids;
+}
+
 MitaClient::MitaClient(std::shared_ptr<grpc::Channel> channel)
     : channel_(std::move(channel)), stub_(v1::MitaService::NewStub(channel_)) {}
 
@@ -58,6 +116,13 @@ std::unique_ptr<MitaClient> MitaClient::Connect(const std::string& target) {
 
 absl::StatusOr<v1::ClassifyResponse> MitaClient::Classify(std::string image, const ClassifyOptions& options) const {
   absl::StatusOr<v1::ClassifyRequest> request = BuildClassifyRequest(std::move(image), options);
+  if (!request.ok()) return request.status();
+  return ClassifyRaw(*request, options.deadline);
+}
+
+absl::StatusOr<v1::ClassifyResponse> MitaClient::ClassifyText(std::string text,
+                                                              const ClassifyOptions& options) const {
+  absl::StatusOr<v1::ClassifyRequest> request = BuildTextRequest(std::move(text), options);
   if (!request.ok()) return request.status();
   return ClassifyRaw(*request, options.deadline);
 }

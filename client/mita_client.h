@@ -7,6 +7,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -35,11 +37,27 @@ struct ClassifyOptions {
   absl::Duration deadline = absl::InfiniteDuration();
   // Ask for per-layer attention statistics.
   bool return_statistics = false;
+  // Documents: cut a document longer than the model's maximum tokens instead of having it rejected
+  // (Document.truncate).
+  bool truncate = false;
 };
 
 // Builds the request for `image` (encoded PNG or JPEG bytes) and `options`.
 // Errors: INVALID_ARGUMENT when more than one budget form is set.
 absl::StatusOr<v1::ClassifyRequest> BuildClassifyRequest(std::string image, const ClassifyOptions& options);
+
+// Builds the request for a document given as UTF-8 text (sent as bytes; the server validates it).
+// Errors: INVALID_ARGUMENT when more than one budget form is set.
+absl::StatusOr<v1::ClassifyRequest> BuildTextRequest(std::string text, const ClassifyOptions& options);
+
+// Builds the request for a document given as token ids (the server range-checks them against the model's
+// vocabulary). Errors: INVALID_ARGUMENT when more than one budget form is set.
+absl::StatusOr<v1::ClassifyRequest> BuildTokenIdsRequest(const std::vector<int64_t>& token_ids,
+                                                         const ClassifyOptions& options);
+
+// Parses a token-id file: decimal integers separated by whitespace and/or commas. Errors: INVALID_ARGUMENT
+// naming the 0-based position and the text of the first entry that is not an int64.
+absl::StatusOr<std::vector<int64_t>> ParseTokenIds(absl::string_view text);
 
 // Converts a gRPC status to an absl::Status with the same code and message.
 absl::Status FromGrpcStatus(const grpc::Status& status);
@@ -57,6 +75,9 @@ class MitaClient {
   // Classifies one encoded image. Errors: INVALID_ARGUMENT locally for conflicting budget options; else the
   // RPC's status (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED, ...).
   absl::StatusOr<v1::ClassifyResponse> Classify(std::string image, const ClassifyOptions& options) const;
+
+  // Classifies one document given as UTF-8 text, with a document model. Errors as Classify.
+  absl::StatusOr<v1::ClassifyResponse> ClassifyText(std::string text, const ClassifyOptions& options) const;
 
   // Sends a request as is (e.g. a document input or a hand-built budget).
   // `deadline`: time allowed for the call, absl::InfiniteDuration() for none.

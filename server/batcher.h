@@ -10,12 +10,30 @@
 //     each released batch to a processing callback. Shutdown() drains: it stops accepting (UNAVAILABLE),
 //     processes everything already queued, and joins the threads.
 //
-// Policy: tasks are batched in FIFO order. A batch is the longest prefix of the queue whose total size fits
-// in max_batch_size. It is released when it is full (its size equals max_batch_size, or the next task would
-// not fit) or when its oldest task has waited max_queue_delay; while draining, at once.
+// Units. Every task declares two sizes, so that one 64K-token document is not treated like a 1K-token one:
+//   * tokens: what the task adds to a packed batch (a document: its tokens; an image: patches + cls). Batches
+//     are bounded by task count (max_batch_size) and by tokens (max_batch_tokens).
+//   * compute units: the attention work the task costs, tokens x attention width, where the attention width
+//     is the keys each query attends over: M + k for MiTA (M = expert count: M shared-expert outputs, plus the
+//     k keys of its routed expert; DESIGN.md section 2, cost O(N (M + k) d) per head) and N for full
+//     attention (so N^2). The queue is bounded in compute units (queue_compute_units) and, as a bookkeeping
+//     bound, in tasks (queue_capacity).
+// The batcher only adds these numbers up; what they mean is the caller's (server/classify_service.cc).
+//
+// Admission (Enqueue / Submit), one check for every limit, failing fast: a task that would take the queue
+// over queue_capacity tasks or queue_compute_units compute units is refused with RESOURCE_EXHAUSTED naming
+// the limit, and so is a task that alone costs more than queue_compute_units (it could never be admitted);
+// a task with more tokens than max_batch_tokens is INVALID_ARGUMENT (it could never form a batch). The
+// reason of a refusal is reported as an AdmissionRejection (for a metric by reason).
+//
+// Policy: tasks are batched in FIFO order. A batch is the longest prefix of the queue that holds at most
+// max_batch_size tasks and max_batch_tokens tokens. It is released when it is full (max_batch_size tasks, or
+// max_batch_tokens tokens, or the next task would not fit) or when its oldest task has waited
+// max_queue_delay; while draining, at once.
 //
 // The Task type needs only:
-//   int64_t size() const;  // units: 1 per request now; a later version counts tokens. >= 1.
+//   int64_t tokens() const;         // tokens in a packed batch, >= 1
+//   int64_t compute_units() const;  // tokens x attention width, >= 1
 #pragma once
 
 #include <cstdint>
@@ -25,7 +43,6 @@
 #include <optional>
 #include <string>
 #include <thread>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -39,21 +56,63 @@
 
 namespace mita::server {
 
-// Batching policy and limits. Sizes are in task units (Task::size()).
+// Batching policy and limits (units: see the top of this file).
 struct BatcherOptions {
-  // Largest batch, units. A task larger than this is rejected (INVALID_ARGUMENT).
+  // Largest batch, tasks (requests).
   int64_t max_batch_size = 16;
+  // Largest batch, tokens (Task::tokens() summed). A task with more tokens is rejected (INVALID_ARGUMENT).
+  // 131072: a 64K-token document shares its batch with others up to as many tokens again.
+  int64_t max_batch_tokens = int64_t{1} << 17;
   // Longest time the oldest queued task waits for its batch to fill before a partial batch is released.
   absl::Duration max_queue_delay = absl::Milliseconds(2);
-  // Most units waiting in the queue (not yet taken into a batch); beyond it Enqueue fails fast with
-  // RESOURCE_EXHAUSTED.
+  // Most tasks waiting in the queue (not yet taken into a batch): a bound on bookkeeping and memory; the
+  // work queued is bounded by queue_compute_units.
   int64_t queue_capacity = 256;
+  // Most compute units (Task::compute_units() summed) waiting in the queue. 2^32 = one 65,536-token
+  // document under full attention (65536 x 65536), or about 200 such documents under MiTA with
+  // M + k = 320, or 3.4 million 50-token images at M + k = 25 (then queue_capacity binds first).
+  int64_t queue_compute_units = int64_t{1} << 32;
   // Threads that form and process batches (DynamicBatcher only).
   int num_batch_threads = 1;
   // Where the limits come from, for error messages (e.g. "flag --queue_capacity").
   std::string queue_capacity_source = "flag --queue_capacity";
+  std::string queue_compute_units_source = "flag --queue_compute_units";
   std::string max_batch_size_source = "flag --max_batch_size";
+  std::string max_batch_tokens_source = "flag --max_batch_tokens";
 };
+
+// Why admission refused a task (the label of a rejection metric). kNone: admitted, or refused for another
+// reason (INVALID_ARGUMENT for a bad task).
+enum class AdmissionRejection {
+  kNone = 0,
+  // The queue holds queue_capacity tasks already (RESOURCE_EXHAUSTED).
+  kQueueTasks = 1,
+  // The task's compute units do not fit in what is left of queue_compute_units (RESOURCE_EXHAUSTED).
+  kQueueComputeUnits = 2,
+  // The task alone costs more than queue_compute_units: it can never be admitted (RESOURCE_EXHAUSTED).
+  kTaskOverQueueComputeUnits = 3,
+  // The batcher is shutting down (UNAVAILABLE).
+  kShuttingDown = 4,
+};
+inline constexpr int kNumAdmissionRejections = 5;
+
+// A short name for metrics labels: "none", "queue_tasks", "queue_compute_units",
+// "task_over_queue_compute_units", "shutting_down".
+inline const char* AdmissionRejectionName(AdmissionRejection reason) {
+  switch (reason) {
+    case AdmissionRejection::kNone:
+      return "none";
+    case AdmissionRejection::kQueueTasks:
+      return "queue_tasks";
+    case AdmissionRejection::kQueueComputeUnits:
+      return "queue_compute_units";
+    case AdmissionRejection::kTaskOverQueueComputeUnits:
+      return "task_over_queue_compute_units";
+    case AdmissionRejection::kShuttingDown:
+      return "shutting_down";
+  }
+  return "none";
+}
 
 // Checks the options. Errors: INVALID_ARGUMENT naming the option and its allowed range.
 inline absl::Status ValidateBatcherOptions(const BatcherOptions& options) {
@@ -61,9 +120,17 @@ inline absl::Status ValidateBatcherOptions(const BatcherOptions& options) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_batch_size ", options.max_batch_size, " must be >= 1 (", options.max_batch_size_source, ")"));
   }
+  if (options.max_batch_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("max_batch_tokens ", options.max_batch_tokens, " must be >= 1 (",
+                                                   options.max_batch_tokens_source, ")"));
+  }
   if (options.queue_capacity < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("queue_capacity ", options.queue_capacity, " must be >= 1 (", options.queue_capacity_source, ")"));
+  }
+  if (options.queue_compute_units < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("queue_compute_units ", options.queue_compute_units,
+                                                   " must be >= 1 (", options.queue_compute_units_source, ")"));
   }
   if (options.max_queue_delay < absl::ZeroDuration() || options.max_queue_delay == absl::InfiniteDuration()) {
     return absl::InvalidArgumentError(
@@ -81,8 +148,10 @@ struct Batch {
   std::vector<std::unique_ptr<Task>> tasks;
   // When each task was enqueued, parallel to `tasks`.
   std::vector<absl::Time> enqueue_times;
-  // Total size, units.
-  int64_t size = 0;
+  // Total tokens (Task::tokens() summed).
+  int64_t tokens = 0;
+  // Total compute units (Task::compute_units() summed).
+  int64_t compute_units = 0;
   // When the batch was released (the `now` passed to TakeBatch).
   absl::Time formed_at;
 
@@ -92,10 +161,10 @@ struct Batch {
 
 // Change in the queue depth, reported to a listener (e.g. for a gauge).
 struct QueueDepthChange {
-  int64_t tasks_delta = 0;  // tasks added (> 0) or taken (< 0)
-  int64_t units_delta = 0;  // units added or taken
-  int64_t tasks = 0;        // tasks queued after the change
-  int64_t units = 0;        // units queued after the change
+  int64_t tasks_delta = 0;          // tasks added (> 0) or taken (< 0)
+  int64_t compute_units_delta = 0;  // compute units added or taken
+  int64_t tasks = 0;                // tasks queued after the change
+  int64_t compute_units = 0;        // compute units queued after the change
 };
 using QueueDepthListener = std::function<void(const QueueDepthChange&)>;
 
@@ -111,48 +180,76 @@ class BatchQueue {
   BatchQueue& operator=(const BatchQueue&) = delete;
 
   // Adds `*task`, enqueued at `now`. On success takes ownership (`*task` becomes null); on failure leaves
-  // `*task` untouched. Errors: RESOURCE_EXHAUSTED when the task does not fit in the remaining queue capacity
-  // (fails fast, names the capacity, e.g. "queue is full: 64 of 64 queued units (flag --queue_capacity)");
-  // INVALID_ARGUMENT when the task is null, its size is < 1, or it is larger than max_batch_size.
-  absl::Status Enqueue(std::unique_ptr<Task>* task, absl::Time now) {
+  // `*task` untouched. Errors: RESOURCE_EXHAUSTED when the task does not fit in the remaining queue capacity,
+  // in tasks or in compute units, or costs more than the whole compute-unit capacity (fails fast, names the
+  // limit, e.g. "queue is full: 64 of 64 queued tasks (flag --queue_capacity)" or "queue is full: 900 of 1000
+  // queued compute units, the request needs 200 (flag --queue_compute_units)"); INVALID_ARGUMENT when the
+  // task is null, its tokens or compute units are < 1, or its tokens exceed max_batch_tokens.
+  // `rejection` (optional) receives the reason of a RESOURCE_EXHAUSTED refusal, kNone otherwise.
+  absl::Status Enqueue(std::unique_ptr<Task>* task, absl::Time now, AdmissionRejection* rejection = nullptr) {
+    if (rejection != nullptr) *rejection = AdmissionRejection::kNone;
     if (task == nullptr || *task == nullptr) return absl::InvalidArgumentError("task is null");
-    const int64_t size = (*task)->size();
-    if (size < 1) return absl::InvalidArgumentError(absl::StrCat("task size ", size, " must be >= 1"));
-    if (size > options_.max_batch_size) {
-      return absl::InvalidArgumentError(absl::StrCat("task of ", size, " units is larger than the maximum batch size ",
-                                                     options_.max_batch_size, " (", options_.max_batch_size_source,
-                                                     ")"));
+    const int64_t tokens = (*task)->tokens();
+    const int64_t compute_units = (*task)->compute_units();
+    if (tokens < 1) return absl::InvalidArgumentError(absl::StrCat("task of ", tokens, " tokens: must be >= 1"));
+    if (compute_units < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("task of ", compute_units, " compute units: must be >= 1"));
     }
-    if (queued_units_ + size > options_.queue_capacity) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("queue is full: ", queued_units_, " of ", options_.queue_capacity, " queued units",
-                       size > 1 ? absl::StrCat(", the task needs ", size) : std::string(), " (",
-                       options_.queue_capacity_source, ")"));
+    if (tokens > options_.max_batch_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat("request of ", tokens,
+                                                     " tokens is larger than the maximum batch of ",
+                                                     options_.max_batch_tokens, " tokens (",
+                                                     options_.max_batch_tokens_source, ")"));
     }
-    entries_.push_back(Entry{std::move(*task), size, now});
-    queued_units_ += size;
+    auto refuse = [rejection](AdmissionRejection reason, std::string message) {
+      if (rejection != nullptr) *rejection = reason;
+      return absl::ResourceExhaustedError(std::move(message));
+    };
+    if (compute_units > options_.queue_compute_units) {
+      return refuse(AdmissionRejection::kTaskOverQueueComputeUnits,
+                    absl::StrCat("request needs ", compute_units, " compute units (tokens x attention width), more "
+                                 "than the queue's capacity of ", options_.queue_compute_units, " (",
+                                 options_.queue_compute_units_source, "); use a smaller budget or a shorter input"));
+    }
+    if (num_queued_tasks() + 1 > options_.queue_capacity) {
+      return refuse(AdmissionRejection::kQueueTasks,
+                    absl::StrCat("queue is full: ", num_queued_tasks(), " of ", options_.queue_capacity,
+                                 " queued requests (", options_.queue_capacity_source, ")"));
+    }
+    if (queued_compute_units_ + compute_units > options_.queue_compute_units) {
+      return refuse(AdmissionRejection::kQueueComputeUnits,
+                    absl::StrCat("queue is full: ", queued_compute_units_, " of ", options_.queue_compute_units,
+                                 " queued compute units, the request needs ", compute_units, " (",
+                                 options_.queue_compute_units_source, ")"));
+    }
+    entries_.push_back(Entry{std::move(*task), tokens, compute_units, now});
+    queued_tokens_ += tokens;
+    queued_compute_units_ += compute_units;
     return absl::OkStatus();
   }
 
-  // Releases the next batch if it is due at `now`: it is full (its size equals max_batch_size or the next
-  // task would not fit), or its oldest task has waited >= max_queue_delay, or `flush` is set (draining).
+  // Releases the next batch if it is due at `now`: it is full (max_batch_size tasks, max_batch_tokens tokens,
+  // or the next task would not fit), or its oldest task has waited >= max_queue_delay, or `flush` is set
+  // (draining).
   // Returns nullopt when the queue is empty or the batch is not due yet.
   std::optional<Batch<Task>> TakeBatch(absl::Time now, bool flush = false) {
     if (entries_.empty()) return std::nullopt;
-    const auto [count, units, full] = NextBatchExtent();
+    const Extent extent = NextBatchExtent();
     const bool waited_enough = now - entries_.front().enqueue_time >= options_.max_queue_delay;
-    if (!full && !waited_enough && !flush) return std::nullopt;
+    if (!extent.full && !waited_enough && !flush) return std::nullopt;
     Batch<Task> batch;
-    batch.tasks.reserve(count);
-    batch.enqueue_times.reserve(count);
-    for (size_t i = 0; i < count; ++i) {
+    batch.tasks.reserve(extent.count);
+    batch.enqueue_times.reserve(extent.count);
+    for (size_t i = 0; i < extent.count; ++i) {
+      batch.compute_units += entries_.front().compute_units;
       batch.tasks.push_back(std::move(entries_.front().task));
       batch.enqueue_times.push_back(entries_.front().enqueue_time);
       entries_.pop_front();
     }
-    batch.size = units;
+    batch.tokens = extent.tokens;
     batch.formed_at = now;
-    queued_units_ -= units;
+    queued_tokens_ -= batch.tokens;
+    queued_compute_units_ -= batch.compute_units;
     return batch;
   }
 
@@ -162,11 +259,13 @@ class BatchQueue {
   absl::Time NextDeadline() const {
     if (entries_.empty()) return absl::InfiniteFuture();
     const absl::Time oldest = entries_.front().enqueue_time;
-    return std::get<2>(NextBatchExtent()) ? oldest : oldest + options_.max_queue_delay;
+    return NextBatchExtent().full ? oldest : oldest + options_.max_queue_delay;
   }
 
-  // Units queued (sum of the queued tasks' sizes).
-  int64_t queued_units() const { return queued_units_; }
+  // Tokens queued (sum of the queued tasks' tokens).
+  int64_t queued_tokens() const { return queued_tokens_; }
+  // Compute units queued (sum of the queued tasks' compute units).
+  int64_t queued_compute_units() const { return queued_compute_units_; }
   // Tasks queued.
   int64_t num_queued_tasks() const { return static_cast<int64_t>(entries_.size()); }
   bool empty() const { return entries_.empty(); }
@@ -175,25 +274,36 @@ class BatchQueue {
  private:
   struct Entry {
     std::unique_ptr<Task> task;
-    int64_t size;
+    int64_t tokens;
+    int64_t compute_units;
     absl::Time enqueue_time;
   };
 
-  // (tasks, units, full) of the batch TakeBatch would release now. Requires a non-empty queue.
-  std::tuple<size_t, int64_t, bool> NextBatchExtent() const {
+  // The batch TakeBatch would release now: its task count and tokens, and whether it is full.
+  struct Extent {
     size_t count = 0;
-    int64_t units = 0;
-    while (count < entries_.size() && units + entries_[count].size <= options_.max_batch_size) {
-      units += entries_[count].size;
-      ++count;
+    int64_t tokens = 0;
+    bool full = false;
+  };
+
+  // The longest FIFO prefix within max_batch_size tasks and max_batch_tokens tokens. Requires a non-empty
+  // queue (and every task fits alone, which Enqueue checks).
+  Extent NextBatchExtent() const {
+    Extent extent;
+    while (extent.count < entries_.size() && static_cast<int64_t>(extent.count) < options_.max_batch_size &&
+           extent.tokens + entries_[extent.count].tokens <= options_.max_batch_tokens) {
+      extent.tokens += entries_[extent.count].tokens;
+      ++extent.count;
     }
-    const bool full = units == options_.max_batch_size || count < entries_.size();
-    return {count, units, full};
+    extent.full = extent.count < entries_.size() || static_cast<int64_t>(extent.count) == options_.max_batch_size ||
+                  extent.tokens == options_.max_batch_tokens;
+    return extent;
   }
 
   const BatcherOptions options_;
   std::deque<Entry> entries_;
-  int64_t queued_units_ = 0;
+  int64_t queued_tokens_ = 0;
+  int64_t queued_compute_units_ = 0;
 };
 
 // Runs `num_batch_threads` threads that take batches from a BatchQueue as they become due and hand them to
@@ -229,15 +339,20 @@ class DynamicBatcher {
   DynamicBatcher& operator=(const DynamicBatcher&) = delete;
 
   // Queues `*task`. On success takes ownership (`*task` becomes null); on failure leaves `*task` untouched.
-  // Errors: UNAVAILABLE after Shutdown() began; RESOURCE_EXHAUSTED when the queue is full (names the
-  // capacity); INVALID_ARGUMENT for a null task or a bad size (see BatchQueue::Enqueue).
-  absl::Status Submit(std::unique_ptr<Task>* task) ABSL_LOCKS_EXCLUDED(mu_) {
+  // Errors: UNAVAILABLE after Shutdown() began; RESOURCE_EXHAUSTED when the queue is full, in tasks or compute
+  // units (names the limit); INVALID_ARGUMENT for a null task or bad sizes (see BatchQueue::Enqueue).
+  // `rejection` (optional) receives the reason of a RESOURCE_EXHAUSTED or UNAVAILABLE refusal.
+  absl::Status Submit(std::unique_ptr<Task>* task, AdmissionRejection* rejection = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
-    if (stopping_) return absl::UnavailableError("shutting down: no new work is accepted");
-    const int64_t units = (task != nullptr && *task != nullptr) ? (*task)->size() : 0;
-    absl::Status status = queue_.Enqueue(task, clock_->Now());
+    if (stopping_) {
+      if (rejection != nullptr) *rejection = AdmissionRejection::kShuttingDown;
+      return absl::UnavailableError("shutting down: no new work is accepted");
+    }
+    const int64_t compute_units = (task != nullptr && *task != nullptr) ? (*task)->compute_units() : 0;
+    absl::Status status = queue_.Enqueue(task, clock_->Now(), rejection);
     if (!status.ok()) return status;
-    ReportDepthChange(1, units);
+    ReportDepthChange(1, compute_units);
     cv_.Signal();
     return absl::OkStatus();
   }
@@ -257,10 +372,15 @@ class DynamicBatcher {
     }
   }
 
-  // Units queued, not yet taken into a batch.
-  int64_t queued_units() const ABSL_LOCKS_EXCLUDED(mu_) {
+  // Tokens queued, not yet taken into a batch.
+  int64_t queued_tokens() const ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
-    return queue_.queued_units();
+    return queue_.queued_tokens();
+  }
+  // Compute units queued, not yet taken into a batch.
+  int64_t queued_compute_units() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return queue_.queued_compute_units();
   }
   // Tasks queued, not yet taken into a batch.
   int64_t num_queued_tasks() const ABSL_LOCKS_EXCLUDED(mu_) {
@@ -282,9 +402,10 @@ class DynamicBatcher {
     for (int i = 0; i < options_.num_batch_threads; ++i) threads_.emplace_back([this] { Run(); });
   }
 
-  void ReportDepthChange(int64_t tasks_delta, int64_t units_delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void ReportDepthChange(int64_t tasks_delta, int64_t compute_units_delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!listener_) return;
-    listener_(QueueDepthChange{tasks_delta, units_delta, queue_.num_queued_tasks(), queue_.queued_units()});
+    listener_(QueueDepthChange{tasks_delta, compute_units_delta, queue_.num_queued_tasks(),
+                               queue_.queued_compute_units()});
   }
 
   // One batch thread: take due batches and process them; sleep until the next deadline or a Submit.
@@ -294,7 +415,7 @@ class DynamicBatcher {
       const absl::Time now = clock_->Now();
       std::optional<Batch<Task>> batch = queue_.TakeBatch(now, /*flush=*/stopping_);
       if (batch.has_value()) {
-        ReportDepthChange(-batch->num_tasks(), -batch->size);
+        ReportDepthChange(-batch->num_tasks(), -batch->compute_units);
         // Another batch may be due already; let an idle thread look at it.
         if (!queue_.empty()) cv_.Signal();
         mu_.Unlock();

@@ -67,14 +67,17 @@ absl::Time DeadlineOf(const grpc::ServerContext& context) {
 // on it, so every pointer here outlives the task.
 struct ClassifyService::Task {
   at::Tensor image;  // [C, H, W] float32, preprocessed
-  models::AttentionBudget budget;
+  models::AttentionBudget budget;  // as applied to this input
+  int64_t token_count = 0;         // tokens in the packed batch (image: patches + cls)
+  int64_t compute_unit_count = 0;  // ComputeUnits(token_count, budget)
   int64_t top_n = kDefaultTopN;
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> cancelled;
   TaskResult* result = nullptr;
 
-  // Batch units: one per request.
-  int64_t size() const { return 1; }
+  // Batcher units (server/batcher.h).
+  int64_t tokens() const { return token_count; }
+  int64_t compute_units() const { return compute_unit_count; }
 };
 
 // What the batch thread hands back to the waiting handler.
@@ -144,6 +147,11 @@ absl::StatusOr<int64_t> ResolveTopN(int64_t top_n, int64_t num_classes) {
   return top_n;
 }
 
+int64_t ComputeUnits(int64_t tokens, const models::AttentionBudget& budget) {
+  const int64_t width = budget.full_attention ? tokens : budget.expert_count + budget.expert_width;
+  return tokens * std::max<int64_t>(width, 1);
+}
+
 v1::ModelMetadata BuildModelMetadata(const models::ModelPackage& package, int64_t max_encoded_image_bytes) {
   const models::VitConfig& config = package.config;
   v1::ModelMetadata metadata;
@@ -204,7 +212,10 @@ absl::StatusOr<std::unique_ptr<ClassifyService>> ClassifyService::Create(const M
     absl::StatusOr<std::unique_ptr<DynamicBatcher<Task>>> batcher = DynamicBatcher<Task>::Create(
         service->options_.batching,
         [self, slot_ptr](Batch<Task> batch) { self->ProcessBatch(*slot_ptr, std::move(batch)); }, clock,
-        [metrics](const QueueDepthChange& change) { metrics->AddQueueDepth(change.tasks_delta); });
+        [metrics](const QueueDepthChange& change) {
+          metrics->AddQueueDepth(change.tasks_delta);
+          metrics->AddQueueComputeUnits(change.compute_units_delta);
+        });
     if (!batcher.ok()) return batcher.status();
     slot->batcher = *std::move(batcher);
     service->slots_.emplace(package->name, std::move(slot));
@@ -237,24 +248,33 @@ absl::StatusOr<const ClassifyService::ModelSlot*> ClassifyService::FindSlot(cons
 
 grpc::Status ClassifyService::Classify(grpc::ServerContext* context, const v1::ClassifyRequest* request,
                                        v1::ClassifyResponse* response) {
+  absl::StatusOr<v1::ClassifyResponse> result =
+      HandleClassify(*request, DeadlineOf(*context), [context] { return context->IsCancelled(); });
+  if (!result.ok()) return ToGrpcStatus(result.status());
+  *response = *std::move(result);
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<v1::ClassifyResponse> ClassifyService::HandleClassify(const v1::ClassifyRequest& request,
+                                                                     absl::Time deadline,
+                                                                     std::function<bool()> cancelled) {
   const absl::Time receipt = clock_->Now();
-  absl::StatusOr<const ModelSlot*> found = FindSlot(request->model(), RpcMethod::kClassify);
-  if (!found.ok()) return ToGrpcStatus(found.status());
+  absl::StatusOr<const ModelSlot*> found = FindSlot(request.model(), RpcMethod::kClassify);
+  if (!found.ok()) return found.status();
   const ModelSlot& slot = **found;
   absl::StatusOr<v1::ClassifyResponse> result = absl::UnknownError("not run");
   try {
-    result = DoClassify(slot, *request, DeadlineOf(*context), [context] { return context->IsCancelled(); });
+    result = DoClassify(slot, request, deadline, std::move(cancelled));
   } catch (const std::exception& e) {
     // Never crash on a request; an exception here is a server fault.
     result = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
   }
   metrics_->CountRequest(RpcMethod::kClassify, slot.metrics, result.status().code());
-  if (!result.ok()) return ToGrpcStatus(result.status());
-  *response = *std::move(result);
+  if (!result.ok()) return result.status();
   const absl::Duration total = clock_->Now() - receipt;
-  response->mutable_timing()->set_total_us(Microseconds(total));
+  result->mutable_timing()->set_total_us(Microseconds(total));
   slot.metrics->ObserveLatency(total);
-  return grpc::Status::OK;
+  return result;
 }
 
 absl::StatusOr<v1::ClassifyResponse> ClassifyService::DoClassify(const ModelSlot& slot,
@@ -290,12 +310,13 @@ absl::StatusOr<v1::ClassifyResponse> ClassifyService::DoClassify(const ModelSlot
   auto task = std::make_unique<Task>();
   task->image = *std::move(image);
   task->budget = budget->budget;
+  task->token_count = config.tokens();
+  task->compute_unit_count = ComputeUnits(task->token_count, task->budget);
   task->top_n = *top_n;
   task->deadline = deadline;
   task->cancelled = std::move(cancelled);
   task->result = &result;
-  if (absl::Status status = slot.batcher->Submit(&task); !status.ok()) return status;
-  slot.metrics->ObserveBudget(budget->budget.full_attention, budget->budget.expert_count, budget->budget.expert_width);
+  if (absl::Status status = Admit(slot, &task); !status.ok()) return status;
   result.done.WaitForNotification();
   if (!result.status.ok()) return result.status;
 
@@ -336,6 +357,22 @@ absl::StatusOr<v1::ClassifyResponse> ClassifyService::DoClassify(const ModelSlot
   return response;
 }
 
+absl::Status ClassifyService::Admit(const ModelSlot& slot, std::unique_ptr<Task>* task) {
+  const Task& admitted = **task;
+  const models::AttentionBudget budget = admitted.budget;
+  const int64_t tokens = admitted.token_count;
+  AdmissionRejection rejection = AdmissionRejection::kNone;
+  absl::Status status = slot.batcher->Submit(task, &rejection);
+  if (!status.ok()) {
+    slot.metrics->CountRejection(rejection);
+    return status;
+  }
+  // `*task` now belongs to the batcher (and may already be running): use only the copies.
+  slot.metrics->ObserveBudget(budget.full_attention, budget.expert_count, budget.expert_width);
+  slot.metrics->ObserveRequestTokens(tokens);
+  return absl::OkStatus();
+}
+
 void ClassifyService::ProcessBatch(const ModelSlot& slot, Batch<Task> batch) {
   const absl::Time start = clock_->Now();
   auto complete = [](Task& task, absl::Status status) {
@@ -363,6 +400,8 @@ void ClassifyService::ProcessBatch(const ModelSlot& slot, Batch<Task> batch) {
 
   const models::ModelPackage& package = *slot.package;
   const int64_t batch_size = static_cast<int64_t>(runnable.size());
+  int64_t batch_tokens = 0;
+  for (const Task* task : runnable) batch_tokens += task->token_count;
   absl::Status failure;
   try {
     c10::InferenceMode inference_mode;
@@ -409,6 +448,7 @@ void ClassifyService::ProcessBatch(const ModelSlot& slot, Batch<Task> batch) {
   }
 
   slot.metrics->ObserveBatchSize(batch_size);
+  slot.metrics->ObserveBatchTokens(batch_tokens);
   for (Task* task : runnable) {
     TaskResult& result = *task->result;
     if (failure.ok()) {

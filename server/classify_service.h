@@ -1,11 +1,14 @@
 // mita.v1.MitaService: Classify (validated and preprocessed in the handler thread, then batched per model),
 // ListModels and GetModel. Synchronous gRPC API.
 //
-// Request path of Classify:
+// Request path of Classify (one function, ClassifyService::HandleClassify, that other front ends reuse):
 //   handler thread: look up the model (NOT_FOUND) -> check the input kind and the image (INVALID_ARGUMENT
 //   naming the field) -> resolve the budget and top_n (INVALID_ARGUMENT with the allowed values) -> decode
 //   and preprocess the image (INVALID_ARGUMENT "field image: ...") -> submit a task to the model's
-//   DynamicBatcher (RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE while draining) -> wait.
+//   DynamicBatcher (admission: RESOURCE_EXHAUSTED when the queue is full in requests or compute units,
+//   UNAVAILABLE while draining; counted in mita_rejected_requests_total by reason) -> wait.
+//   Admission units (server/batcher.h): a task's tokens are the tokens it adds to the packed batch (image:
+//   patches + cls); its compute units are tokens x attention width (M + k for MiTA, N for full attention).
 //   batch thread: drop tasks whose call was cancelled (CANCELLED) or whose deadline has passed
 //   (DEADLINE_EXCEEDED, not run) -> stack the images [B, C, H, W] -> VitClassifier::Forward with per-item
 //   budgets and statistics -> softmax, top-N -> complete each task.
@@ -38,7 +41,9 @@ namespace mita::server {
 
 // Service limits and batching policy.
 struct ServiceOptions {
-  // Batching policy of every model's batcher (one batcher per model).
+  // Batching policy and admission limits of every model's batcher (one batcher per model): batches bounded
+  // by requests (max_batch_size) and tokens (max_batch_tokens), the queue by compute units
+  // (queue_compute_units) and requests (queue_capacity).
   BatcherOptions batching;
   // Largest accepted encoded image, bytes (ImageLimits.max_encoded_bytes). Keep it below the server's gRPC
   // receive limit, which rejects larger messages before the handler runs (RESOURCE_EXHAUSTED).
@@ -62,6 +67,12 @@ absl::StatusOr<ResolvedBudget> ResolveBudget(const models::VitConfig& config, co
 // top_n < 0 or > num_classes.
 absl::StatusOr<int64_t> ResolveTopN(int64_t top_n, int64_t num_classes);
 
+// Compute units of one request (server/batcher.h): tokens x attention width, where the width is
+// expert_count + expert_width (M + k: the M shared-expert outputs and the k keys of the query's routed
+// expert, DESIGN.md section 2) under MiTA and `tokens` (N) under full attention. `budget` is the budget
+// applied to the input.
+int64_t ComputeUnits(int64_t tokens, const models::AttentionBudget& budget);
+
 // The metadata GetModel returns for `package`: input kind IMAGE with its limits, labels, and knobs.
 v1::ModelMetadata BuildModelMetadata(const models::ModelPackage& package, int64_t max_encoded_image_bytes);
 
@@ -79,6 +90,16 @@ class ClassifyService final : public v1::MitaService::Service {
 
   grpc::Status Classify(grpc::ServerContext* context, const v1::ClassifyRequest* request,
                         v1::ClassifyResponse* response) override;
+
+  // The whole Classify request path without gRPC types, for every front end (the mita.v1 handler above,
+  // and others such as a KServe v2 service): finds the model, validates, admits, waits for the batch and
+  // builds the response (timing.total_us included), and counts the request in the metrics
+  // (mita_requests_total{method="Classify"} and the latency of successful ones).
+  // `deadline`: the call's deadline (absl::InfiniteFuture() for none). `cancelled`: tells whether the caller
+  // gave up (may be null). Errors: the service's error mapping (mita.proto): INVALID_ARGUMENT, NOT_FOUND,
+  // RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED; INTERNAL only for a server fault.
+  absl::StatusOr<v1::ClassifyResponse> HandleClassify(const v1::ClassifyRequest& request, absl::Time deadline,
+                                                      std::function<bool()> cancelled);
   grpc::Status ListModels(grpc::ServerContext* context, const v1::ListModelsRequest* request,
                           v1::ListModelsResponse* response) override;
   grpc::Status GetModel(grpc::ServerContext* context, const v1::GetModelRequest* request,
@@ -107,6 +128,9 @@ class ClassifyService final : public v1::MitaService::Service {
   // The slot of model `name`. On failure counts the RPC (`method`, model "unknown") and returns the
   // registry's error: INVALID_ARGUMENT for an empty name, NOT_FOUND for an unknown one.
   absl::StatusOr<const ModelSlot*> FindSlot(const std::string& name, RpcMethod method) const;
+  // Submits `*task` to the slot's batcher; on success observes its budget and tokens, on refusal counts the
+  // rejection by reason. Errors: the batcher's (RESOURCE_EXHAUSTED, UNAVAILABLE, INVALID_ARGUMENT).
+  absl::Status Admit(const ModelSlot& slot, std::unique_ptr<Task>* task);
   // Runs one batch on a batch thread.
   void ProcessBatch(const ModelSlot& slot, Batch<Task> batch);
 

@@ -8,7 +8,10 @@
 //                                          port); empty disables the exporter.
 //   --max_batch_size=16                    Requests per batch, per model.
 //   --max_queue_delay_ms=2                 Longest wait of the oldest queued request for its batch to fill, ms.
+//   --max_batch_tokens=131072              Tokens per packed batch, per model (a longer document is refused).
 //   --queue_capacity=256                   Requests queued per model before RESOURCE_EXHAUSTED.
+//   --queue_compute_units=4294967296       Compute units (tokens x attention width: M + k for MiTA, N for full
+//                                          attention) queued per model before RESOURCE_EXHAUSTED.
 //   --batch_threads=1                      Batch threads per model.
 //   --torch_threads=0                      LibTorch intra-op threads; 0: the hardware concurrency (LibTorch 1.13
 //                                          otherwise starts with half the cores).
@@ -61,6 +64,11 @@ ABSL_FLAG(int64_t, max_batch_size, 16, "Largest batch, requests (per model).");
 ABSL_FLAG(double, max_queue_delay_ms, 2.0,
           "Longest time the oldest queued request waits for its batch to fill, milliseconds.");
 ABSL_FLAG(int64_t, queue_capacity, 256, "Requests queued per model before new ones get RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, max_batch_tokens, int64_t{1} << 17,
+          "Largest packed batch, tokens (per model); documents longer than this are refused.");
+ABSL_FLAG(int64_t, queue_compute_units, int64_t{1} << 32,
+          "Compute units queued per model before new requests get RESOURCE_EXHAUSTED; a request costs tokens x "
+          "attention width (expert_count + expert_width under MiTA, tokens under full attention).");
 ABSL_FLAG(int32_t, batch_threads, 1, "Threads forming and running batches, per model.");
 ABSL_FLAG(int32_t, torch_threads, 0, "LibTorch intra-op threads; 0: the hardware concurrency.");
 ABSL_FLAG(int64_t, max_receive_message_bytes, (int64_t{4} << 20) + (int64_t{64} << 10),
@@ -119,6 +127,8 @@ int main(int argc, char** argv) {
   options.batching.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
   options.batching.max_queue_delay = absl::Microseconds(static_cast<int64_t>(delay_ms * 1000.0));
   options.batching.queue_capacity = absl::GetFlag(FLAGS_queue_capacity);
+  options.batching.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  options.batching.queue_compute_units = absl::GetFlag(FLAGS_queue_compute_units);
   options.batching.num_batch_threads = absl::GetFlag(FLAGS_batch_threads);
   options.batching.queue_capacity_source = "flag --queue_capacity";
   options.batching.max_batch_size_source = "flag --max_batch_size";
@@ -186,7 +196,9 @@ int main(int argc, char** argv) {
                    "reflection), ", metrics_line, "; models: ", absl::StrJoin((*registry)->names(), ", "),
                    "; max_batch_size=", options.batching.max_batch_size,
                    " max_queue_delay=", absl::FormatDuration(options.batching.max_queue_delay),
+                   " max_batch_tokens=", options.batching.max_batch_tokens,
                    " queue_capacity=", options.batching.queue_capacity,
+                   " queue_compute_units=", options.batching.queue_compute_units,
                    " batch_threads=", options.batching.num_batch_threads, " torch_threads=", at::get_num_threads()));
 
   int signal_number = 0;

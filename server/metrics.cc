@@ -77,6 +77,12 @@ void ModelMetrics::ObserveBudget(bool full_attention, int64_t expert_count, int6
   expert_width_->Observe(static_cast<double>(expert_width));
 }
 
+void ModelMetrics::CountRejection(AdmissionRejection reason) {
+  const int index = static_cast<int>(reason);
+  if (index <= 0 || index >= kNumAdmissionRejections) return;
+  rejections_[static_cast<size_t>(index)]->Increment();
+}
+
 void ModelMetrics::ObserveLayer(int64_t layer, double load_imbalance, double routing_entropy,
                                 double pruned_key_fraction) {
   if (layer < 0 || layer >= static_cast<int64_t>(layers_.size())) return;
@@ -112,6 +118,25 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
                           .Name("mita_queue_depth")
                           .Help("Requests queued in all batchers, not yet taken into a batch.")
                           .Register(*registry_);
+  auto& queue_compute_units =
+      prometheus::BuildGauge()
+          .Name("mita_queue_compute_units")
+          .Help("Compute units (tokens x attention width: M + k for MiTA, N for full attention) queued in all "
+                "batchers.")
+          .Register(*registry_);
+  auto& rejected = prometheus::BuildCounter()
+                       .Name("mita_rejected_requests_total")
+                       .Help("Classify requests refused at admission, by reason (queue_tasks, queue_compute_units, "
+                             "task_over_queue_compute_units, shutting_down).")
+                       .Register(*registry_);
+  auto& request_tokens = prometheus::BuildHistogram()
+                             .Name("mita_request_tokens")
+                             .Help("Tokens of each admitted request (documents: after truncation).")
+                             .Register(*registry_);
+  auto& batch_tokens = prometheus::BuildHistogram()
+                           .Name("mita_batch_tokens")
+                           .Help("Tokens per packed batch run (one observation per batch).")
+                           .Register(*registry_);
   auto& expert_count = prometheus::BuildHistogram()
                            .Name("mita_requested_expert_count")
                            .Help("Expert count m of admitted MiTA requests.")
@@ -143,6 +168,7 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
           .Register(*registry_);
 
   queue_depth_ = &queue_depth.Add({});
+  queue_compute_units_ = &queue_compute_units.Add({});
 
   auto add_code_counters = [&requests](RpcMethod method, const std::string& model) {
     ModelMetrics::CodeCounters counters{};
@@ -160,6 +186,7 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
   const Histogram::BucketBoundaries count_buckets = PowersOfTwo(12);  // up to 4096 experts
   const Histogram::BucketBoundaries width_buckets = PowersOfTwo(16);  // up to 65536 keys
   const Histogram::BucketBoundaries batch_buckets = PowersOfTwo(10);  // up to 1024 requests
+  const Histogram::BucketBoundaries token_buckets = PowersOfTwo(20);  // up to 1M tokens
   for (const ModelInfo& info : models) {
     if (models_.count(info.name) > 0) continue;
     auto model = std::make_unique<ModelMetrics>();
@@ -171,6 +198,12 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
     model->queue_delay_ = &queue_delay.Add(labels, SecondsBuckets());
     model->compute_ = &compute.Add(labels, SecondsBuckets());
     model->batch_size_ = &batch_size.Add(labels, batch_buckets);
+    model->batch_tokens_ = &batch_tokens.Add(labels, token_buckets);
+    model->request_tokens_ = &request_tokens.Add(labels, token_buckets);
+    for (int reason = 1; reason < kNumAdmissionRejections; ++reason) {
+      model->rejections_[static_cast<size_t>(reason)] = &rejected.Add(
+          {{"model", info.name}, {"reason", AdmissionRejectionName(static_cast<AdmissionRejection>(reason))}});
+    }
     model->expert_count_ = &expert_count.Add(labels, count_buckets);
     model->expert_width_ = &expert_width.Add(labels, width_buckets);
     model->full_attention_ = &full_attention.Add(labels);

@@ -25,6 +25,18 @@
 //   mita_batch_size{model}                          histogram Requests per batch run (observed per batch).
 //   mita_queue_depth                                gauge     Requests queued in all batchers, not yet in a
 //                                                             batch.
+//   mita_queue_compute_units                        gauge     Compute units queued in all batchers (tokens x
+//                                                             attention width: M + k for MiTA, N for full
+//                                                             attention; server/batcher.h).
+//   mita_rejected_requests_total{model,reason}      counter   Classify requests refused at admission, by
+//                                                             reason: queue_tasks (--queue_capacity),
+//                                                             queue_compute_units (--queue_compute_units),
+//                                                             task_over_queue_compute_units (one request costs
+//                                                             more than the whole queue), shutting_down.
+//   mita_request_tokens{model}                      histogram Tokens of each admitted request (image: patches
+//                                                             + cls; document: after truncation).
+//   mita_batch_tokens{model}                        histogram Tokens per packed batch run (one observation per
+//                                                             batch).
 //   mita_requested_expert_count{model}              histogram Expert count m of admitted MiTA requests.
 //   mita_requested_expert_width{model}              histogram Expert width k of admitted MiTA requests.
 //   mita_full_attention_requests_total{model}       counter   Admitted requests that asked for full attention.
@@ -55,6 +67,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+#include "server/batcher.h"
 
 namespace mita::server {
 
@@ -75,6 +88,12 @@ class ModelMetrics {
   void ObserveCompute(absl::Duration compute) { compute_->Observe(absl::ToDoubleSeconds(compute)); }
   // Requests in one batch run.
   void ObserveBatchSize(int64_t requests) { batch_size_->Observe(static_cast<double>(requests)); }
+  // Tokens of one packed batch run.
+  void ObserveBatchTokens(int64_t tokens) { batch_tokens_->Observe(static_cast<double>(tokens)); }
+  // Tokens of one admitted request.
+  void ObserveRequestTokens(int64_t tokens) { request_tokens_->Observe(static_cast<double>(tokens)); }
+  // One request refused at admission for `reason` (kNone is ignored).
+  void CountRejection(AdmissionRejection reason);
   // The budget of one admitted request: full attention, or expert count m and expert width k.
   void ObserveBudget(bool full_attention, int64_t expert_count, int64_t expert_width);
   // Routing and pruning statistics of one request that ran MiTA, for `layer` in [0, layers); other layers
@@ -99,6 +118,9 @@ class ModelMetrics {
   prometheus::Histogram* queue_delay_ = nullptr;
   prometheus::Histogram* compute_ = nullptr;
   prometheus::Histogram* batch_size_ = nullptr;
+  prometheus::Histogram* batch_tokens_ = nullptr;
+  prometheus::Histogram* request_tokens_ = nullptr;
+  std::array<prometheus::Counter*, kNumAdmissionRejections> rejections_{};
   prometheus::Histogram* expert_count_ = nullptr;
   prometheus::Histogram* expert_width_ = nullptr;
   prometheus::Counter* full_attention_ = nullptr;
@@ -130,6 +152,8 @@ class ServerMetrics {
 
   // Adds `delta` (may be negative) to mita_queue_depth.
   void AddQueueDepth(int64_t delta) { queue_depth_->Increment(static_cast<double>(delta)); }
+  // Adds `delta` (may be negative) to mita_queue_compute_units.
+  void AddQueueComputeUnits(int64_t delta) { queue_compute_units_->Increment(static_cast<double>(delta)); }
 
   // The registry to serve (MetricsHttpServer) or collect in tests.
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
@@ -141,6 +165,7 @@ class ServerMetrics {
   // mita_requests_total with model="unknown" (Classify, GetModel) and model="" (ListModels), by RpcMethod.
   std::array<CodeCounters, kNumRpcMethods> other_requests_{};
   prometheus::Gauge* queue_depth_ = nullptr;
+  prometheus::Gauge* queue_compute_units_ = nullptr;
 };
 
 // The gRPC name of a status code ("OK", "INVALID_ARGUMENT", ...; "UNKNOWN" for codes outside 0..16).

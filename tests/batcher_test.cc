@@ -23,21 +23,28 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
+// A task of `tokens` tokens costing `compute_units` compute units (default: one unit per token).
 struct FakeTask {
   int id = 0;
-  int64_t units = 1;
-  int64_t size() const { return units; }
+  int64_t token_count = 1;
+  int64_t compute_unit_count = -1;  // -1: token_count
+  int64_t tokens() const { return token_count; }
+  int64_t compute_units() const { return compute_unit_count < 0 ? token_count : compute_unit_count; }
 };
 
-std::unique_ptr<FakeTask> MakeTask(int id, int64_t units = 1) {
-  return std::make_unique<FakeTask>(FakeTask{id, units});
+std::unique_ptr<FakeTask> MakeTask(int id, int64_t tokens = 1, int64_t compute_units = -1) {
+  return std::make_unique<FakeTask>(FakeTask{id, tokens, compute_units});
 }
 
+// Batches of at most `max_batch_size` tasks (tokens unbounded unless set), a queue of at most
+// `queue_capacity` tasks (compute units unbounded unless set).
 BatcherOptions Options(int64_t max_batch_size, absl::Duration max_queue_delay, int64_t queue_capacity) {
   BatcherOptions options;
   options.max_batch_size = max_batch_size;
+  options.max_batch_tokens = int64_t{1} << 40;
   options.max_queue_delay = max_queue_delay;
   options.queue_capacity = queue_capacity;
+  options.queue_compute_units = int64_t{1} << 50;
   return options;
 }
 
@@ -48,8 +55,8 @@ std::vector<int> Ids(const Batch<FakeTask>& batch) {
 }
 
 // Enqueues and expects success.
-void Add(BatchQueue<FakeTask>& queue, int id, absl::Time now, int64_t units = 1) {
-  std::unique_ptr<FakeTask> task = MakeTask(id, units);
+void Add(BatchQueue<FakeTask>& queue, int id, absl::Time now, int64_t tokens = 1, int64_t compute_units = -1) {
+  std::unique_ptr<FakeTask> task = MakeTask(id, tokens, compute_units);
   ASSERT_TRUE(queue.Enqueue(&task, now).ok());
   EXPECT_EQ(task, nullptr);
 }
@@ -64,7 +71,7 @@ TEST(BatchQueueTest, FullBatchIsReleasedImmediately) {
   std::optional<Batch<FakeTask>> batch = queue.TakeBatch(clock.Now());  // no time has passed
   ASSERT_TRUE(batch.has_value());
   EXPECT_THAT(Ids(*batch), ElementsAre(0, 1, 2, 3));
-  EXPECT_EQ(batch->size, 4);
+  EXPECT_EQ(batch->tokens, 4);
   EXPECT_EQ(batch->formed_at, clock.Now());
   EXPECT_TRUE(queue.empty());
   EXPECT_EQ(queue.NextDeadline(), absl::InfiniteFuture());
@@ -141,7 +148,7 @@ TEST(BatchQueueTest, FifoOrderAcrossManyBatches) {
     for (int i = 0; i < count; ++i) Add(queue, next_id++, clock.Now());
     clock.Advance(absl::Microseconds(300));
     while (std::optional<Batch<FakeTask>> batch = queue.TakeBatch(clock.Now())) {
-      EXPECT_LE(batch->size, 4);
+      EXPECT_LE(batch->num_tasks(), 4);
       for (int id : Ids(*batch)) seen.push_back(id);
     }
   }
@@ -159,7 +166,7 @@ TEST(BatchQueueTest, RejectsWhenFullNamingTheCapacity) {
   std::unique_ptr<FakeTask> task = MakeTask(64);
   absl::Status status = queue.Enqueue(&task, clock.Now());
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(status.message(), "queue is full: 64 of 64 queued units (flag --queue_capacity)");
+  EXPECT_EQ(status.message(), "queue is full: 64 of 64 queued requests (flag --queue_capacity)");
   EXPECT_NE(task, nullptr) << "a rejected task stays with the caller";
   EXPECT_EQ(queue.num_queued_tasks(), 64);
 
@@ -168,59 +175,176 @@ TEST(BatchQueueTest, RejectsWhenFullNamingTheCapacity) {
   EXPECT_TRUE(queue.Enqueue(&task, clock.Now()).ok());
 }
 
-TEST(BatchQueueTest, RejectsTaskThatDoesNotFitTheRemainingCapacity) {
+TEST(BatchQueueTest, RejectsTaskThatDoesNotFitTheRemainingComputeUnits) {
   ManualClock clock;
-  BatcherOptions options = Options(8, absl::Milliseconds(2), 10);
-  options.queue_capacity_source = "option queue_capacity";
+  BatcherOptions options = Options(8, absl::Milliseconds(2), 100);
+  options.queue_compute_units = 1000;
+  options.queue_compute_units_source = "option queue_compute_units";
   BatchQueue<FakeTask> queue(options);
-  Add(queue, 0, clock.Now(), 7);
-  std::unique_ptr<FakeTask> task = MakeTask(1, 4);
-  absl::Status status = queue.Enqueue(&task, clock.Now());
+  Add(queue, 0, clock.Now(), /*tokens=*/10, /*compute_units=*/700);
+  std::unique_ptr<FakeTask> task = MakeTask(1, 10, 400);
+  AdmissionRejection rejection = AdmissionRejection::kNone;
+  absl::Status status = queue.Enqueue(&task, clock.Now(), &rejection);
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(status.message(), "queue is full: 7 of 10 queued units, the task needs 4 (option queue_capacity)");
-  Add(queue, 2, clock.Now(), 3);  // exactly fits
-  EXPECT_EQ(queue.queued_units(), 10);
+  EXPECT_EQ(status.message(),
+            "queue is full: 700 of 1000 queued compute units, the request needs 400 (option queue_compute_units)");
+  EXPECT_EQ(rejection, AdmissionRejection::kQueueComputeUnits);
+  EXPECT_NE(task, nullptr);
+  Add(queue, 2, clock.Now(), 10, 300);  // exactly fits
+  EXPECT_EQ(queue.queued_compute_units(), 1000);
+  EXPECT_EQ(queue.queued_tokens(), 20);
+  EXPECT_EQ(queue.num_queued_tasks(), 2);
+}
+
+// The queue is bounded in compute units, not in requests: at the same capacity, one expensive task (a long
+// document, a wide budget) fills it where many cheap ones still fit.
+TEST(BatchQueueTest, QueueBoundIsInComputeUnitsNotRequests) {
+  ManualClock clock;
+  BatcherOptions options = Options(64, absl::Milliseconds(2), 1000);
+  options.queue_compute_units = 65536 * 320;  // e.g. one 64K-token document at M + k = 320
+  BatchQueue<FakeTask> expensive(options);
+  Add(expensive, 0, clock.Now(), 65536, 65536 * 320);
+  std::unique_ptr<FakeTask> one_more = MakeTask(1, 1024, 1024 * 320);
+  AdmissionRejection rejection = AdmissionRejection::kNone;
+  EXPECT_EQ(expensive.Enqueue(&one_more, clock.Now(), &rejection).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(rejection, AdmissionRejection::kQueueComputeUnits);
+
+  BatchQueue<FakeTask> cheap(options);
+  for (int i = 0; i < 64; ++i) Add(cheap, i, clock.Now(), 1024, 1024 * 320);  // 64 x 1K-token documents
+  EXPECT_EQ(cheap.num_queued_tasks(), 64);
+  EXPECT_EQ(cheap.queued_compute_units(), 65536 * 320);
+  std::unique_ptr<FakeTask> full = MakeTask(64, 1, 1);
+  EXPECT_EQ(cheap.Enqueue(&full, clock.Now(), &rejection).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(rejection, AdmissionRejection::kQueueComputeUnits);
+}
+
+TEST(BatchQueueTest, TaskCostingMoreThanTheWholeQueueIsRefused) {
+  ManualClock clock;
+  BatcherOptions options = Options(8, absl::Milliseconds(2), 100);
+  options.queue_compute_units = 1000;
+  BatchQueue<FakeTask> queue(options);
+  std::unique_ptr<FakeTask> task = MakeTask(0, 10, 1001);
+  AdmissionRejection rejection = AdmissionRejection::kNone;
+  absl::Status status = queue.Enqueue(&task, clock.Now(), &rejection);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(status.message(), HasSubstr("request needs 1001 compute units"));
+  EXPECT_THAT(status.message(), HasSubstr("capacity of 1000 (flag --queue_compute_units)"));
+  EXPECT_EQ(rejection, AdmissionRejection::kTaskOverQueueComputeUnits);
+  EXPECT_TRUE(queue.empty());
+}
+
+TEST(BatchQueueTest, RejectionReasonForTaskCount) {
+  ManualClock clock;
+  BatchQueue<FakeTask> queue(Options(8, absl::Milliseconds(2), 2));
+  Add(queue, 0, clock.Now());
+  Add(queue, 1, clock.Now());
+  std::unique_ptr<FakeTask> task = MakeTask(2);
+  AdmissionRejection rejection = AdmissionRejection::kNone;
+  EXPECT_EQ(queue.Enqueue(&task, clock.Now(), &rejection).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(rejection, AdmissionRejection::kQueueTasks);
+  EXPECT_STREQ(AdmissionRejectionName(rejection), "queue_tasks");
+}
+
+TEST(BatchQueueTest, BatchIsBoundedByTokens) {
+  ManualClock clock;
+  BatcherOptions options = Options(16, absl::Milliseconds(5), 100);
+  options.max_batch_tokens = 1000;
+  BatchQueue<FakeTask> queue(options);
+  // Documents of 300, 500 and 400 tokens: the first two fit in 1000 tokens, the third does not, so the batch
+  // {0, 1} is full at 800 tokens although it holds only 2 of 16 tasks.
+  Add(queue, 0, clock.Now(), 300);
+  Add(queue, 1, clock.Now(), 500);
+  EXPECT_FALSE(queue.TakeBatch(clock.Now()).has_value());
+  Add(queue, 2, clock.Now(), 400);
+  std::optional<Batch<FakeTask>> batch = queue.TakeBatch(clock.Now());
+  ASSERT_TRUE(batch.has_value());
+  EXPECT_THAT(Ids(*batch), ElementsAre(0, 1));
+  EXPECT_EQ(batch->tokens, 800);
+  EXPECT_EQ(batch->compute_units, 800);
+  // 400 + 600 = exactly 1000 tokens: full at once.
+  Add(queue, 3, clock.Now(), 600);
+  EXPECT_EQ(queue.NextDeadline(), clock.Now());
+  batch = queue.TakeBatch(clock.Now());
+  ASSERT_TRUE(batch.has_value());
+  EXPECT_THAT(Ids(*batch), ElementsAre(2, 3));
+  EXPECT_EQ(batch->tokens, 1000);
+  // A single task of the whole token budget makes a batch alone; one token more can never be batched.
+  Add(queue, 4, clock.Now(), 1000);
+  batch = queue.TakeBatch(clock.Now());
+  ASSERT_TRUE(batch.has_value());
+  EXPECT_THAT(Ids(*batch), ElementsAre(4));
+  std::unique_ptr<FakeTask> too_long = MakeTask(5, 1001);
+  absl::Status status = queue.Enqueue(&too_long, clock.Now());
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(status.message(),
+            "request of 1001 tokens is larger than the maximum batch of 1000 tokens (flag --max_batch_tokens)");
+}
+
+TEST(BatchQueueTest, BatchIsBoundedByTaskCountAndTokensTogether) {
+  ManualClock clock;
+  BatcherOptions options = Options(3, absl::Milliseconds(5), 100);
+  options.max_batch_tokens = 100;
+  BatchQueue<FakeTask> queue(options);
+  for (int i = 0; i < 5; ++i) Add(queue, i, clock.Now(), 10);  // 5 short tasks: 3 per batch by count
+  std::optional<Batch<FakeTask>> batch = queue.TakeBatch(clock.Now());
+  ASSERT_TRUE(batch.has_value());
+  EXPECT_THAT(Ids(*batch), ElementsAre(0, 1, 2));
+  EXPECT_EQ(batch->tokens, 30);
+  EXPECT_FALSE(queue.TakeBatch(clock.Now()).has_value()) << "2 tasks, 20 tokens: not full";
+  EXPECT_EQ(queue.queued_tokens(), 20);
 }
 
 TEST(BatchQueueTest, RejectsBadTaskSizes) {
   ManualClock clock;
-  BatchQueue<FakeTask> queue(Options(4, absl::Milliseconds(2), 100));
+  BatcherOptions options = Options(4, absl::Milliseconds(2), 100);
+  options.max_batch_tokens = 4;
+  BatchQueue<FakeTask> queue(options);
   std::unique_ptr<FakeTask> too_big = MakeTask(0, 5);
   absl::Status status = queue.Enqueue(&too_big, clock.Now());
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(status.message(), HasSubstr("larger than the maximum batch size 4"));
+  EXPECT_THAT(status.message(), HasSubstr("larger than the maximum batch of 4 tokens"));
   std::unique_ptr<FakeTask> empty = MakeTask(1, 0);
   EXPECT_EQ(queue.Enqueue(&empty, clock.Now()).code(), absl::StatusCode::kInvalidArgument);
+  std::unique_ptr<FakeTask> free = MakeTask(1, 1, 0);
+  EXPECT_EQ(queue.Enqueue(&free, clock.Now()).code(), absl::StatusCode::kInvalidArgument);
   std::unique_ptr<FakeTask> null;
   EXPECT_EQ(queue.Enqueue(&null, clock.Now()).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(queue.Enqueue(nullptr, clock.Now()).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(queue.empty());
-  EXPECT_EQ(queue.queued_units(), 0);
+  EXPECT_EQ(queue.queued_tokens(), 0);
+  EXPECT_EQ(queue.queued_compute_units(), 0);
 }
 
-TEST(BatchQueueTest, SizeAccountingWithMultiUnitTasks) {
+TEST(BatchQueueTest, TokenAndComputeUnitAccounting) {
   ManualClock clock;
-  BatchQueue<FakeTask> queue(Options(10, absl::Milliseconds(2), 100));
-  Add(queue, 0, clock.Now(), 4);
-  Add(queue, 1, clock.Now(), 5);
-  EXPECT_EQ(queue.queued_units(), 9);
+  BatcherOptions options = Options(100, absl::Milliseconds(2), 100);
+  options.max_batch_tokens = 10;
+  BatchQueue<FakeTask> queue(options);
+  Add(queue, 0, clock.Now(), 4, 40);
+  Add(queue, 1, clock.Now(), 5, 55);
+  EXPECT_EQ(queue.queued_tokens(), 9);
+  EXPECT_EQ(queue.queued_compute_units(), 95);
   EXPECT_EQ(queue.num_queued_tasks(), 2);
   EXPECT_FALSE(queue.TakeBatch(clock.Now()).has_value());  // 9 of 10: not full, nothing has waited
-  Add(queue, 2, clock.Now(), 3);  // does not fit with the first two: the batch {0, 1} is full now
-  EXPECT_EQ(queue.queued_units(), 12);
+  Add(queue, 2, clock.Now(), 3, 7);  // does not fit with the first two: the batch {0, 1} is full now
+  EXPECT_EQ(queue.queued_tokens(), 12);
+  EXPECT_EQ(queue.queued_compute_units(), 102);
   EXPECT_EQ(queue.NextDeadline(), clock.Now());
   std::optional<Batch<FakeTask>> batch = queue.TakeBatch(clock.Now());
   ASSERT_TRUE(batch.has_value());
   EXPECT_THAT(Ids(*batch), ElementsAre(0, 1));
-  EXPECT_EQ(batch->size, 9);
-  EXPECT_EQ(queue.queued_units(), 3);
+  EXPECT_EQ(batch->tokens, 9);
+  EXPECT_EQ(batch->compute_units, 95);
+  EXPECT_EQ(queue.queued_tokens(), 3);
+  EXPECT_EQ(queue.queued_compute_units(), 7);
   EXPECT_EQ(queue.num_queued_tasks(), 1);
   EXPECT_EQ(queue.NextDeadline(), clock.Now() + absl::Milliseconds(2));
   clock.Advance(absl::Milliseconds(2));
   batch = queue.TakeBatch(clock.Now());
   ASSERT_TRUE(batch.has_value());
-  EXPECT_EQ(batch->size, 3);
-  EXPECT_EQ(queue.queued_units(), 0);
+  EXPECT_EQ(batch->tokens, 3);
+  EXPECT_EQ(queue.queued_tokens(), 0);
+  EXPECT_EQ(queue.queued_compute_units(), 0);
 }
 
 TEST(BatcherOptionsTest, Validation) {
@@ -237,6 +361,12 @@ TEST(BatcherOptionsTest, Validation) {
   options = BatcherOptions();
   options.num_batch_threads = 0;
   EXPECT_EQ(ValidateBatcherOptions(options).code(), absl::StatusCode::kInvalidArgument);
+  options = BatcherOptions();
+  options.max_batch_tokens = 0;
+  EXPECT_THAT(ValidateBatcherOptions(options).message(), HasSubstr("flag --max_batch_tokens"));
+  options = BatcherOptions();
+  options.queue_compute_units = 0;
+  EXPECT_THAT(ValidateBatcherOptions(options).message(), HasSubstr("flag --queue_compute_units"));
 }
 
 // Records processed task ids; thread-safe.
@@ -244,7 +374,7 @@ class Recorder {
  public:
   void Process(Batch<FakeTask> batch) {
     absl::MutexLock lock(&mu_);
-    batch_sizes_.push_back(batch.size);
+    batch_sizes_.push_back(batch.num_tasks());
     for (const auto& task : batch.tasks) ids_.push_back(task->id);
   }
   std::vector<int> ids() const {
@@ -266,13 +396,16 @@ TEST(DynamicBatcherTest, EveryTaskIsProcessedExactlyOnce) {
   for (int threads : {1, 3}) {
     Recorder recorder;
     std::atomic<int64_t> depth{0};
+    std::atomic<int64_t> depth_units{0};
     BatcherOptions options = Options(8, absl::Milliseconds(1), 10000);
     options.num_batch_threads = threads;
     auto batcher = DynamicBatcher<FakeTask>::Create(
         options, [&recorder](Batch<FakeTask> batch) { recorder.Process(std::move(batch)); }, RealClock::Get(),
-        [&depth](const QueueDepthChange& change) {
+        [&depth, &depth_units](const QueueDepthChange& change) {
           depth += change.tasks_delta;
+          depth_units += change.compute_units_delta;
           EXPECT_EQ(depth.load(), change.tasks);
+          EXPECT_EQ(depth_units.load(), change.compute_units);
         });
     ASSERT_TRUE(batcher.ok()) << batcher.status();
     constexpr int kSubmitters = 4;
@@ -281,7 +414,8 @@ TEST(DynamicBatcherTest, EveryTaskIsProcessedExactlyOnce) {
     for (int s = 0; s < kSubmitters; ++s) {
       submitters.emplace_back([&, s] {
         for (int i = 0; i < kPerSubmitter; ++i) {
-          std::unique_ptr<FakeTask> task = MakeTask(s * kPerSubmitter + i);
+          // Tasks of 1..3 tokens costing 7 compute units per token.
+          std::unique_ptr<FakeTask> task = MakeTask(s * kPerSubmitter + i, 1 + i % 3, 7 * (1 + i % 3));
           ASSERT_TRUE((*batcher)->Submit(&task).ok());
         }
       });
@@ -299,7 +433,9 @@ TEST(DynamicBatcherTest, EveryTaskIsProcessedExactlyOnce) {
       EXPECT_LE(size, 8);
     }
     EXPECT_EQ(depth.load(), 0);
-    EXPECT_EQ((*batcher)->queued_units(), 0);
+    EXPECT_EQ(depth_units.load(), 0);
+    EXPECT_EQ((*batcher)->queued_tokens(), 0);
+    EXPECT_EQ((*batcher)->queued_compute_units(), 0);
   }
 }
 
@@ -334,8 +470,10 @@ TEST(DynamicBatcherTest, ShutdownDrainsQueuedWorkAndThenRejects) {
   release.Notify();
   shutdown.join();
   std::unique_ptr<FakeTask> late = MakeTask(100);
-  absl::Status status = (*batcher)->Submit(&late);
+  AdmissionRejection rejection = AdmissionRejection::kNone;
+  absl::Status status = (*batcher)->Submit(&late, &rejection);
   EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(rejection, AdmissionRejection::kShuttingDown);
   EXPECT_NE(late, nullptr);
   std::vector<int> ids = recorder.ids();
   std::set<int> unique(ids.begin(), ids.end());
@@ -364,7 +502,7 @@ TEST(DynamicBatcherTest, RejectsWhenQueueIsFull) {
   task = MakeTask(3);
   absl::Status status = (*batcher)->Submit(&task);
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(status.message(), "queue is full: 2 of 2 queued units (flag --queue_capacity)");
+  EXPECT_EQ(status.message(), "queue is full: 2 of 2 queued requests (flag --queue_capacity)");
   release.Notify();
 }
 

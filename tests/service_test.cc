@@ -19,6 +19,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -734,6 +735,224 @@ TEST_F(ServiceTest, MetricsScrapeHasRoutingAndPruningSeries) {
   EXPECT_EQ(SampleValue(text, "mita_queue_depth"), 0) << "nothing is queued between requests";
   // No series is labelled with a model name taken from a request.
   EXPECT_THAT(text, ::testing::Not(HasSubstr("model=\"missing\"")));
+}
+
+// A service with its own options and gRPC server on loopback, for tests that need other batching limits than
+// the shared fixture's.
+class TestServer {
+ public:
+  // Serves `registry` with `options`; check ok() after construction.
+  TestServer(const ModelRegistry* registry, ServiceOptions options) {
+    std::vector<ServerMetrics::ModelInfo> infos;
+    for (const models::ModelPackage* p : registry->packages()) infos.push_back({p->name, p->config.depth});
+    metrics_ = std::make_unique<ServerMetrics>(infos);
+    absl::StatusOr<std::unique_ptr<ClassifyService>> service = ClassifyService::Create(registry, metrics_.get(), options);
+    if (!service.ok()) {
+      status_ = service.status();
+      return;
+    }
+    service_ = *std::move(service);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    if (server_ == nullptr || port == 0) {
+      status_ = absl::UnavailableError("cannot start the gRPC server");
+      return;
+    }
+    client_ = client::MitaClient::Connect(absl::StrCat("127.0.0.1:", port));
+  }
+  ~TestServer() {
+    if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    if (service_ != nullptr) service_->Shutdown();
+  }
+  const absl::Status& status() const { return status_; }
+  const client::MitaClient& client() const { return *client_; }
+  ClassifyService& service() { return *service_; }
+  const prometheus::Registry& registry() const { return *metrics_->registry(); }
+
+ private:
+  absl::Status status_;
+  std::unique_ptr<ServerMetrics> metrics_;
+  std::unique_ptr<ClassifyService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<client::MitaClient> client_;
+};
+
+// A gauge value read in-process from the registry (the first sample of `name`), or -1 when absent.
+double GaugeValue(const prometheus::Registry& registry, const std::string& name) {
+  for (const prometheus::MetricFamily& family : registry.Collect()) {
+    if (family.name == name && !family.metric.empty()) return family.metric.front().gauge.value;
+  }
+  return -1;
+}
+
+// Nearest-rank percentile of `values` (sorted here), p in (0, 100].
+double Percentile(std::vector<double> values, double p) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  size_t rank = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(values.size())));
+  rank = std::clamp<size_t>(rank, 1, values.size());
+  return values[rank - 1];
+}
+
+// Sends `count` requests at once (one thread each) and returns every call's outcome and client latency.
+struct BurstOutcome {
+  std::vector<absl::Status> statuses;
+  std::vector<double> latencies_ms;  // client side, parallel to statuses
+};
+BurstOutcome SendBurst(const client::MitaClient& client, const std::vector<std::string>& images, int count,
+                       const client::ClassifyOptions& options) {
+  BurstOutcome outcome;
+  outcome.statuses.assign(static_cast<size_t>(count), absl::UnknownError("no answer"));
+  outcome.latencies_ms.assign(static_cast<size_t>(count), 0);
+  absl::Notification go;
+  std::vector<std::thread> threads;
+  for (int i = 0; i < count; ++i) {
+    threads.emplace_back([&, i] {
+      go.WaitForNotification();
+      const absl::Time start = absl::Now();
+      outcome.statuses[static_cast<size_t>(i)] =
+          client.Classify(images[static_cast<size_t>(i) % images.size()], options).status();
+      outcome.latencies_ms[static_cast<size_t>(i)] = absl::ToDoubleMilliseconds(absl::Now() - start);
+    });
+  }
+  go.Notify();
+  for (std::thread& thread : threads) thread.join();
+  return outcome;
+}
+
+// Issue 5, admission and overload: the queue is bounded in compute units; a burst of 10x its capacity gets
+// exactly one answer per request, OK or an immediate RESOURCE_EXHAUSTED naming the limit, every rejection
+// is counted by reason, and the gauges return to 0.
+TEST_F(ServiceTest, BurstOfTenTimesCapacityGetsOneAnswerEach) {
+  // One MiTA request at the default budget costs 50 tokens x (9 + 16) = 1250 compute units; the queue holds
+  // 8 of them (10,000 units). The request-count bound (1000) never binds.
+  constexpr int64_t kUnitsPerRequest = 50 * (9 + 16);
+  constexpr int kCapacityRequests = 8;
+  constexpr int kBurst = 10 * kCapacityRequests;
+  ServiceOptions options;
+  options.batching.max_batch_size = 4;
+  options.batching.max_queue_delay = absl::Milliseconds(2);
+  options.batching.queue_capacity = 1000;
+  options.batching.queue_compute_units = kCapacityRequests * kUnitsPerRequest;
+  options.max_encoded_image_bytes = kMaxImageBytes;
+
+  // Phase 1, deterministic: batches wait 2 s to fill and hold up to 1000 requests, so nothing leaves the
+  // queue during the burst: exactly 8 are admitted, the other 72 are refused at once.
+  {
+    ServiceOptions held = options;
+    held.batching.max_batch_size = 1000;
+    held.batching.max_queue_delay = absl::Seconds(2);
+    TestServer server(registry_, held);
+    ASSERT_TRUE(server.status().ok()) << server.status();
+    BurstOutcome burst = SendBurst(server.client(), images_, kBurst, Options());
+    int ok = 0, exhausted = 0;
+    for (const absl::Status& status : burst.statuses) {
+      if (status.ok()) {
+        ++ok;
+      } else {
+        ASSERT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+        EXPECT_EQ(status.message(), "queue is full: 10000 of 10000 queued compute units, the request needs 1250 "
+                                    "(flag --queue_compute_units)");
+        ++exhausted;
+      }
+    }
+    EXPECT_EQ(ok, kCapacityRequests);
+    EXPECT_EQ(exhausted, kBurst - kCapacityRequests);
+    EXPECT_EQ(CounterValue(server.registry(), "mita_rejected_requests_total",
+                           {{"model", kModel}, {"reason", "queue_compute_units"}}),
+              exhausted);
+    EXPECT_EQ(CounterValue(server.registry(), "mita_requests_total",
+                           {{"model", kModel}, {"code", "RESOURCE_EXHAUSTED"}}),
+              exhausted);
+    EXPECT_EQ(GaugeValue(server.registry(), "mita_queue_compute_units"), 0);
+    EXPECT_EQ(GaugeValue(server.registry(), "mita_queue_depth"), 0);
+  }
+
+  // Phase 2, realistic: batches of 4 leave every 2 ms; a burst of 80 at once. Whatever the timing, each call
+  // has exactly one answer, OK or RESOURCE_EXHAUSTED, and every rejection is counted.
+  TestServer server(registry_, options);
+  ASSERT_TRUE(server.status().ok()) << server.status();
+  BurstOutcome burst = SendBurst(server.client(), images_, kBurst, Options());
+  int ok = 0, exhausted = 0;
+  std::vector<double> admitted_ms;
+  for (size_t i = 0; i < burst.statuses.size(); ++i) {
+    const absl::Status& status = burst.statuses[i];
+    if (status.ok()) {
+      ++ok;
+      admitted_ms.push_back(burst.latencies_ms[i]);
+    } else {
+      ASSERT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+      EXPECT_THAT(std::string(status.message()), HasSubstr("(flag --queue_compute_units)"));
+      ++exhausted;
+    }
+  }
+  EXPECT_EQ(ok + exhausted, kBurst);
+  EXPECT_GE(ok, kCapacityRequests) << "at least a full queue's worth is admitted";
+  EXPECT_EQ(CounterValue(server.registry(), "mita_rejected_requests_total", {{"model", kModel}}), exhausted);
+  EXPECT_EQ(CounterValue(server.registry(), "mita_requests_total", {{"model", kModel}, {"code", "OK"}}), ok);
+  EXPECT_EQ(GaugeValue(server.registry(), "mita_queue_compute_units"), 0);
+  std::cout << "burst of " << kBurst << " requests at a queue of " << kCapacityRequests
+            << " requests' compute units: " << ok << " admitted, " << exhausted
+            << " RESOURCE_EXHAUSTED; client latency of admitted: p50 " << Percentile(admitted_ms, 50) << " ms, p99 "
+            << Percentile(admitted_ms, 99) << " ms, max " << Percentile(admitted_ms, 100) << " ms\n";
+}
+
+// Full attention costs N x N compute units instead of N x (M + k): at the same queue capacity fewer
+// full-attention requests are admitted than MiTA ones.
+TEST_F(ServiceTest, FullAttentionCostsMoreComputeUnits) {
+  ServiceOptions options;
+  options.batching.max_batch_size = 1000;
+  options.batching.max_queue_delay = absl::Seconds(2);
+  options.batching.queue_compute_units = 4 * 50 * 50;  // 4 full-attention requests, or 8 at M + k = 25
+  options.max_encoded_image_bytes = kMaxImageBytes;
+  TestServer server(registry_, options);
+  ASSERT_TRUE(server.status().ok()) << server.status();
+  client::ClassifyOptions full = Options();
+  full.full_attention = true;
+  BurstOutcome burst = SendBurst(server.client(), images_, 12, full);
+  int ok = 0;
+  for (const absl::Status& status : burst.statuses) ok += status.ok() ? 1 : 0;
+  EXPECT_EQ(ok, 4);
+  burst = SendBurst(server.client(), images_, 12, Options());
+  ok = 0;
+  for (const absl::Status& status : burst.statuses) ok += status.ok() ? 1 : 0;
+  EXPECT_EQ(ok, 8);
+  // One request that alone costs more than the whole queue can never be admitted.
+  ServiceOptions tiny = options;
+  tiny.batching.queue_compute_units = 1000;
+  TestServer small(registry_, tiny);
+  ASSERT_TRUE(small.status().ok()) << small.status();
+  absl::Status status = small.client().Classify(images_[0], Options()).status();
+  ExpectError(status, absl::StatusCode::kResourceExhausted,
+              "request needs 1250 compute units (tokens x attention width), more than the queue's capacity of 1000 "
+              "(flag --queue_compute_units)");
+  EXPECT_EQ(CounterValue(small.registry(), "mita_rejected_requests_total",
+                         {{"model", kModel}, {"reason", "task_over_queue_compute_units"}}),
+            1);
+}
+
+TEST(ComputeUnitsTest, TokensTimesAttentionWidth) {
+  models::AttentionBudget mita;
+  mita.expert_count = 9;
+  mita.expert_width = 16;
+  EXPECT_EQ(ComputeUnits(50, mita), 50 * 25);
+  models::AttentionBudget full;
+  full.full_attention = true;
+  EXPECT_EQ(ComputeUnits(65536, full), int64_t{65536} * 65536);
+}
+
+TEST(ClientTest, ParseTokenIds) {
+  absl::StatusOr<std::vector<int64_t>> ids = client::ParseTokenIds("1 2,3\n\t40000000000 ,, 0\n");
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_THAT(*ids, ElementsAre(1, 2, 3, 40000000000, 0));
+  EXPECT_TRUE(client::ParseTokenIds("").ok());
+  absl::Status bad = client::ParseTokenIds("1 2 x3").status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("token id 2: 'x3'"));
+  EXPECT_FALSE(client::ParseTokenIds("99999999999999999999").ok()) << "over int64";
 }
 
 TEST(StatusMappingTest, EveryCodeMapsToTheSameGrpcCode) {
