@@ -237,24 +237,32 @@ absl::StatusOr<const ClassifyService::ModelSlot*> ClassifyService::FindSlot(cons
 
 grpc::Status ClassifyService::Classify(grpc::ServerContext* context, const v1::ClassifyRequest* request,
                                        v1::ClassifyResponse* response) {
+  absl::StatusOr<v1::ClassifyResponse> result =
+      Run(*request, DeadlineOf(*context), [context] { return context->IsCancelled(); });
+  if (!result.ok()) return ToGrpcStatus(result.status());
+  *response = *std::move(result);
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<v1::ClassifyResponse> ClassifyService::Run(const v1::ClassifyRequest& request, absl::Time deadline,
+                                                          std::function<bool()> cancelled) {
   const absl::Time receipt = clock_->Now();
-  absl::StatusOr<const ModelSlot*> found = FindSlot(request->model(), RpcMethod::kClassify);
-  if (!found.ok()) return ToGrpcStatus(found.status());
+  absl::StatusOr<const ModelSlot*> found = FindSlot(request.model(), RpcMethod::kClassify);
+  if (!found.ok()) return found.status();
   const ModelSlot& slot = **found;
   absl::StatusOr<v1::ClassifyResponse> result = absl::UnknownError("not run");
   try {
-    result = DoClassify(slot, *request, DeadlineOf(*context), [context] { return context->IsCancelled(); });
+    result = DoClassify(slot, request, deadline, std::move(cancelled));
   } catch (const std::exception& e) {
     // Never crash on a request; an exception here is a server fault.
     result = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
   }
   metrics_->CountRequest(RpcMethod::kClassify, slot.metrics, result.status().code());
-  if (!result.ok()) return ToGrpcStatus(result.status());
-  *response = *std::move(result);
+  if (!result.ok()) return result.status();
   const absl::Duration total = clock_->Now() - receipt;
-  response->mutable_timing()->set_total_us(Microseconds(total));
+  result->mutable_timing()->set_total_us(Microseconds(total));
   slot.metrics->ObserveLatency(total);
-  return grpc::Status::OK;
+  return result;
 }
 
 absl::StatusOr<v1::ClassifyResponse> ClassifyService::DoClassify(const ModelSlot& slot,

@@ -84,6 +84,14 @@ class ClassifyService final : public v1::MitaService::Service {
   grpc::Status GetModel(grpc::ServerContext* context, const v1::GetModelRequest* request,
                         v1::ModelMetadata* response) override;
 
+  // The Classify RPC without gRPC types, for other front ends on the same batchers (server/kserve_service.h):
+  // model lookup, validation, batching, metrics (counted as method "Classify") and timing.total_us, exactly
+  // as Classify. `deadline` is the call's deadline (absl::InfiniteFuture() for none); `cancelled` tells
+  // whether the caller gave up. Errors: as Classify (INVALID_ARGUMENT naming the v1 field, NOT_FOUND,
+  // RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED; INTERNAL only for a server fault).
+  absl::StatusOr<v1::ClassifyResponse> Run(const v1::ClassifyRequest& request, absl::Time deadline,
+                                           std::function<bool()> cancelled);
+
   // Stops accepting Classify work (UNAVAILABLE), runs everything already queued, and joins the batch
   // threads. Call after grpc::Server::Shutdown. Idempotent.
   void Shutdown();
