@@ -2,7 +2,7 @@
 # ctest python_client_test: starts mita-server on free ports with the embedded model, classifies 50 real
 # Fashion-MNIST test images (PNG, from mita-export-images) with the Python example client
 # (client/python/mita_client.py, grpcio) over mita.v1 and over the Open Inference Protocol at a chosen budget,
-# checks accuracy and the applied budget, then stops the server with SIGTERM (exit 0 expected).
+# checks accuracy and the applied budget and mita-health-probe, then stops the server with SIGTERM (exit 0 expected).
 # Usage: python_client_test.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
 source_dir=$1
@@ -28,6 +28,14 @@ for _ in $(seq 1 600); do
   sleep 0.1
 done
 [ -n "$port" ] || { cat "$work/server.log"; echo "mita-server did not start"; exit 1; }
+
+# The container HEALTHCHECK's probe: SERVING for the server, both APIs; a failure for an unknown service.
+"$build_dir/server/mita-health-probe" --address="127.0.0.1:$port"
+"$build_dir/server/mita-health-probe" --address="127.0.0.1:$port" --service=inference.GRPCInferenceService
+"$build_dir/server/mita-health-probe" --address="127.0.0.1:$port" --service=mita.v1.MitaService
+if "$build_dir/server/mita-health-probe" --address="127.0.0.1:$port" --service=no.such.Service; then
+  echo "the probe passed for an unknown service"; exit 1
+fi
 
 client=("$python" "$source_dir/client/python/mita_client.py" --server="127.0.0.1:$port"
         --stubs="$build_dir/client/python" --manifest="$work/images/manifest.csv" --json)
