@@ -12,6 +12,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   dataset-fashion-mnist
   python3 python3-numpy python3-torch
+  python3-grpcio python3-protobuf python3-yaml
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -1,5 +1,5 @@
-// mita-server: serves the model packages of a model repository over gRPC (mita.v1.MitaService,
-// grpc.health.v1, server reflection) and exports Prometheus metrics over HTTP.
+// mita-server: serves the model packages of a model repository over gRPC (mita.v1.MitaService, the Open
+// Inference Protocol inference.GRPCInferenceService, grpc.health.v1, server reflection) and exports Prometheus metrics over HTTP.
 //
 // Flags (defaults):
 //   --listen=0.0.0.0:50051                 gRPC address.
@@ -52,6 +52,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "server/classify_service.h"
+#include "server/kserve_service.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
 
@@ -170,6 +171,8 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<mita::server::ClassifyService>> service =
       mita::server::ClassifyService::Create(registry->get(), &metrics, options);
   if (!service.ok()) return Fail(service.status().ToString());
+  // Open Inference Protocol (KServe V2) on the same port, translated onto the same ClassifyService.
+  mita::server::KserveService kserve(registry->get(), service->get(), options.max_encoded_image_bytes, "0.1.0");
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -179,6 +182,7 @@ int main(int argc, char** argv) {
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &selected_port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(max_receive));
   builder.RegisterService(service->get());
+  builder.RegisterService(&kserve);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || selected_port == 0) {
     return Fail(absl::StrCat("cannot listen on '", listen, "' (flag --listen)"));
@@ -187,13 +191,15 @@ int main(int argc, char** argv) {
   if (health != nullptr) {
     health->SetServingStatus(true);
     health->SetServingStatus(mita::v1::MitaService::service_full_name(), true);
+    health->SetServingStatus(inference::GRPCInferenceService::service_full_name(), true);
   }
+  kserve.SetReady(true);
   std::string metrics_line = "metrics disabled";
   if (metrics_server != nullptr) {
     metrics_line = absl::StrCat("metrics on http://", metrics_listen, "/metrics (port ", metrics_server->port(), ")");
   }
   Log(absl::StrCat("serving gRPC on ", listen, " (port ", selected_port, "; mita.v1.MitaService, grpc.health.v1, ",
-                   "reflection), ", metrics_line, "; models: ", absl::StrJoin((*registry)->names(), ", "),
+                   "inference.GRPCInferenceService, reflection), ", metrics_line, "; models: ", absl::StrJoin((*registry)->names(), ", "),
                    "; max_batch_size=", options.batching.max_batch_size,
                    " max_queue_delay=", absl::FormatDuration(options.batching.max_queue_delay),
                    " max_batch_tokens=", options.batching.max_batch_tokens,
@@ -208,7 +214,9 @@ int main(int argc, char** argv) {
   if (health != nullptr) {
     health->SetServingStatus(false);
     health->SetServingStatus(mita::v1::MitaService::service_full_name(), false);
+    health->SetServingStatus(inference::GRPCInferenceService::service_full_name(), false);
   }
+  kserve.SetReady(false);
   const absl::Time drain_start = absl::Now();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(drain_timeout_s));
   (*service)->Shutdown();
