@@ -414,7 +414,7 @@ int main(int argc, char** argv) {
       {"m = 1", 2, 2, 23, 8, {{1, 5}, {1, 23}}},
       {"items with different (m, k)", 3, 2, 41, 8, {{1, 41}, {6, 9}, {13, 1}}},
       {"d = 48 (not a multiple of 32)", 1, 2, 300, 48, {{9, 40}}},
-      {"d = 64, N = 2049, fused qkv", 2, 4, 2049, 64, {{16, 64}, {64, 16}}, false, true},
+      {"d = 64, N = 1025, fused qkv", 2, 4, 1025, 64, {{16, 64}, {64, 16}}, false, true},
       {"exact ties (small integers)", 1, 2, 700, 4, {{6, 37}}, true},
       {"exact ties, k = N - 1", 1, 2, 700, 4, {{6, 699}}, true},
       {"d = 128, m = 256 > 32 lanes", 1, 2, 1000, 128, {{256, 100}}},
