@@ -146,10 +146,17 @@ absl::Status ValidateMitaArguments(const at::Tensor& q, const at::Tensor& k, con
                                                      head_dim, "], got ", ShapeString(landmarks)));
     }
     if (absl::Status status = CheckSameDtypeAndDeviceAsQuery(landmarks, name, q); !status.ok()) return status;
+    const int64_t token_count = items[b].token_count;
+    if (token_count < 0 || token_count > tokens) {
+      return absl::InvalidArgumentError(absl::StrCat("items[", b, "].token_count ", token_count,
+                                                     " is outside [0, ", tokens, "] (N = ", tokens,
+                                                     "; 0 = all N)"));
+    }
+    const int64_t item_tokens = ItemTokens(items[b], tokens);
     const int64_t width = items[b].expert_width;
-    if (width < 1 || width > tokens) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("items[", b, "].expert_width ", width, " is outside [1, ", tokens, "] (N = ", tokens, ")"));
+    if (width < 1 || width > item_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat("items[", b, "].expert_width ", width, " is outside [1, ",
+                                                     item_tokens, "] (the item's token count)"));
     }
   }
   return absl::OkStatus();

@@ -34,12 +34,17 @@ namespace mita::kernels {
 struct MitaItem {
   // Landmarks of this item, [H, M, d], same dtype as q. M >= 1.
   at::Tensor landmarks;
-  // Expert width k, 1 <= k <= N.
+  // Expert width k, 1 <= k <= the item's token count.
   int64_t expert_width = 0;
+  // Tokens of this item: 0 (the default) means all N. 1 <= token_count <= N makes the item its first
+  // token_count tokens, for batches of different lengths padded to N: queries, keys and values beyond are
+  // ignored (the padding never enters a top-k or a softmax) and the item's output rows beyond are 0.
+  int64_t token_count = 0;
 };
 
 // Routing and pruning statistics of one batch item, averaged over heads (DESIGN.md section 2,
-// "Statistics that come for free"). Per head, with load_i = number of queries n with e(n) = i (sum N):
+// "Statistics that come for free"). Per head, with load_i = number of queries n with e(n) = i (sum N); N here
+// is the item's token count (MitaItem::token_count when set):
 struct MitaItemStatistics {
   // load_i averaged over heads, length M (each head's loads sum to N).
   std::vector<double> queries_per_expert;
@@ -76,7 +81,8 @@ enum class MitaBackend {
 // The CPU kernel runs (item, head) pairs in parallel on at::get_num_threads() threads; its result does not
 // depend on the thread count.
 // Errors: INVALID_ARGUMENT when q, k or v is undefined, not 4-D, of another dtype or shape or device than q,
-// or has H, N or d < 1; when items.size() != B; when items[b].expert_width is outside [1, N]; when
+// or has H, N or d < 1; when items.size() != B; when items[b].token_count is outside [0, N]; when
+// items[b].expert_width is outside [1, N_b] (N_b = the item's token count); when
 // items[b].landmarks is undefined, not [H, M >= 1, d], or of another dtype or device than q. RESOURCE_EXHAUSTED
 // when memory runs out; INTERNAL for an unexpected ATen failure.
 absl::StatusOr<at::Tensor> MitaAttentionForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

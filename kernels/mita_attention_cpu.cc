@@ -453,6 +453,9 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / heads, h = task % heads;
       const int64_t expert_count = landmarks[b].size(1);
+      const int64_t item_tokens = ItemTokens(items[b], tokens);
+      // Padding rows of a shorter item: zero output.
+      std::fill(output_data + task * head_size + item_tokens * head_dim, output_data + (task + 1) * head_size, T(0));
       HeadProblem<T> problem{q_data + head_offset(q, b, h),
                              k_data + head_offset(k, b, h),
                              v_data + head_offset(v, b, h),
@@ -461,7 +464,7 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
                              RowStride(q),
                              RowStride(k),
                              RowStride(v),
-                             tokens,
+                             item_tokens,
                              head_dim,
                              expert_count,
                              items[b].expert_width,
@@ -474,7 +477,8 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
   if (statistics != nullptr) {
     statistics->resize(batch);
     for (int64_t b = 0; b < batch; ++b) {
-      (*statistics)[b] = AverageOverHeads(absl::MakeConstSpan(counts).subspan(b * heads, heads), tokens);
+      (*statistics)[b] =
+          AverageOverHeads(absl::MakeConstSpan(counts).subspan(b * heads, heads), ItemTokens(items[b], tokens));
     }
   }
   return output;

@@ -254,8 +254,8 @@ __global__ void QueryKernel(const T* __restrict__ queries, Strides query_strides
                             Strides key_strides, const T* __restrict__ values, Strides value_strides,
                             const T* __restrict__ landmarks, const float* __restrict__ shared_output,
                             const int32_t* __restrict__ expert_keys, T* __restrict__ output,
-                            int32_t* __restrict__ load, int64_t tokens, int64_t expert_count, int64_t width,
-                            int64_t head_dim, float scale) {
+                            int32_t* __restrict__ load, int64_t tokens, int64_t output_tokens,
+                            int64_t expert_count, int64_t width, int64_t head_dim, float scale) {
   extern __shared__ float query_rows[];  // [kQueriesPerBlock, d]
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t head = blockIdx.y;
@@ -324,7 +324,7 @@ __global__ void QueryKernel(const T* __restrict__ queries, Strides query_strides
     });
   }
 
-  T* target = output + (head * tokens + query) * head_dim;
+  T* target = output + (head * output_tokens + query) * head_dim;
   const float inverse_sum = 1.0f / state.sum;
 #pragma unroll
   for (int r = 0; r < kChannelsPerLane; ++r) {
@@ -366,7 +366,7 @@ class DeviceGuard {
 
 template <typename T>
 std::string Run(const CudaMitaProblem& problem, cudaStream_t stream) {
-  const int64_t heads = problem.heads, tokens = problem.tokens, head_dim = problem.head_dim;
+  const int64_t heads = problem.heads, max_tokens = problem.tokens, head_dim = problem.head_dim;
   const bool want_counts = problem.head_counts != nullptr;
   int64_t max_experts = 0, max_width = 0;
   for (int64_t b = 0; b < problem.batch; ++b) {
@@ -375,10 +375,10 @@ std::string Run(const CudaMitaProblem& problem, cudaStream_t stream) {
   }
   // Scratch: scores [H, M, N] f32 | shared output [H, M, d] f32 | expert keys [H, M, k] i32 |
   // selections [H, N] i32 | load [H, M] i32 | counts [H, 2] u64.
-  const size_t score_bytes = sizeof(float) * heads * max_experts * tokens;
+  const size_t score_bytes = sizeof(float) * heads * max_experts * max_tokens;
   const size_t shared_bytes = sizeof(float) * heads * max_experts * head_dim;
   const size_t key_bytes = sizeof(int32_t) * heads * max_experts * max_width;
-  const size_t selection_bytes = want_counts ? sizeof(int32_t) * heads * tokens : 0;
+  const size_t selection_bytes = want_counts ? sizeof(int32_t) * heads * max_tokens : 0;
   const size_t load_bytes = want_counts ? sizeof(int32_t) * heads * max_experts : 0;
   const size_t count_bytes = want_counts ? sizeof(unsigned long long) * heads * 2 : 0;
   auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
@@ -411,11 +411,13 @@ std::string Run(const CudaMitaProblem& problem, cudaStream_t stream) {
   for (int64_t b = 0; b < problem.batch && failure.empty(); ++b) {
     const CudaMitaItem& item = problem.items[b];
     const int64_t experts = item.expert_count, width = item.expert_width;
+    const int64_t tokens = item.token_count == 0 ? problem.tokens : item.token_count;  // this item's N
     const T* q = static_cast<const T*>(problem.q) + b * q_strides.item;
     const T* k = static_cast<const T*>(problem.k) + b * k_strides.item;
     const T* v = static_cast<const T*>(problem.v) + b * v_strides.item;
     const T* landmarks = static_cast<const T*>(item.landmarks);
-    T* output = static_cast<T*>(problem.output) + b * heads * tokens * head_dim;
+    T* output = static_cast<T*>(problem.output) + b * heads * problem.tokens * head_dim;
+    if (tokens < problem.tokens) cudaMemsetAsync(output, 0, sizeof(T) * heads * problem.tokens * head_dim, stream);
     if (want_counts) {
       cudaMemsetAsync(selections, 0, selection_bytes, stream);
       cudaMemsetAsync(load, 0, load_bytes, stream);
@@ -435,7 +437,7 @@ std::string Run(const CudaMitaProblem& problem, cudaStream_t stream) {
                           static_cast<unsigned>(heads));
     QueryKernel<T><<<query_grid, kQueriesPerBlock * kWarp, sizeof(float) * kQueriesPerBlock * head_dim, stream>>>(
         q, q_strides, k, k_strides, v, v_strides, landmarks, shared_output, expert_keys, output, load, tokens,
-        experts, width, head_dim, scale);
+        problem.tokens, experts, width, head_dim, scale);
     if (cudaError_t error = cudaGetLastError(); error != cudaSuccess) {
       failure = CudaError(error, "MiTA kernel launch");
       break;
@@ -486,9 +488,14 @@ std::string MitaAttentionForwardCuda(const CudaMitaProblem& problem) {
     const CudaMitaItem& item = problem.items[b];
     if (item.landmarks == nullptr) return "items[" + std::to_string(b) + "].landmarks is null";
     if (item.expert_count < 1) return "items[" + std::to_string(b) + "].expert_count must be >= 1";
-    if (item.expert_width < 1 || item.expert_width > problem.tokens) {
+    if (item.token_count < 0 || item.token_count > problem.tokens) {
+      return "items[" + std::to_string(b) + "].token_count " + std::to_string(item.token_count) +
+             " is outside [0, " + std::to_string(problem.tokens) + "]";
+    }
+    const int64_t item_tokens = item.token_count == 0 ? problem.tokens : item.token_count;
+    if (item.expert_width < 1 || item.expert_width > item_tokens) {
       return "items[" + std::to_string(b) + "].expert_width " + std::to_string(item.expert_width) +
-             " is outside [1, " + std::to_string(problem.tokens) + "]";
+             " is outside [1, " + std::to_string(item_tokens) + "]";
     }
     if (problem.head_counts != nullptr) {
       for (int64_t h = 0; h < problem.heads; ++h) {

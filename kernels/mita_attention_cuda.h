@@ -29,8 +29,11 @@ struct CudaMitaItem {
   const void* landmarks = nullptr;
   // Expert count M >= 1.
   int64_t expert_count = 0;
-  // Expert width k, 1 <= k <= N.
+  // Expert width k, 1 <= k <= the item's token count.
   int64_t expert_width = 0;
+  // Tokens of this item, 0 = all N; otherwise its first token_count tokens (MitaItem::token_count): the rest is
+  // padding, ignored, with zero output rows.
+  int64_t token_count = 0;
 };
 
 // Counts behind MitaItemStatistics for one (item, head); the caller averages over heads
@@ -70,7 +73,8 @@ struct CudaMitaProblem {
 constexpr int64_t kMaxCudaHeadDim = 256;
 
 // Runs the forward. Returns an empty string on success, otherwise a message: the argument that is out of range
-// (B, H, N, d < 1 or d > kMaxCudaHeadDim; M < 1; k outside [1, N]; null pointers) or the CUDA error. Scratch
+// (B, H, N, d < 1 or d > kMaxCudaHeadDim; M < 1; token count outside [0, N]; k outside [1, token count];
+// null pointers) or the CUDA error. Scratch
 // memory (about 4 * (H * M_max * N + H * N) + 8 * H * M_max * k_max bytes, float32 scores and int32
 // indices) is allocated with cudaMalloc on `device` for the call.
 std::string MitaAttentionForwardCuda(const CudaMitaProblem& problem);

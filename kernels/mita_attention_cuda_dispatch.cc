@@ -29,6 +29,7 @@ at::Tensor MitaAttentionCuda(const at::Tensor& q_input, const at::Tensor& k_inpu
     cuda_items[b].landmarks = landmarks[b].data_ptr();
     cuda_items[b].expert_count = landmarks[b].size(1);
     cuda_items[b].expert_width = items[b].expert_width;
+    cuda_items[b].token_count = items[b].token_count;
   }
   std::vector<HeadCounts> counts;
   std::vector<cuda::CudaHeadCounts> cuda_counts;
@@ -70,7 +71,8 @@ at::Tensor MitaAttentionCuda(const at::Tensor& q_input, const at::Tensor& k_inpu
       counts[task].overlapping_keys = cuda_counts[task].overlapping_keys;
     }
     for (int64_t b = 0; b < batch; ++b) {
-      (*statistics)[b] = AverageOverHeads(absl::MakeConstSpan(counts).subspan(b * heads, heads), tokens);
+      (*statistics)[b] =
+          AverageOverHeads(absl::MakeConstSpan(counts).subspan(b * heads, heads), ItemTokens(items[b], tokens));
     }
   }
   return output;

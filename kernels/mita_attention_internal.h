@@ -56,6 +56,11 @@ inline at::Tensor WithContiguousRows(const at::Tensor& tensor) {
   return rows_contiguous && rows_apart ? tensor : tensor.contiguous();
 }
 
+// The token count of item `item` in a batch of N tokens (MitaItem::token_count, 0 = all N).
+inline int64_t ItemTokens(const MitaItem& item, int64_t tokens) {
+  return item.token_count == 0 ? tokens : item.token_count;
+}
+
 // Checks the MiTA forward's arguments (see MitaAttentionForward in mita_attention.h). OK, or
 // INVALID_ARGUMENT naming the argument and the allowed values.
 absl::Status ValidateMitaArguments(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -68,15 +68,18 @@ MitaItemStatistics ReferenceStatistics(const at::Tensor& expert_of_query, const 
 at::Tensor MitaAttentionReference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   absl::Span<const MitaItem> items, std::vector<MitaItemStatistics>* statistics,
                                   const MitaForwardOptions& options) {
-  const int64_t batch = q.size(0), heads = q.size(1), tokens = q.size(2), head_dim = q.size(3);
+  const int64_t batch = q.size(0), heads = q.size(1), all_tokens = q.size(2), head_dim = q.size(3);
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   at::Tensor output = at::empty(q.sizes(), q.options());
   if (statistics != nullptr) statistics->assign(batch, MitaItemStatistics{});
   if (options.routing != nullptr) options.routing->assign(batch * heads, MitaHeadRouting{});
 
   for (int64_t b = 0; b < batch; ++b) {
-    const at::Tensor queries = q[b], keys = k[b], values = v[b];  // [H, N, d]
-    const at::Tensor landmarks = items[b].landmarks;              // [H, M, d]
+    // The item's own tokens (MitaItem::token_count); padding rows of the output are 0.
+    const int64_t tokens = ItemTokens(items[b], all_tokens);
+    const at::Tensor queries = q[b].narrow(1, 0, tokens), keys = k[b].narrow(1, 0, tokens);  // [H, N_b, d]
+    const at::Tensor values = v[b].narrow(1, 0, tokens);
+    const at::Tensor landmarks = items[b].landmarks;  // [H, M, d]
     const int64_t expert_count = landmarks.size(1);
     const int64_t width = items[b].expert_width;
 
@@ -115,7 +118,8 @@ at::Tensor MitaAttentionReference(const at::Tensor& q, const at::Tensor& k, cons
       const at::Tensor weights = at::softmax(routed_logits, -1);
       item_output = at::matmul(weights.unsqueeze(-2), routed_values).squeeze(-2);
     }
-    output[b].copy_(item_output);
+    output[b].narrow(1, 0, tokens).copy_(item_output);
+    output[b].narrow(1, tokens, all_tokens - tokens).zero_();
 
     if (statistics != nullptr) {
       (*statistics)[b] = ReferenceStatistics(expert_of_query, expert_keys, expert_count, tokens);

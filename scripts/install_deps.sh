@@ -5,7 +5,7 @@ export DEBIAN_FRONTEND=noninteractive
 if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
 PACKAGES=(
   build-essential cmake ninja-build pkg-config git ca-certificates
-  libtorch-dev libopenblas0-pthread
+  libtorch-dev libopenblas0-pthread libblas-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libabsl-dev prometheus-cpp-dev nlohmann-json3-dev
   libpng-dev libjpeg62-turbo-dev

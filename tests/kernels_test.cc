@@ -2,6 +2,7 @@
 // per-query loop written here (plain std::vector<double>, no ATen math), landmarks against hand loops, full
 // attention, the documented tie rules, statistics, and argument validation. Math: DESIGN.md section 2.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -13,10 +14,13 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/randint.h>
+#include <ATen/ops/randn.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
 #include <gmock/gmock.h>
@@ -76,6 +80,7 @@ struct LoopItem {
   std::vector<double> landmarks;  // [H, M, d]
   int64_t expert_count;
   int64_t width;
+  int64_t token_count = 0;  // the item's tokens, 0 = all N (MitaItem::token_count); output rows beyond are 0
 };
 
 struct LoopResult {
@@ -86,17 +91,18 @@ struct LoopResult {
 
 LoopResult MitaLoop(const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
                     const Dims& dims, const std::vector<LoopItem>& items, bool include_shared_expert = true) {
-  const int64_t heads = dims.heads, tokens = dims.tokens, d = dims.head_dim;
+  const int64_t heads = dims.heads, all_tokens = dims.tokens, d = dims.head_dim;
   const double s = 1.0 / std::sqrt(static_cast<double>(d));
   auto row = [&](const std::vector<double>& data, int64_t b, int64_t h, int64_t n) {
-    return data.data() + ((b * heads + h) * tokens + n) * d;
+    return data.data() + ((b * heads + h) * all_tokens + n) * d;
   };
   LoopResult result;
-  result.output.assign(dims.batch * heads * tokens * d, 0.0);
+  result.output.assign(dims.batch * heads * all_tokens * d, 0.0);
   result.routing.resize(dims.batch * heads);
   result.statistics.resize(dims.batch);
   for (int64_t b = 0; b < dims.batch; ++b) {
     const int64_t experts = items[b].expert_count, width = items[b].width;
+    const int64_t tokens = items[b].token_count == 0 ? dims.tokens : items[b].token_count;
     MitaItemStatistics& statistics = result.statistics[b];
     statistics.queries_per_expert.assign(experts, 0.0);
     for (int64_t h = 0; h < heads; ++h) {
@@ -155,7 +161,7 @@ LoopResult MitaLoop(const std::vector<double>& q, const std::vector<double>& k, 
         const double max_logit = *std::max_element(logits.begin(), logits.end());
         double sum = 0;
         for (double& logit : logits) sum += (logit = std::exp(logit - max_logit));
-        double* out = result.output.data() + ((b * heads + h) * tokens + n) * d;
+        double* out = result.output.data() + ((b * heads + h) * all_tokens + n) * d;
         for (size_t j = 0; j < logits.size(); ++j) {
           for (int64_t c = 0; c < d; ++c) out[c] += logits[j] / sum * values[j][c];
         }
@@ -284,7 +290,8 @@ std::vector<MitaItem> SequenceItems(const at::Tensor& q, const std::vector<std::
 std::vector<LoopItem> ToLoopItems(const std::vector<MitaItem>& items) {
   std::vector<LoopItem> loop_items;
   for (const MitaItem& item : items) {
-    loop_items.push_back(LoopItem{ToDoubles(item.landmarks), item.landmarks.size(1), item.expert_width});
+    loop_items.push_back(
+        LoopItem{ToDoubles(item.landmarks), item.landmarks.size(1), item.expert_width, item.token_count});
   }
   return loop_items;
 }
@@ -707,6 +714,133 @@ TEST(Landmarks, SequenceLandmarksMatchHandLoop) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// (7) The fast CPU kernel equals the reference kernel: same selected keys and experts, outputs within 1e-5,
+// equal statistics, on seeded random float32 shapes (at::manual_seed).
+
+struct KernelCase {
+  std::string name;
+  int64_t heads, tokens, head_dim;
+  // Per item: expert count M, expert width k, token count (0 = all N).
+  std::vector<std::array<int64_t, 3>> items;
+  bool small_integers;  // q, k from {-2..2}: exact score and gate ties in any summation order
+};
+
+void PrintTo(const KernelCase& test_case, std::ostream* stream) { *stream << test_case.name; }
+
+class FastKernelTest : public ::testing::TestWithParam<KernelCase> {};
+
+TEST_P(FastKernelTest, EqualsReference) {
+  at::set_num_threads(2);
+  const KernelCase& test_case = GetParam();
+  at::manual_seed(static_cast<uint64_t>(std::hash<std::string>{}(test_case.name) % 100000));
+  const int64_t batch = static_cast<int64_t>(test_case.items.size());
+  const std::vector<int64_t> shape = {batch, test_case.heads, test_case.tokens, test_case.head_dim};
+  const at::Tensor q = test_case.small_integers ? at::randint(-2, 3, shape, at::kFloat) : at::randn(shape);
+  const at::Tensor k = test_case.small_integers ? at::randint(-2, 3, shape, at::kFloat) : at::randn(shape);
+  const at::Tensor v = at::randn(shape);
+  std::vector<MitaItem> items;
+  for (int64_t b = 0; b < batch; ++b) {
+    const auto [expert_count, width, token_count] = test_case.items[b];
+    const int64_t item_tokens = token_count == 0 ? test_case.tokens : token_count;
+    // Landmarks pooled from the item's own tokens; with integer inputs, window sums (integers: ties stay exact).
+    absl::StatusOr<at::Tensor> pooled = SequenceLandmarks(q.narrow(0, b, 1).narrow(2, 0, item_tokens), expert_count);
+    ASSERT_TRUE(pooled.ok()) << pooled.status();
+    at::Tensor landmarks = (*pooled)[0];
+    if (test_case.small_integers) landmarks = landmarks.mul(3).round();
+    items.push_back(MitaItem{landmarks, width, token_count});
+  }
+  const BackendRun fast = RunBackend(q, k, v, items, MitaBackend::kAuto);
+  const BackendRun reference = RunBackend(q, k, v, items, MitaBackend::kReference);
+  ASSERT_TRUE(fast.output.defined() && reference.output.defined());
+  ExpectRoutingEqual(fast.routing, reference.routing, "cpu kernel vs reference");
+  EXPECT_LT(MaxAbsDifference(ToDoubles(fast.output), ToDoubles(reference.output)), 1e-5);
+  ExpectStatisticsNear(fast.statistics, reference.statistics, "cpu kernel vs reference");
+  // Padding rows of shorter items are exactly 0 in both.
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t token_count = test_case.items[b][2];
+    if (token_count == 0) continue;
+    EXPECT_EQ(fast.output[b].narrow(1, token_count, test_case.tokens - token_count).abs().max().item<float>(), 0.0f);
+    EXPECT_EQ(reference.output[b].narrow(1, token_count, test_case.tokens - token_count).abs().max().item<float>(),
+              0.0f);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, FastKernelTest,
+    ::testing::Values(KernelCase{"OddTokens", 3, 37, 8, {{5, 7, 0}, {3, 11, 0}}, false},
+                      KernelCase{"TokensNotDivisibleByExperts", 2, 1001, 32, {{7, 64, 0}}, false},
+                      KernelCase{"WidthEqualsTokens", 2, 513, 16, {{9, 513, 0}}, false},
+                      KernelCase{"SingleExpert", 2, 300, 16, {{1, 40, 0}, {1, 300, 0}}, false},
+                      KernelCase{"SingleToken", 2, 1, 8, {{1, 1, 0}}, false},
+                      KernelCase{"ExactTies", 2, 900, 4, {{6, 37, 0}, {16, 450, 0}}, true},
+                      KernelCase{"ItemsWithDifferentTokensExpertsAndWidths", 2, 700, 16,
+                                 {{16, 64, 0}, {3, 5, 101}, {1, 29, 29}, {64, 1, 333}}, false},
+                      KernelCase{"Larger", 4, 4096, 64, {{64, 64, 0}}, false}),
+    [](const ::testing::TestParamInfo<KernelCase>& info) { return info.param.name; });
+
+// An item with token_count N_b < N is exactly the item's first N_b tokens run alone (and both match the loop).
+TEST(MitaAttention, ShorterItemEqualsItsOwnCallAndLoop) {
+  const Dims dims{2, 2, 61, 8};
+  const RandomProblem problem = MakeRandomProblem(dims, at::kDouble, 91);
+  std::vector<MitaItem> items = SequenceItems(problem.q, {{4, 9}, {3, 6}});
+  items[1].token_count = 40;
+  items[1].landmarks = (*SequenceLandmarks(problem.q.narrow(0, 1, 1).narrow(2, 0, 40), 3))[0];
+  const LoopResult expected =
+      MitaLoop(problem.q_values, problem.k_values, problem.v_values, dims, ToLoopItems(items));
+  for (MitaBackend backend : {MitaBackend::kAuto, MitaBackend::kReference}) {
+    SCOPED_TRACE(BackendName(backend));
+    const BackendRun run = RunBackend(problem.q, problem.k, problem.v, items, backend);
+    ASSERT_TRUE(run.output.defined());
+    EXPECT_LT(MaxAbsDifference(ToDoubles(run.output), expected.output), 1e-10);
+    ExpectStatisticsNear(run.statistics, expected.statistics, BackendName(backend));
+    ASSERT_EQ(run.routing[2].expert_of_query.size(), 40u);
+    auto alone = [&](const at::Tensor& x) { return x.narrow(0, 1, 1).narrow(2, 0, 40); };
+    absl::StatusOr<at::Tensor> own = MitaAttentionForward(alone(problem.q), alone(problem.k), alone(problem.v),
+                                                          {MitaItem{items[1].landmarks, 6}}, nullptr, backend);
+    ASSERT_TRUE(own.ok()) << own.status();
+    EXPECT_LT(MaxAbsDifference(ToDoubles(run.output.narrow(0, 1, 1).narrow(2, 0, 40)), ToDoubles(*own)), 1e-12);
+  }
+}
+
+// On a CUDA device (a LibTorch with CUDA and a GPU: scripts/gpu_check.sh), kAuto runs the CUDA kernel; it must
+// equal the CPU kernel (float32) and stay close in bfloat16. Skipped where LibTorch has no CUDA (Debian's).
+TEST(MitaCuda, CudaKernelMatchesCpuKernel) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "LibTorch has no CUDA device here";
+  at::manual_seed(2024);
+  const std::vector<int64_t> shape = {3, 4, 1537, 64};
+  const at::Tensor q = at::randn(shape), k = at::randn(shape), v = at::randn(shape);
+  std::vector<MitaItem> items;
+  const std::vector<std::array<int64_t, 3>> budgets = {{16, 64, 0}, {64, 17, 1000}, {1, 1537, 0}};
+  for (int64_t b = 0; b < 3; ++b) {
+    const int64_t item_tokens = budgets[b][2] == 0 ? 1537 : budgets[b][2];
+    items.push_back(MitaItem{(*SequenceLandmarks(q.narrow(0, b, 1).narrow(2, 0, item_tokens), budgets[b][0]))[0],
+                             budgets[b][1], budgets[b][2]});
+  }
+  std::vector<MitaItemStatistics> cpu_statistics;
+  absl::StatusOr<at::Tensor> cpu = MitaAttentionForward(q, k, v, items, &cpu_statistics);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  for (at::ScalarType type : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(type == at::kFloat ? "float32" : "bfloat16");
+    const at::Device device(at::kCUDA, 0);
+    std::vector<MitaItem> device_items = items;
+    for (MitaItem& item : device_items) item.landmarks = item.landmarks.to(device, type);
+    std::vector<MitaItemStatistics> statistics;
+    absl::StatusOr<at::Tensor> output =
+        MitaAttentionForward(q.to(device, type), k.to(device, type), v.to(device, type), device_items, &statistics);
+    ASSERT_TRUE(output.ok()) << output.status();
+    EXPECT_EQ(output->scalar_type(), type);
+    if (type == at::kFloat) {
+      EXPECT_LT(MaxAbsDifference(ToDoubles(output->cpu()), ToDoubles(*cpu)), 1e-4);
+      ExpectStatisticsNear(statistics, cpu_statistics, "cuda vs cpu");
+    } else {
+      // bfloat16 inputs change the routing of near-ties: compare the bulk, not every element.
+      const at::Tensor difference = output->cpu().to(at::kFloat).sub(*cpu).abs();
+      EXPECT_LT(difference.mean().item<float>(), 2e-2);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // (6) Every invalid argument is INVALID_ARGUMENT, without a crash.
 
 void ExpectInvalid(const absl::Status& status, const std::string& message_part) {
@@ -746,6 +880,9 @@ TEST(Validation, MitaAttentionRejectsEveryInvalidArgument) {
   ExpectInvalid(forward(q, q, q, with_item(1, MitaItem{landmarks, 0})), "items[1].expert_width 0 is outside [1, 9]");
   ExpectInvalid(forward(q, q, q, with_item(0, MitaItem{landmarks, 10})), "items[0].expert_width 10 is outside");
   ExpectInvalid(forward(q, q, q, with_item(0, MitaItem{landmarks, -3})), "items[0].expert_width -3");
+  ExpectInvalid(forward(q, q, q, with_item(1, MitaItem{landmarks, 4, 10})), "items[1].token_count 10 is outside [0, 9]");
+  ExpectInvalid(forward(q, q, q, with_item(1, MitaItem{landmarks, 4, -1})), "items[1].token_count -1");
+  ExpectInvalid(forward(q, q, q, with_item(0, MitaItem{landmarks, 5, 4})), "items[0].expert_width 5 is outside [1, 4]");
   ExpectInvalid(forward(q, q, q, with_item(1, MitaItem{at::Tensor(), 4})), "items[1].landmarks is undefined");
   ExpectInvalid(forward(q, q, q, with_item(1, MitaItem{at::zeros({3, d}), 4})),
                 "items[1].landmarks must have shape [H, M, d] = [2, M >= 1, 4], got [3, 4]");

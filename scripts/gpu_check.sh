@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# GPU correctness and timing check of the CUDA MiTA kernel, for a machine with an NVIDIA GPU (sm_90 by default;
+# set CUDA_ARCHITECTURES=... for another). Prints everything; copies the logs to $OUT (or build-gpu-check/output).
+#   1. builds tests/cuda/mita_cuda_check.cc + kernels/mita_attention_cuda.cu with nvcc alone (no torch) and runs
+#      it: float32 and bfloat16 against a float64 loop on odd N, k = N, m = 1, mixed items, ties, fused qkv;
+#      then timing at N 4K/16K/64K, H 8, d 64;
+#   2. when python3 has torch: configures tests/cuda/CMakeLists.txt (kernels + kernels_test) against that
+#      PyTorch (torch.utils.cmake_prefix_path) and runs kernels_test, whose MitaCuda tests compare the CUDA
+#      dispatch of MitaAttentionForward with the CPU kernel on CUDA tensors. Skipped (said so) when torch,
+#      Abseil or GoogleTest is missing there.
+# Usage: scripts/gpu_check.sh    (from the repository root; about 2-5 minutes on 16 cores)
+set -u
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-$PWD/build-gpu-check/output}"
+mkdir -p "$OUT_DIR"
+ARCH="${CUDA_ARCHITECTURES:-90}"
+NVCC="$(command -v nvcc || true)"
+[ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc
+status=0
+
+echo "== machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT_DIR/nvidia-smi.txt"
+if [ -z "$NVCC" ]; then echo "no nvcc found: cannot build"; exit 1; fi
+"$NVCC" --version | tail -2
+
+echo "== 1. standalone check (nvcc, no torch)"
+BUILD=build-gpu-check
+mkdir -p "$BUILD"
+if "$NVCC" -std=c++17 -O3 -arch="sm_$ARCH" -I. kernels/mita_attention_cuda.cu tests/cuda/mita_cuda_check.cc \
+     -o "$BUILD/mita_cuda_check" 2>&1 | tee "$OUT_DIR/nvcc.log"; then
+  "$BUILD/mita_cuda_check" 2>&1 | tee "$OUT_DIR/mita_cuda_check.txt"
+  rc=${PIPESTATUS[0]}
+  echo "mita_cuda_check exit status $rc"
+  [ "$rc" -ne 0 ] && status=1
+else
+  echo "nvcc build failed"; status=1
+fi
+
+echo "== 2. kernels_test against this machine's PyTorch"
+TORCH_PREFIX="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null || true)"
+if [ -z "$TORCH_PREFIX" ]; then
+  echo "python3 has no torch: step 2 skipped"
+else
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())'
+  if cmake -S tests/cuda -B "$BUILD/cmake" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
+       -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES="$ARCH" > "$OUT_DIR/cmake-configure.log" 2>&1; then
+    if cmake --build "$BUILD/cmake" -j"$(nproc)" > "$OUT_DIR/cmake-build.log" 2>&1; then
+      "$BUILD/cmake/kernels_test" 2>&1 | tee "$OUT_DIR/kernels_test.txt" | grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|MitaCuda"
+      rc=${PIPESTATUS[0]}
+      echo "kernels_test exit status $rc"
+      [ "$rc" -ne 0 ] && status=1
+    else
+      echo "build against PyTorch failed (last lines):"; tail -20 "$OUT_DIR/cmake-build.log"; status=1
+    fi
+  else
+    echo "configure against PyTorch failed, step 2 skipped (last lines; Abseil/GoogleTest/BLAS missing?):"
+    tail -8 "$OUT_DIR/cmake-configure.log"
+  fi
+fi
+echo "== gpu_check status $status"
+exit $status
