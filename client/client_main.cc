@@ -139,7 +139,11 @@ std::string TimingText(const v1::Timing& timing, absl::Duration client_latency) 
 void PrintDetailed(const std::string& path, const Outcome& outcome) {
   const v1::ClassifyResponse& response = outcome.response;
   std::cout << path << ": model " << response.model() << ", " << BudgetText(response.budget()) << ", "
-            << response.token_count() << " tokens\n";
+            << response.token_count() << " tokens";
+  if (response.input_token_count() > response.token_count()) {
+    std::cout << " (truncated from " << response.input_token_count() << ")";
+  }
+  std::cout << "\n";
   std::cout << "  timing: " << TimingText(response.timing(), outcome.latency) << "\n";
   for (const v1::ClassScore& score : response.classes()) {
     std::cout << absl::StrFormat("  %8.4f  %s (%d)\n", score.score(), score.label(), score.index());
@@ -181,11 +185,18 @@ int ListModels(const MitaClient& client, absl::Duration deadline) {
                 << " tokens, tokenizer " << document.tokenizer() << ", vocabulary " << document.vocabulary_size()
                 << "\n";
     }
-    std::cout << "  expert_count: one of " << absl::StrJoin(knobs.allowed_expert_counts(), ", ")
-              << "; expert_width: " << knobs.min_expert_width() << ".." << knobs.max_expert_width()
+    const std::string counts =
+        knobs.allowed_expert_counts_size() > 0
+            ? absl::StrCat("one of ", absl::StrJoin(knobs.allowed_expert_counts(), ", "))
+            : absl::StrCat(knobs.min_expert_count(), "..", knobs.max_expert_count());
+    std::cout << "  expert_count: " << counts << "; expert_width: " << knobs.min_expert_width() << ".." << knobs.max_expert_width()
               << "; default: " << knobs.default_budget().expert_count() << "/" << knobs.default_budget().expert_width()
               << "; full attention: " << (knobs.full_attention_supported() ? "yes" : "no") << "\n";
     for (const v1::NamedBudget& preset : knobs.presets()) {
+      if (preset.full_attention()) {
+        std::cout << "  preset " << preset.name() << ": full attention\n";
+        continue;
+      }
       std::cout << "  preset " << preset.name() << ": expert_count=" << preset.budget().expert_count()
                 << " expert_width=" << preset.budget().expert_width() << "\n";
     }

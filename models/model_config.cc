@@ -1,6 +1,7 @@
 // config.json parsing and budget validation (see model_config.h).
 #include "models/model_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -250,7 +251,169 @@ absl::StatusOr<VitConfig> ParseValidated(const Json& root) {
   return config;
 }
 
+// Checks a budget declared in a document config.json against max_expert_count / max_expert_width.
+absl::Status CheckDocumentConfigBudget(const DocumentConfig& config, const AttentionBudget& budget,
+                                       const std::string& field) {
+  if (budget.full_attention) return absl::OkStatus();
+  if (budget.expert_count < 1 || budget.expert_count > config.max_expert_count) {
+    return Invalid(absl::StrCat(field, ".expert_count ", budget.expert_count, " is out of range [1, ",
+                                config.max_expert_count, "]"));
+  }
+  if (budget.expert_width < 1 || budget.expert_width > config.max_expert_width) {
+    return Invalid(absl::StrCat(field, ".expert_width ", budget.expert_width, " is out of range [1, ",
+                                config.max_expert_width, "]"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DocumentConfig> ParseValidatedDocument(const Json& root) {
+  if (!root.is_object()) return Invalid("the top level must be a JSON object");
+  DocumentConfig config;
+  absl::StatusOr<std::string> architecture = ReadString(root, "", "architecture");
+  if (!architecture.ok()) return architecture.status();
+  if (*architecture != "mita_document") {
+    return Invalid(absl::StrCat("architecture \"", *architecture, "\" is not supported: use \"mita_document\""));
+  }
+  config.architecture = *architecture;
+  if (const Json* task = Find(root, "task"); task != nullptr) {
+    if (!task->is_string() || task->get<std::string>() != "document_classification") {
+      return Invalid(absl::StrCat("task ", task->dump(), " is not supported: use \"document_classification\""));
+    }
+  }
+  // Upper bounds keep products (tokens x channels, weight sizes) far from int64 overflow.
+  struct IntegerField {
+    const char* key;
+    int64_t max_value;
+    int64_t* target;
+  };
+  for (const IntegerField& field : {IntegerField{"vocab_size", int64_t{1} << 24, &config.vocab_size},
+                                    IntegerField{"embed_dim", 1 << 16, &config.embed_dim},
+                                    IntegerField{"depth", 1024, &config.depth},
+                                    IntegerField{"num_heads", 1 << 16, &config.num_heads},
+                                    IntegerField{"mlp_hidden_dim", 1 << 20, &config.mlp_hidden_dim},
+                                    IntegerField{"num_classes", 1 << 20, &config.num_classes},
+                                    IntegerField{"max_tokens", int64_t{1} << 24, &config.max_tokens}}) {
+    absl::StatusOr<int64_t> value = ReadInteger(root, "", field.key, 1, field.max_value);
+    if (!value.ok()) return value.status();
+    *field.target = *value;
+  }
+  if (config.num_heads > config.embed_dim || config.embed_dim % config.num_heads != 0) {
+    return Invalid(absl::StrCat("num_heads ", config.num_heads, " does not divide embed_dim ", config.embed_dim));
+  }
+  if (const Json* eps = Find(root, "layer_norm_eps"); eps != nullptr) {
+    absl::StatusOr<double> value = ReadNumber(*eps, "layer_norm_eps");
+    if (!value.ok()) return value.status();
+    if (!(*value > 0)) return Invalid(absl::StrCat("layer_norm_eps must be > 0, found ", *value));
+    config.layer_norm_eps = *value;
+  }
+  absl::StatusOr<std::string> tokenizer = ReadString(root, "", "tokenizer");
+  if (!tokenizer.ok()) return tokenizer.status();
+  if (*tokenizer != "bytes" && *tokenizer != "sentencepiece") {
+    return Invalid(absl::StrCat("tokenizer \"", *tokenizer, "\" is not supported: use \"bytes\" or \"sentencepiece\""));
+  }
+  if (*tokenizer == "bytes" && config.vocab_size < 256) {
+    return Invalid(absl::StrCat("vocab_size ", config.vocab_size, " is too small for tokenizer \"bytes\" (needs 256)"));
+  }
+  config.tokenizer = *tokenizer;
+
+  absl::StatusOr<const Json*> position = ReadObject(root, "", "position_encoding");
+  if (!position.ok()) return position.status();
+  absl::StatusOr<std::string> position_type = ReadString(**position, "position_encoding", "type");
+  if (!position_type.ok()) return position_type.status();
+  if (*position_type != "convolution") {
+    return Invalid(absl::StrCat("position_encoding.type \"", *position_type, "\" is not supported: use \"convolution\""));
+  }
+  absl::StatusOr<int64_t> kernel_size = ReadInteger(**position, "position_encoding", "kernel_size", 1, 255);
+  if (!kernel_size.ok()) return kernel_size.status();
+  if (*kernel_size % 2 == 0) return Invalid(absl::StrCat("position_encoding.kernel_size ", *kernel_size, " must be odd"));
+  config.position_kernel_size = *kernel_size;
+
+  absl::StatusOr<const Json*> attention = ReadObject(root, "", "attention");
+  if (!attention.ok()) return attention.status();
+  absl::StatusOr<std::string> type = ReadString(**attention, "attention", "type");
+  if (!type.ok()) return type.status();
+  if (*type != "mita") return Invalid(absl::StrCat("attention.type \"", *type, "\" is not supported: use \"mita\""));
+  absl::StatusOr<int64_t> max_count = ReadInteger(**attention, "attention", "max_expert_count", 1, config.max_tokens);
+  if (!max_count.ok()) return max_count.status();
+  config.max_expert_count = *max_count;
+  absl::StatusOr<int64_t> max_width = ReadInteger(**attention, "attention", "max_expert_width", 1, config.max_tokens);
+  if (!max_width.ok()) return max_width.status();
+  config.max_expert_width = *max_width;
+  const Json* default_budget = Find(**attention, "default_budget");
+  if (default_budget == nullptr) return Invalid("missing required field attention.default_budget");
+  absl::StatusOr<AttentionBudget> budget = ReadBudget(*default_budget, "attention.default_budget");
+  if (!budget.ok()) return budget.status();
+  if (absl::Status status = CheckDocumentConfigBudget(config, *budget, "attention.default_budget"); !status.ok()) {
+    return status;
+  }
+  config.default_budget = *budget;
+  if (const Json* presets = Find(**attention, "presets"); presets != nullptr) {
+    if (!presets->is_object()) return Invalid("attention.presets must be an object of name -> budget");
+    for (const auto& [name, value] : presets->items()) {
+      const std::string field = absl::StrCat("attention.presets.", name);
+      if (name.empty()) return Invalid("attention.presets has an empty preset name");
+      absl::StatusOr<AttentionBudget> preset = ReadBudget(value, field);
+      if (!preset.ok()) return preset.status();
+      if (absl::Status status = CheckDocumentConfigBudget(config, *preset, field); !status.ok()) return status;
+      config.presets.emplace(name, *preset);
+    }
+  }
+  return config;
+}
+
+// Parses JSON text; INVALID_ARGUMENT "config.json: invalid JSON ..." on a syntax error.
+absl::StatusOr<Json> ParseJson(std::string_view json_text) {
+  try {
+    return Json::parse(json_text.begin(), json_text.end());
+  } catch (const Json::parse_error& error) {
+    return Invalid(absl::StrCat("invalid JSON at byte ", error.byte, ": ", error.what()));
+  }
+}
+
 }  // namespace
+
+absl::StatusOr<DocumentConfig> ParseDocumentConfig(std::string_view json_text) {
+  absl::StatusOr<Json> root = ParseJson(json_text);
+  if (!root.ok()) return root.status();
+  try {
+    return ParseValidatedDocument(*root);
+  } catch (const Json::exception& error) {
+    return Invalid(absl::StrCat("unexpected JSON structure: ", error.what()));
+  }
+}
+
+absl::StatusOr<ModelKind> ParseModelKind(std::string_view json_text) {
+  absl::StatusOr<Json> root = ParseJson(json_text);
+  if (!root.ok()) return root.status();
+  if (!root->is_object()) return Invalid("the top level must be a JSON object");
+  absl::StatusOr<std::string> architecture = ReadString(*root, "", "architecture");
+  if (!architecture.ok()) return architecture.status();
+  if (*architecture == "mita_vit") return ModelKind::kImage;
+  if (*architecture == "mita_document") return ModelKind::kDocument;
+  return Invalid(absl::StrCat("architecture \"", *architecture,
+                              "\" is not supported: use \"mita_vit\" or \"mita_document\""));
+}
+
+absl::Status ValidateDocumentBudget(const DocumentConfig& config, const AttentionBudget& budget) {
+  if (budget.full_attention) return absl::OkStatus();
+  if (budget.expert_count < 1 || budget.expert_count > config.max_expert_count) {
+    return absl::InvalidArgumentError(absl::StrCat("budget.experts.expert_count ", budget.expert_count,
+                                                   " is out of range: allowed [1, ", config.max_expert_count, "]"));
+  }
+  if (budget.expert_width < 1 || budget.expert_width > config.max_expert_width) {
+    return absl::InvalidArgumentError(absl::StrCat("budget.experts.expert_width ", budget.expert_width,
+                                                   " is out of range: allowed [1, ", config.max_expert_width, "]"));
+  }
+  return absl::OkStatus();
+}
+
+AttentionBudget ApplyDocumentBudget(const AttentionBudget& budget, int64_t tokens) {
+  if (budget.full_attention) return budget;
+  AttentionBudget applied = budget;
+  applied.expert_count = std::min(budget.expert_count, tokens);
+  applied.expert_width = std::min(budget.expert_width, tokens);
+  return applied;
+}
 
 absl::StatusOr<VitConfig> ParseVitConfig(std::string_view json_text) {
   Json root;

@@ -11,6 +11,9 @@
 
 namespace mita::models {
 
+// What a model package classifies (config.json "architecture": "mita_vit" or "mita_document").
+enum class ModelKind { kImage, kDocument };
+
 // A MiTA budget: expert count m (number of landmarks = routed experts) and expert width k (keys per routed
 // expert), or full softmax attention with the same weights.
 struct AttentionBudget {
@@ -74,5 +77,60 @@ absl::Status ValidateBudget(const VitConfig& config, const AttentionBudget& budg
 
 // Expert counts an image model accepts: P*P for P in 1 .. grid side.
 std::vector<int64_t> AllowedExpertCounts(const VitConfig& config);
+
+// config.json of a "mita_document" package (a long-document classifier, models/document_classifier.h).
+// Example (tools/mita_reference.py document_config):
+//   {"architecture": "mita_document", "task": "document_classification", "vocab_size": 4096, "embed_dim": 128,
+//    "depth": 2, "num_heads": 4, "mlp_hidden_dim": 256, "layer_norm_eps": 1e-6, "num_classes": 18,
+//    "max_tokens": 65536, "tokenizer": "sentencepiece",
+//    "position_encoding": {"type": "convolution", "kernel_size": 9},
+//    "attention": {"type": "mita", "default_budget": {"expert_count": 16, "expert_width": 64},
+//                  "presets": {"fast": {"expert_count": 8, "expert_width": 32}, "exact": {"full_attention": true}},
+//                  "max_expert_count": 256, "max_expert_width": 1024}}
+struct DocumentConfig {
+  std::string architecture;  // "mita_document"
+  int64_t vocab_size = 0;    // token ids are in [0, vocab_size)
+  int64_t embed_dim = 0;     // C; C % num_heads == 0
+  int64_t depth = 0;         // transformer blocks
+  int64_t num_heads = 0;     // H
+  int64_t mlp_hidden_dim = 0;
+  int64_t num_classes = 0;
+  double layer_norm_eps = 1e-6;
+  int64_t max_tokens = 0;     // longest accepted document, tokens
+  std::string tokenizer;      // "bytes" (UTF-8 bytes, vocab_size >= 256) or "sentencepiece" (tokenizer.model)
+  int64_t position_kernel_size = 0;  // odd width of the depthwise 1-D position convolution, tokens
+  AttentionBudget default_budget;
+  std::map<std::string, AttentionBudget> presets;
+  int64_t max_expert_count = 0;  // requests may use expert_count in [1, max_expert_count]
+  int64_t max_expert_width = 0;  // requests may use expert_width in [1, max_expert_width]
+
+  int64_t head_dim() const { return embed_dim / num_heads; }
+};
+
+// Parses and validates the config.json text of a document package. Required: architecture ("mita_document"),
+// vocab_size, embed_dim, depth, num_heads (divides embed_dim), mlp_hidden_dim, num_classes, max_tokens (in
+// [1, 2^24]), tokenizer ("bytes", which needs vocab_size >= 256, or "sentencepiece"),
+// position_encoding.type ("convolution") and .kernel_size (odd, in [1, 255]), attention.type ("mita"),
+// attention.default_budget, attention.max_expert_count and attention.max_expert_width (each in [1, max_tokens]).
+// Optional: task ("document_classification"), layer_norm_eps (> 0, default 1e-6), attention.presets. The
+// default budget and presets must lie within the max_expert_* ranges. Integers must be JSON integers; unknown
+// fields are ignored. Errors: INVALID_ARGUMENT prefixed "config.json: " naming the field, e.g.
+// "config.json: attention.presets.fast.expert_width 5000 is out of range [1, 1024]".
+absl::StatusOr<DocumentConfig> ParseDocumentConfig(std::string_view json_text);
+
+// Checks a requested budget against the model's ranges (full attention is always valid). Errors:
+// INVALID_ARGUMENT naming the proto field and the allowed range, e.g.
+// "budget.experts.expert_width 5000 is out of range: allowed [1, 1024]".
+absl::Status ValidateDocumentBudget(const DocumentConfig& config, const AttentionBudget& budget);
+
+// The budget actually applied to a document of `tokens` (>= 1) tokens: expert_count = min(m, tokens),
+// expert_width = min(k, tokens); a full-attention budget is returned unchanged. A document shorter than the
+// budget thus runs with every token as a landmark and/or every key in each routed expert.
+AttentionBudget ApplyDocumentBudget(const AttentionBudget& budget, int64_t tokens);
+
+// The "architecture" field of config.json text ("mita_vit" -> kImage, "mita_document" -> kDocument).
+// Errors: INVALID_ARGUMENT "config.json: ..." for invalid JSON, a missing or non-string architecture, or an
+// unknown one.
+absl::StatusOr<ModelKind> ParseModelKind(std::string_view json_text);
 
 }  // namespace mita::models

@@ -67,15 +67,33 @@ absl::StatusOr<ModelPackage> LoadModelPackage(const std::string& directory) {
 
   absl::StatusOr<std::string> config_text = ReadFile(root / "config.json");
   if (!config_text.ok()) return config_text.status();
-  absl::StatusOr<VitConfig> config = ParseVitConfig(*config_text);
-  if (!config.ok()) return config.status();  // already prefixed with "config.json: "
-  package.config = *std::move(config);
+  absl::StatusOr<ModelKind> kind = ParseModelKind(*config_text);
+  if (!kind.ok()) return kind.status();  // already prefixed with "config.json: "
+  package.kind = *kind;
+  int64_t num_classes = 0;
+  if (package.kind == ModelKind::kImage) {
+    absl::StatusOr<VitConfig> config = ParseVitConfig(*config_text);
+    if (!config.ok()) return config.status();
+    package.config = *std::move(config);
+    num_classes = package.config.num_classes;
+  } else {
+    absl::StatusOr<DocumentConfig> config = ParseDocumentConfig(*config_text);
+    if (!config.ok()) return config.status();
+    package.document_config = *std::move(config);
+    num_classes = package.document_config.num_classes;
+  }
 
   absl::StatusOr<std::string> labels_text = ReadFile(root / "labels.txt");
   if (!labels_text.ok()) return labels_text.status();
-  absl::StatusOr<std::vector<std::string>> labels = ParseLabels(*labels_text, package.config.num_classes);
+  absl::StatusOr<std::vector<std::string>> labels = ParseLabels(*labels_text, num_classes);
   if (!labels.ok()) return labels.status();
   package.labels = *std::move(labels);
+
+  if (package.kind == ModelKind::kDocument) {
+    absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadTokenizer(package.document_config, root.string());
+    if (!tokenizer.ok()) return tokenizer.status();
+    package.tokenizer = *std::move(tokenizer);
+  }
 
   absl::StatusOr<std::string> weights_bytes = ReadFile(root / "model.safetensors");
   if (!weights_bytes.ok()) return weights_bytes.status();
@@ -83,10 +101,17 @@ absl::StatusOr<ModelPackage> LoadModelPackage(const std::string& directory) {
   if (!weights.ok()) return Prefixed(weights.status(), "model.safetensors: ");
   weights_bytes->clear();
   weights_bytes->shrink_to_fit();
-  absl::StatusOr<std::unique_ptr<VitClassifier>> model =
-      VitClassifier::Create(package.config, *std::move(weights));
-  if (!model.ok()) return Prefixed(model.status(), "model.safetensors: ");
-  package.model = *std::move(model);
+  if (package.kind == ModelKind::kImage) {
+    absl::StatusOr<std::unique_ptr<VitClassifier>> model =
+        VitClassifier::Create(package.config, *std::move(weights));
+    if (!model.ok()) return Prefixed(model.status(), "model.safetensors: ");
+    package.model = *std::move(model);
+  } else {
+    absl::StatusOr<std::unique_ptr<DocumentClassifier>> model =
+        DocumentClassifier::Create(package.document_config, *std::move(weights));
+    if (!model.ok()) return Prefixed(model.status(), "model.safetensors: ");
+    package.document_model = *std::move(model);
+  }
   return package;
 }
 

@@ -8,7 +8,7 @@ PACKAGES=(
   libtorch-dev libopenblas0-pthread libblas-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libabsl-dev prometheus-cpp-dev nlohmann-json3-dev
-  libpng-dev libjpeg62-turbo-dev
+  libpng-dev libjpeg62-turbo-dev libsentencepiece-dev sentencepiece linux-doc-6.1
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   dataset-fashion-mnist
   python3 python3-numpy python3-torch

@@ -199,3 +199,102 @@ def load_safetensors(path: str) -> dict:
             flat = torch.empty(0, dtype=dtype)
         tensors[name] = flat.reshape(entry["shape"]).clone()
     return tensors
+
+
+# ----- Long-document classifier (config.json "architecture": "mita_document") -----
+#
+# Twin of models/document_classifier.{h,cc}. Forward for one document of N token ids:
+#   x = token_embedding[ids]                                   [N, C]
+#   x = x + position_conv(x)    depthwise 1-D conv over the sequence (kernel K odd, zero padding K // 2, bias):
+#                               a convolutional position encoding (CPVT, Chu et al. 2021) that is defined at any N
+#   depth x [x + attn(norm1(x)); x + mlp(norm2(x))]    attn: qkv -> MiTA per head with sequence landmarks
+#                                                      (adaptive 1-D average pooling of q) or full attention
+#   logits = head(mean over the N tokens of norm(x))
+# A budget (m, k) is applied as (min(m, N), min(k, N)), as the server's ApplyDocumentBudget does.
+
+
+class DocumentAttention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x, budget):
+        b, n, c = x.shape
+        d = c // self.heads
+        qkv = self.qkv(x).reshape(b, n, 3, self.heads, d).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        if budget is None:
+            out = torch.softmax((q @ k.transpose(-1, -2)) * d ** -0.5, dim=-1) @ v
+        else:
+            expert_count, expert_width = min(budget[0], n), min(budget[1], n)
+            out = mita_attention(q, k, v, sequence_landmarks(q, expert_count), expert_width)
+        return self.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+class DocumentBlock(nn.Module):
+    def __init__(self, dim, heads, mlp_hidden, eps):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
+        self.attn = DocumentAttention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim, eps=eps)
+        self.mlp = nn.Sequential()
+        self.mlp.add_module("fc1", nn.Linear(dim, mlp_hidden))
+        self.mlp.add_module("act", nn.GELU())
+        self.mlp.add_module("fc2", nn.Linear(mlp_hidden, dim))
+
+    def forward(self, x, budget):
+        x = x + self.attn(self.norm1(x), budget)
+        return x + self.mlp(self.norm2(x))
+
+
+class MitaDocument(nn.Module):
+    """MiTA long-document classifier. forward(ids [B, N] int64, budget (m, k) or None for full) -> [B, classes]."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        dim = cfg["embed_dim"]
+        kernel = cfg["position_encoding"]["kernel_size"]
+        self.token_embedding = nn.Embedding(cfg["vocab_size"], dim)
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        self.position_conv = nn.Conv1d(dim, dim, kernel, padding=kernel // 2, groups=dim)
+        eps = cfg["layer_norm_eps"]
+        self.blocks = nn.ModuleList(
+            [DocumentBlock(dim, cfg["num_heads"], cfg["mlp_hidden_dim"], eps) for _ in range(cfg["depth"])])
+        self.norm = nn.LayerNorm(dim, eps=eps)
+        self.head = nn.Linear(dim, cfg["num_classes"])
+
+    def features(self, ids, budget):
+        x = self.token_embedding(ids)
+        x = x + self.position_conv(x.transpose(1, 2)).transpose(1, 2)
+        for block in self.blocks:
+            x = block(x, budget)
+        return self.norm(x).mean(1)
+
+    def forward(self, ids, budget):
+        return self.head(self.features(ids, budget))
+
+
+def document_config(vocab_size, num_classes, tokenizer="bytes", embed_dim=128, depth=2, num_heads=4,
+                    mlp_hidden_dim=256, kernel_size=9, max_tokens=65536):
+    """config.json of a document package (the embedded model's sizes by default)."""
+    return {
+        "architecture": "mita_document",
+        "task": "document_classification",
+        "vocab_size": vocab_size, "embed_dim": embed_dim, "depth": depth, "num_heads": num_heads,
+        "mlp_hidden_dim": mlp_hidden_dim, "layer_norm_eps": 1e-6, "num_classes": num_classes,
+        "max_tokens": max_tokens,
+        "tokenizer": tokenizer,
+        "position_encoding": {"type": "convolution", "kernel_size": kernel_size},
+        "attention": {
+            "type": "mita",
+            "default_budget": {"expert_count": 16, "expert_width": 64},
+            "presets": {"fast": {"expert_count": 8, "expert_width": 32},
+                        "balanced": {"expert_count": 16, "expert_width": 64},
+                        "accurate": {"expert_count": 32, "expert_width": 128},
+                        "exact": {"full_attention": True}},
+            "max_expert_count": 256,
+            "max_expert_width": 1024,
+        },
+    }

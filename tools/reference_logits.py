@@ -1,6 +1,6 @@
 """Reference logits from the PyTorch twin (tools/mita_reference.py), for the C++ classifier tests.
 
-Two commands (run with the Debian python, /usr/bin/python3, which has torch):
+Four commands (run with the Debian python, /usr/bin/python3, which has torch):
 
   make-package --out DIR [--seed S] [--no-dwc] [--noise X]
       Writes a randomly initialised MiTA-ViT package (config.json, model.safetensors, labels.txt) with the
@@ -14,6 +14,16 @@ Two commands (run with the Debian python, /usr/bin/python3, which has torch):
       {"full_attention": true}; out: raw little-endian float32 logits [B, num_classes]. Every item runs alone
       with its own budget (the twin takes one budget per forward), so the C++ batched forward with mixed budgets
       is compared against independent single-item runs.
+
+  make-document-package --out DIR [--seed S] [--noise X] [--tokenizer bytes] [--max-tokens N] [--num-classes C]
+      Writes a randomly initialised MiTA long-document package (architecture "mita_document", tokenizer "bytes":
+      vocabulary of the 256 byte values; embed dim 32, 2 blocks, 2 heads, MLP 64, position conv kernel 5) for
+      tests of the serving side before (and besides) the trained model. Noise as for make-package.
+
+  document-logits --package DIR --tokens FILE --lengths FILE --budgets FILE --out FILE
+      tokens: raw little-endian int64 [T], the B documents back to back; lengths: JSON list of B token counts
+      summing to T; budgets: JSON list of B budgets as above (already applied to each length); out: raw
+      little-endian float32 logits [B, num_classes]. Every document runs alone (batch of one).
 """
 import argparse
 import json
@@ -24,7 +34,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mita_reference import MitaVit, fashion_mnist_config, load_safetensors, save_safetensors  # noqa: E402
+from mita_reference import (MitaDocument, MitaVit, document_config, fashion_mnist_config,  # noqa: E402
+                            load_safetensors, save_safetensors)
 
 
 def make_package(args):
@@ -74,6 +85,51 @@ def compute_logits(args):
         f.write(logits.numpy().astype("<f4").tobytes())
 
 
+def make_document_package(args):
+    torch.manual_seed(args.seed)
+    cfg = document_config(vocab_size=256, num_classes=args.num_classes, tokenizer=args.tokenizer, embed_dim=32,
+                          depth=2, num_heads=2, mlp_hidden_dim=64, kernel_size=5, max_tokens=args.max_tokens)
+    model = MitaDocument(cfg)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * args.noise)
+    os.makedirs(args.out, exist_ok=True)
+    save_safetensors(model.state_dict(), os.path.join(args.out, "model.safetensors"),
+                     {"format": "pt", "made_by": "tools/reference_logits.py make-document-package",
+                      "seed": args.seed})
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+        f.write("\n")
+    with open(os.path.join(args.out, "labels.txt"), "w") as f:
+        f.write("\n".join(f"topic {i}" for i in range(cfg["num_classes"])) + "\n")
+
+
+def compute_document_logits(args):
+    with open(os.path.join(args.package, "config.json")) as f:
+        cfg = json.load(f)
+    model = MitaDocument(cfg)
+    model.load_state_dict(load_safetensors(os.path.join(args.package, "model.safetensors")), strict=True)
+    model.eval()
+    with open(args.lengths) as f:
+        lengths = json.load(f)
+    with open(args.budgets) as f:
+        budgets = json.load(f)
+    with open(args.tokens, "rb") as f:
+        tokens = torch.frombuffer(bytearray(f.read()), dtype=torch.int64)
+    if len(lengths) != len(budgets) or sum(lengths) != tokens.numel():
+        raise SystemExit(f"{len(lengths)} lengths (sum {sum(lengths)}), {len(budgets)} budgets, {tokens.numel()} tokens")
+    rows, offset = [], 0
+    with torch.no_grad():
+        for length, budget in zip(lengths, budgets):
+            ids = tokens[offset: offset + length].unsqueeze(0)
+            offset += length
+            item_budget = None if budget.get("full_attention") else (budget["expert_count"], budget["expert_width"])
+            rows.append(model(ids, item_budget)[0])
+    logits = torch.stack(rows).contiguous()
+    with open(args.out, "wb") as f:
+        f.write(logits.numpy().astype("<f4").tobytes())
+
+
 def main():
     parser = argparse.ArgumentParser()
     commands = parser.add_subparsers(dest="command", required=True)
@@ -88,9 +144,28 @@ def main():
     run.add_argument("--budgets", required=True)
     run.add_argument("--out", required=True)
     run.add_argument("--threads", type=int, default=1)
+    make_document = commands.add_parser("make-document-package")
+    make_document.add_argument("--out", required=True)
+    make_document.add_argument("--seed", type=int, default=0)
+    make_document.add_argument("--noise", type=float, default=0.1)
+    make_document.add_argument("--tokenizer", default="bytes", choices=["bytes"])
+    make_document.add_argument("--max-tokens", type=int, default=65536)
+    make_document.add_argument("--num-classes", type=int, default=4)
+    document = commands.add_parser("document-logits")
+    document.add_argument("--package", required=True)
+    document.add_argument("--tokens", required=True)
+    document.add_argument("--lengths", required=True)
+    document.add_argument("--budgets", required=True)
+    document.add_argument("--out", required=True)
+    document.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     if args.command == "make-package":
         make_package(args)
+    elif args.command == "make-document-package":
+        make_document_package(args)
+    elif args.command == "document-logits":
+        torch.set_num_threads(args.threads)
+        compute_document_logits(args)
     else:
         torch.set_num_threads(args.threads)
         compute_logits(args)

@@ -1,0 +1,245 @@
+// MiTA long-document classifier forward (see document_classifier.h). The training twin is MitaDocument in
+// tools/mita_reference.py; both follow shared/DESIGN.md section 2 and must agree to float32 rounding.
+#include "models/document_classifier.h"
+
+#include <utility>
+
+#include <ATen/ops/conv1d.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/layer_norm.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/nonzero.h>
+#include <ATen/ops/stack.h>
+#include <c10/core/InferenceMode.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace mita::models {
+
+struct DocumentClassifier::Block {
+  at::Tensor norm1_weight, norm1_bias;
+  at::Tensor qkv_weight, qkv_bias;    // [3C, C], [3C]
+  at::Tensor proj_weight, proj_bias;  // [C, C], [C]
+  at::Tensor norm2_weight, norm2_bias;
+  at::Tensor fc1_weight, fc1_bias;  // [hidden, C], [hidden]
+  at::Tensor fc2_weight, fc2_bias;  // [C, hidden], [C]
+};
+
+namespace {
+
+// A kernel rejecting inputs validated here is a fault of this code, not of the request; running out of memory
+// stays RESOURCE_EXHAUSTED.
+absl::Status KernelFault(const absl::Status& status) {
+  if (status.code() == absl::StatusCode::kResourceExhausted) return status;
+  return absl::InternalError(absl::StrCat("attention kernel: ", status.message()));
+}
+
+std::string ShapeString(at::IntArrayRef shape) { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
+
+// Takes the tensor `name` out of `weights` after checking its shape; float32, contiguous, CPU.
+absl::Status TakeWeight(std::map<std::string, at::Tensor>& weights, const std::string& name,
+                        std::vector<int64_t> expected_shape, at::Tensor& target) {
+  auto it = weights.find(name);
+  if (it == weights.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weights: missing tensor \"", name, "\" (expected shape ", ShapeString(expected_shape), ")"));
+  }
+  const at::Tensor& tensor = it->second;
+  if (!tensor.defined() || tensor.sizes() != at::IntArrayRef(expected_shape)) {
+    return absl::InvalidArgumentError(absl::StrCat("weights: tensor \"", name, "\" has shape ",
+                                                   tensor.defined() ? ShapeString(tensor.sizes()) : "(undefined)",
+                                                   ", expected ", ShapeString(expected_shape)));
+  }
+  if (tensor.scalar_type() != at::kFloat || !tensor.device().is_cpu()) {
+    return absl::InvalidArgumentError(absl::StrCat("weights: tensor \"", name, "\" must be float32 on the CPU"));
+  }
+  target = tensor.contiguous();
+  weights.erase(it);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+DocumentClassifier::DocumentClassifier(DocumentConfig config) : config_(std::move(config)) {}
+DocumentClassifier::~DocumentClassifier() = default;
+
+absl::StatusOr<std::unique_ptr<DocumentClassifier>> DocumentClassifier::Create(
+    const DocumentConfig& config, std::map<std::string, at::Tensor> weights) {
+  if (config.embed_dim <= 0 || config.num_heads <= 0 || config.embed_dim % config.num_heads != 0 ||
+      config.depth <= 0 || config.vocab_size <= 0 || config.num_classes <= 0 || config.max_tokens <= 0 ||
+      config.position_kernel_size <= 0 || config.position_kernel_size % 2 == 0 || config.mlp_hidden_dim <= 0) {
+    return absl::InvalidArgumentError("config: inconsistent model dimensions (use ParseDocumentConfig)");
+  }
+  const int64_t channels = config.embed_dim;
+  const int64_t hidden = config.mlp_hidden_dim;
+  std::unique_ptr<DocumentClassifier> model(new DocumentClassifier(config));
+  absl::Status status;
+  auto take = [&](const std::string& name, std::vector<int64_t> shape, at::Tensor& target) {
+    if (status.ok()) status = TakeWeight(weights, name, std::move(shape), target);
+  };
+  take("token_embedding.weight", {config.vocab_size, channels}, model->token_embedding_);
+  take("position_conv.weight", {channels, 1, config.position_kernel_size}, model->position_weight_);
+  take("position_conv.bias", {channels}, model->position_bias_);
+  model->blocks_.resize(config.depth);
+  for (int64_t i = 0; i < config.depth; ++i) {
+    Block& block = model->blocks_[i];
+    const std::string prefix = absl::StrCat("blocks.", i, ".");
+    take(prefix + "norm1.weight", {channels}, block.norm1_weight);
+    take(prefix + "norm1.bias", {channels}, block.norm1_bias);
+    take(prefix + "attn.qkv.weight", {3 * channels, channels}, block.qkv_weight);
+    take(prefix + "attn.qkv.bias", {3 * channels}, block.qkv_bias);
+    take(prefix + "attn.proj.weight", {channels, channels}, block.proj_weight);
+    take(prefix + "attn.proj.bias", {channels}, block.proj_bias);
+    take(prefix + "norm2.weight", {channels}, block.norm2_weight);
+    take(prefix + "norm2.bias", {channels}, block.norm2_bias);
+    take(prefix + "mlp.fc1.weight", {hidden, channels}, block.fc1_weight);
+    take(prefix + "mlp.fc1.bias", {hidden}, block.fc1_bias);
+    take(prefix + "mlp.fc2.weight", {channels, hidden}, block.fc2_weight);
+    take(prefix + "mlp.fc2.bias", {channels}, block.fc2_bias);
+  }
+  take("norm.weight", {channels}, model->norm_weight_);
+  take("norm.bias", {channels}, model->norm_bias_);
+  take("head.weight", {config.num_classes, channels}, model->head_weight_);
+  take("head.bias", {config.num_classes}, model->head_bias_);
+  if (!status.ok()) return status;
+  if (!weights.empty()) {
+    std::vector<std::string> extra;
+    for (const auto& [name, tensor] : weights) extra.push_back(name);
+    return absl::InvalidArgumentError(absl::StrCat("weights: unexpected tensor", extra.size() > 1 ? "s " : " ", "\"",
+                                                   absl::StrJoin(extra, "\", \""), "\""));
+  }
+  return model;
+}
+
+absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& token_ids,
+                                                             absl::Span<const int64_t> lengths,
+                                                             absl::Span<const AttentionBudget> budgets,
+                                                             bool want_statistics, kernels::MitaBackend backend) const {
+  if (!token_ids.defined() || token_ids.dim() != 1 || token_ids.scalar_type() != at::kLong ||
+      !token_ids.device().is_cpu()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "token_ids: must be a 1-D int64 tensor on the CPU, found ",
+        token_ids.defined() ? absl::StrCat(ShapeString(token_ids.sizes()), " ", c10::toString(token_ids.scalar_type()))
+                            : "(undefined)"));
+  }
+  const int64_t batch = static_cast<int64_t>(lengths.size());
+  if (batch == 0) return absl::InvalidArgumentError("lengths: the batch has no documents");
+  if (static_cast<int64_t>(budgets.size()) != batch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("budgets: ", budgets.size(), " entries for a batch of ", batch, " documents"));
+  }
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (lengths[b] < 1 || lengths[b] > config_.max_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat("lengths[", b, "]: ", lengths[b],
+                                                     " tokens is out of range: allowed [1, ", config_.max_tokens, "]"));
+    }
+    total += lengths[b];
+    const AttentionBudget& budget = budgets[b];
+    if (absl::Status status = ValidateDocumentBudget(config_, budget); !status.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("budgets[", b, "]: ", status.message()));
+    }
+    if (!budget.full_attention && (budget.expert_count > lengths[b] || budget.expert_width > lengths[b])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "budgets[", b, "]: expert_count ", budget.expert_count, " and expert_width ", budget.expert_width,
+          " must not exceed the document's ", lengths[b], " tokens (apply ApplyDocumentBudget first)"));
+    }
+  }
+  if (total != token_ids.size(0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lengths: sum to ", total, " tokens, token_ids holds ", token_ids.size(0)));
+  }
+
+  const int64_t channels = config_.embed_dim;
+  const int64_t heads = config_.num_heads;
+  const int64_t head_dim = config_.head_dim();
+  ClassifierOutput output;
+  output.statistics.resize(batch);
+  at::Tensor logits;
+  try {
+    c10::InferenceMode inference_mode;
+    const at::Tensor ids = token_ids.contiguous();
+    {
+      const int64_t* id = ids.data_ptr<int64_t>();
+      for (int64_t t = 0; t < total; ++t) {
+        if (id[t] < 0 || id[t] >= config_.vocab_size) {
+          return absl::InvalidArgumentError(absl::StrCat("token_ids: id ", id[t], " at position ", t,
+                                                         " is out of range: allowed [0, ", config_.vocab_size - 1,
+                                                         "]"));
+        }
+      }
+    }
+    std::vector<int64_t> offsets(batch);
+    for (int64_t b = 1; b < batch; ++b) offsets[b] = offsets[b - 1] + lengths[b - 1];
+
+    // Embedding [T, C], then the position convolution per document (zero padding at each document's ends, so
+    // no information crosses between documents): [N, C] -> [1, C, N] -> depthwise conv -> added back.
+    at::Tensor x = token_embedding_.index_select(0, ids);
+    const int64_t padding = config_.position_kernel_size / 2;
+    for (int64_t b = 0; b < batch; ++b) {
+      at::Tensor document = x.narrow(0, offsets[b], lengths[b]);
+      const at::Tensor position = at::conv1d(document.t().unsqueeze(0), position_weight_, position_bias_,
+                                             /*stride=*/{1}, /*padding=*/{padding}, /*dilation=*/{1},
+                                             /*groups=*/channels);  // [1, C, N]
+      document.add_(position.squeeze(0).t());
+    }
+
+    for (size_t layer = 0; layer < blocks_.size(); ++layer) {
+      const Block& block = blocks_[layer];
+      const at::Tensor normed =
+          at::layer_norm(x, {channels}, block.norm1_weight, block.norm1_bias, config_.layer_norm_eps);
+      const at::Tensor qkv = at::linear(normed, block.qkv_weight, block.qkv_bias);  // [T, 3C]
+      at::Tensor merged = at::empty({total, channels}, x.options());               // heads merged, [T, C]
+      for (int64_t b = 0; b < batch; ++b) {
+        const int64_t tokens = lengths[b];
+        // [N, 3C] -> [1, N, 3, H, d] -> [3, 1, H, N, d]: strided views the kernels read in place.
+        const at::Tensor document_qkv =
+            qkv.narrow(0, offsets[b], tokens).view({1, tokens, 3, heads, head_dim}).permute({2, 0, 3, 1, 4});
+        const at::Tensor q = document_qkv[0], k = document_qkv[1], v = document_qkv[2];
+        absl::StatusOr<at::Tensor> attention;  // [1, H, N, d]
+        if (budgets[b].full_attention) {
+          attention = kernels::FullAttentionForward(q, k, v);
+        } else {
+          absl::StatusOr<at::Tensor> landmarks = kernels::SequenceLandmarks(q, budgets[b].expert_count);
+          if (!landmarks.ok()) return KernelFault(landmarks.status());
+          const kernels::MitaItem item{(*landmarks)[0], budgets[b].expert_width};
+          std::vector<kernels::MitaItemStatistics> statistics;
+          attention = kernels::MitaAttentionForward(q, k, v, {item}, want_statistics ? &statistics : nullptr,
+                                                    backend);
+          if (attention.ok() && want_statistics && !statistics.empty()) {
+            output.statistics[b].push_back(std::move(statistics[0]));
+          }
+        }
+        if (!attention.ok()) return KernelFault(attention.status());
+        // [1, H, N, d] -> [N, H, d] -> [N, C]
+        merged.narrow(0, offsets[b], tokens).view({tokens, heads, head_dim}).copy_((*attention)[0].transpose(0, 1));
+      }
+      x = x.add(at::linear(merged, block.proj_weight, block.proj_bias));
+      const at::Tensor normed2 =
+          at::layer_norm(x, {channels}, block.norm2_weight, block.norm2_bias, config_.layer_norm_eps);
+      const at::Tensor hidden = at::gelu(at::linear(normed2, block.fc1_weight, block.fc1_bias), "none");
+      x = x.add(at::linear(hidden, block.fc2_weight, block.fc2_bias));
+    }
+    const at::Tensor normed = at::layer_norm(x, {channels}, norm_weight_, norm_bias_, config_.layer_norm_eps);
+    std::vector<at::Tensor> pooled(batch);
+    for (int64_t b = 0; b < batch; ++b) pooled[b] = normed.narrow(0, offsets[b], lengths[b]).mean(0);
+    logits = at::linear(at::stack(pooled), head_weight_, head_bias_);
+    // A normal (not inference-mode) tensor, so callers may modify it in place outside InferenceMode.
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat("document forward: out of memory for ", total, " tokens"));
+  } catch (const c10::Error& error) {
+    return absl::InternalError(absl::StrCat("document forward failed: ", error.what_without_backtrace()));
+  }
+  try {
+    output.logits = logits.clone();
+  } catch (const c10::Error& error) {
+    return absl::InternalError(absl::StrCat("document forward failed: ", error.what_without_backtrace()));
+  }
+  return output;
+}
+
+}  // namespace mita::models

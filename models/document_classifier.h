@@ -1,0 +1,72 @@
+// Long-document classifier with MiTA attention (sequence landmarks), built on kernels/.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kernels/mita_attention.h"
+#include "models/model_config.h"
+#include "models/vit_classifier.h"  // ClassifierOutput
+
+namespace mita::models {
+
+// A pre-norm Transformer encoder over token ids with a convolutional position encoding and a mean-pooled
+// classification head. Forward for one document of N tokens (C = embed_dim, K = position kernel size):
+//   x = token_embedding.weight[ids]                                    [N, C]
+//   x = x + position_conv(x)     depthwise 1-D convolution over the N tokens of this document only (kernel K,
+//                                zero padding K / 2, bias): relative, local position information defined at any
+//                                N (conditional position encoding, Chu et al., "Conditional Positional Encodings
+//                                for Vision Transformers", 2021); no table tied to a trained length
+//   depth x [x + attn(norm1(x)); x + mlp(norm2(x))]
+//       attn: qkv = Linear(C, 3C) ([q|k|v], head h owns channels h*d .. h*d+d-1), per head MiTA with sequence
+//             landmarks (kernels::SequenceLandmarks: adaptive 1-D average pooling of q into m windows) and expert
+//             width k, or full softmax attention; merge heads; proj = Linear(C, C). mlp: fc1, GELU (erf), fc2.
+//   logits = head(mean over the N tokens of norm(x))                   [num_classes]
+// Weight names (float32): token_embedding.weight [V, C], position_conv.weight [C, 1, K], position_conv.bias [C],
+// blocks.{i}.norm1.{weight,bias}, blocks.{i}.attn.qkv.{weight,bias}, blocks.{i}.attn.proj.{weight,bias},
+// blocks.{i}.norm2.{weight,bias}, blocks.{i}.mlp.fc1.{weight,bias}, blocks.{i}.mlp.fc2.{weight,bias},
+// norm.{weight,bias}, head.{weight,bias}. The PyTorch twin is MitaDocument in tools/mita_reference.py.
+class DocumentClassifier {
+ public:
+  // Errors: INVALID_ARGUMENT naming a missing tensor, one of the wrong shape (expected and found in the
+  // message), dtype or device, or an unexpected extra tensor; INVALID_ARGUMENT for an inconsistent config.
+  static absl::StatusOr<std::unique_ptr<DocumentClassifier>> Create(const DocumentConfig& config,
+                                                                    std::map<std::string, at::Tensor> weights);
+
+  // Packed (ragged) batch without padding. token_ids: [T] int64 on the CPU holding B documents back to back;
+  // lengths: B entries, each in [1, max_tokens], summing to T; budgets: B entries, each valid
+  // (ValidateDocumentBudget) and already applied to its length (ApplyDocumentBudget: expert_count and
+  // expert_width <= the document's length). Dense layers (embedding, LayerNorms, qkv, proj, MLP) run on all T
+  // tokens at once; the position convolution, attention and pooling run per document with its own N, m and k,
+  // so a document's logits do not depend on the other documents of the batch (up to float rounding).
+  // Returns logits [B, num_classes] float32 and, when want_statistics, statistics[b] with one entry per layer
+  // for documents that ran MiTA (empty for full attention). Runs under c10::InferenceMode; thread-safe.
+  // Errors: INVALID_ARGUMENT for token_ids not 1-D int64 on the CPU, an id outside [0, vocab_size), a
+  // lengths/budgets count mismatch or B = 0, a length outside [1, max_tokens], lengths not summing to T, or an
+  // invalid or unapplied budget (messages name the document index and the allowed range); RESOURCE_EXHAUSTED
+  // when memory runs out; INTERNAL when ATen or a kernel fails on validated input.
+  absl::StatusOr<ClassifierOutput> Forward(const at::Tensor& token_ids, absl::Span<const int64_t> lengths,
+                                           absl::Span<const AttentionBudget> budgets, bool want_statistics,
+                                           kernels::MitaBackend backend = kernels::MitaBackend::kAuto) const;
+
+  const DocumentConfig& config() const { return config_; }
+
+  ~DocumentClassifier();
+
+ private:
+  struct Block;
+  explicit DocumentClassifier(DocumentConfig config);
+
+  DocumentConfig config_;
+  std::vector<Block> blocks_;  // defined in the .cc
+  at::Tensor token_embedding_, position_weight_, position_bias_, norm_weight_, norm_bias_, head_weight_, head_bias_;
+};
+
+}  // namespace mita::models

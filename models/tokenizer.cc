@@ -1,0 +1,179 @@
+// Tokenizers (see tokenizer.h).
+#include "models/tokenizer.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "models/sentencepiece_adapter.h"
+
+#ifndef MITA_SENTENCEPIECE_MODULE
+#define MITA_SENTENCEPIECE_MODULE "libmita_sentencepiece.so"
+#endif
+
+namespace mita::models {
+namespace {
+
+class BytesTokenizer final : public Tokenizer {
+ public:
+  absl::StatusOr<std::vector<int64_t>> Encode(std::string_view utf8_text) const override {
+    std::vector<int64_t> ids(utf8_text.size());
+    for (size_t i = 0; i < utf8_text.size(); ++i) ids[i] = static_cast<unsigned char>(utf8_text[i]);
+    return ids;
+  }
+  int64_t vocab_size() const override { return 256; }
+  std::string name() const override { return "bytes"; }
+};
+
+// The SentencePiece module (sentencepiece_adapter.h), loaded once per process: $MITA_SENTENCEPIECE_MODULE, else
+// the path CMake compiled in (the build tree's module), else "libmita_sentencepiece.so" on the library path.
+absl::StatusOr<const MitaSentencePieceApi*> SentencePieceApi() {
+  static const auto* loaded = new absl::StatusOr<MitaSentencePieceApi>([]() -> absl::StatusOr<MitaSentencePieceApi> {
+    std::vector<std::string> candidates;
+    if (const char* path = std::getenv("MITA_SENTENCEPIECE_MODULE"); path != nullptr && *path != '\0') {
+      candidates.push_back(path);
+    }
+    candidates.push_back(MITA_SENTENCEPIECE_MODULE);
+    candidates.push_back("libmita_sentencepiece.so");
+    std::string errors;
+    for (const std::string& candidate : candidates) {
+      void* module = dlopen(candidate.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
+      if (module == nullptr) {
+        const char* message = dlerror();
+        absl::StrAppend(&errors, errors.empty() ? "" : "; ", message != nullptr ? message : candidate);
+        continue;
+      }
+      auto* get_api = reinterpret_cast<void (*)(MitaSentencePieceApi*)>(dlsym(module, "mita_sentencepiece_get_api"));
+      if (get_api == nullptr) {
+        absl::StrAppend(&errors, errors.empty() ? "" : "; ", candidate, ": no mita_sentencepiece_get_api");
+        continue;
+      }
+      MitaSentencePieceApi api{};
+      get_api(&api);
+      return api;  // the module stays loaded for the life of the process
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("sentencepiece: cannot load the SentencePiece module (set MITA_SENTENCEPIECE_MODULE): ", errors));
+  }());
+  if (!loaded->ok()) return loaded->status();
+  return &**loaded;
+}
+
+class SentencePieceTokenizer final : public Tokenizer {
+ public:
+  SentencePieceTokenizer(const MitaSentencePieceApi* api, void* processor) : api_(api), processor_(processor) {}
+  ~SentencePieceTokenizer() override { api_->destroy(processor_); }
+
+  absl::StatusOr<std::vector<int64_t>> Encode(std::string_view utf8_text) const override {
+    std::vector<int64_t> ids;
+    char error[512] = {0};
+    const MitaSentencePieceIdsCallback collect = [](void* context, const int* values, size_t count) {
+      static_cast<std::vector<int64_t>*>(context)->assign(values, values + count);
+    };
+    if (api_->encode(processor_, utf8_text.data(), utf8_text.size(), collect, &ids, error, sizeof(error)) != 0) {
+      return absl::InternalError(absl::StrCat("sentencepiece: ", error));
+    }
+    return ids;
+  }
+  int64_t vocab_size() const override { return api_->vocab_size(processor_); }
+  std::string name() const override { return "sentencepiece"; }
+
+ private:
+  const MitaSentencePieceApi* api_;
+  void* processor_;
+};
+
+// Length of the UTF-8 sequence starting at text[i] when it is well formed, else 0 (RFC 3629, table 3-7 of the
+// Unicode standard: the second byte's range depends on the first byte).
+size_t WellFormedSequenceLength(std::string_view text, size_t i) {
+  const auto byte = [&](size_t j) { return static_cast<unsigned char>(text[j]); };
+  const unsigned char first = byte(i);
+  if (first < 0x80) return 1;
+  size_t length = 0;
+  unsigned char second_min = 0x80, second_max = 0xBF;
+  if (first >= 0xC2 && first <= 0xDF) {
+    length = 2;
+  } else if (first >= 0xE0 && first <= 0xEF) {
+    length = 3;
+    if (first == 0xE0) second_min = 0xA0;  // no overlong 3-byte forms
+    if (first == 0xED) second_max = 0x9F;  // no surrogates
+  } else if (first >= 0xF0 && first <= 0xF4) {
+    length = 4;
+    if (first == 0xF0) second_min = 0x90;  // no overlong 4-byte forms
+    if (first == 0xF4) second_max = 0x8F;  // nothing above U+10FFFF
+  } else {
+    return 0;  // continuation byte, C0/C1 (overlong 2-byte), F5..FF
+  }
+  if (i + length > text.size()) return 0;
+  if (byte(i + 1) < second_min || byte(i + 1) > second_max) return 0;
+  for (size_t j = 2; j < length; ++j) {
+    if (byte(i + j) < 0x80 || byte(i + j) > 0xBF) return 0;
+  }
+  return length;
+}
+
+}  // namespace
+
+Tokenizer::~Tokenizer() = default;
+
+absl::Status ValidateUtf8(std::string_view text, std::string_view field) {
+  size_t i = 0;
+  while (i < text.size()) {
+    const size_t length = WellFormedSequenceLength(text, i);
+    if (length == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(absl::string_view(field.data(), field.size()), ": invalid UTF-8 at byte offset ", i));
+    }
+    i += length;
+  }
+  return absl::OkStatus();
+}
+
+std::unique_ptr<Tokenizer> MakeBytesTokenizer() { return std::make_unique<BytesTokenizer>(); }
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadSentencePieceTokenizer(const std::string& model_path) {
+  std::error_code error_code;
+  if (!std::filesystem::is_regular_file(model_path, error_code)) {
+    return absl::NotFoundError(absl::StrCat("model package: missing file ", model_path));
+  }
+  std::ifstream file(model_path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  if (!file.good() && !file.eof()) return absl::NotFoundError(absl::StrCat("model package: cannot read ", model_path));
+  absl::StatusOr<const MitaSentencePieceApi*> api = SentencePieceApi();
+  if (!api.ok()) return api.status();
+  void* processor = nullptr;
+  char error[512] = {0};
+  if ((*api)->load(bytes.data(), bytes.size(), &processor, error, sizeof(error)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("tokenizer.model: not a SentencePiece model: ", error));
+  }
+  return std::unique_ptr<Tokenizer>(std::make_unique<SentencePieceTokenizer>(*api, processor));
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const DocumentConfig& config,
+                                                         const std::string& package_directory) {
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (config.tokenizer == "bytes") {
+    tokenizer = MakeBytesTokenizer();
+  } else if (config.tokenizer == "sentencepiece") {
+    absl::StatusOr<std::unique_ptr<Tokenizer>> loaded =
+        LoadSentencePieceTokenizer((std::filesystem::path(package_directory) / "tokenizer.model").string());
+    if (!loaded.ok()) return loaded.status();
+    tokenizer = *std::move(loaded);
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: tokenizer \"", config.tokenizer,
+                                                   "\" is not supported: use \"bytes\" or \"sentencepiece\""));
+  }
+  if (tokenizer->vocab_size() > config.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("tokenizer.model: the ", tokenizer->name(), " tokenizer has ",
+                                                   tokenizer->vocab_size(), " tokens, config.json vocab_size is ",
+                                                   config.vocab_size));
+  }
+  return tokenizer;
+}
+
+}  // namespace mita::models

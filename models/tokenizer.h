@@ -1,0 +1,47 @@
+// Tokenizers of document models: UTF-8 bytes (built in) and SentencePiece (Debian libsentencepiece).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "models/model_config.h"
+
+namespace mita::models {
+
+// Checks that `text` is well-formed UTF-8 (RFC 3629: no overlong forms, no surrogates U+D800..U+DFFF, nothing
+// above U+10FFFF, no truncated sequence). OK for the empty text. Errors: INVALID_ARGUMENT
+// "<field>: invalid UTF-8 at byte offset <n>" where n is the offset of the first byte of the first bad sequence.
+absl::Status ValidateUtf8(std::string_view text, std::string_view field);
+
+// Turns valid UTF-8 text into token ids. Implementations are immutable after loading and thread-safe.
+class Tokenizer {
+ public:
+  virtual ~Tokenizer();
+  // Token ids of `utf8_text`, each in [0, vocab_size()); call ValidateUtf8 first (bytes: any input works;
+  // SentencePiece: invalid UTF-8 is replaced by U+FFFD by the library). Empty text gives no ids (bytes) or
+  // none or few (SentencePiece). Errors: INTERNAL when the library fails.
+  virtual absl::StatusOr<std::vector<int64_t>> Encode(std::string_view utf8_text) const = 0;
+  virtual int64_t vocab_size() const = 0;
+  // "bytes" or "sentencepiece".
+  virtual std::string name() const = 0;
+};
+
+// The UTF-8 bytes tokenizer (as in Long Range Arena): id = byte value, vocab_size() = 256, one token per byte.
+std::unique_ptr<Tokenizer> MakeBytesTokenizer();
+
+// Loads a SentencePiece model file (a serialized ModelProto as written by spm_train). Errors: NOT_FOUND when
+// the file cannot be read; INVALID_ARGUMENT "tokenizer.model: ..." when it does not parse.
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadSentencePieceTokenizer(const std::string& model_path);
+
+// The tokenizer named by config.tokenizer: "bytes", or "sentencepiece" from `package_directory`/tokenizer.model.
+// Errors: those of LoadSentencePieceTokenizer; INVALID_ARGUMENT when the tokenizer's vocabulary is larger than
+// config.vocab_size (its ids would not fit the embedding table) or the name is unknown.
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const DocumentConfig& config,
+                                                         const std::string& package_directory);
+
+}  // namespace mita::models

@@ -1,0 +1,549 @@
+// Tests of the long-document side of models/: DocumentConfig parsing and budgets, UTF-8 validation, the bytes
+// and SentencePiece tokenizers, document packages, and the DocumentClassifier against its independent PyTorch
+// twin (MitaDocument in tools/mita_reference.py, run through tools/reference_logits.py).
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <ATen/Context.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/randint.h>
+#include <ATen/ops/tensor.h>
+
+#include "absl/status/status.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "models/document_classifier.h"
+#include "models/model_config.h"
+#include "models/model_package.h"
+#include "models/safetensors.h"
+#include "models/tokenizer.h"
+#include "nlohmann/json.hpp"
+
+namespace mita::models {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using Json = nlohmann::json;
+
+// ----- helpers -----
+
+std::string SourceDirectory() {
+  const char* directory = std::getenv("MITA_SOURCE_DIR");
+  return directory != nullptr ? directory : ".";
+}
+
+std::vector<std::string>& TempDirectories() {
+  static auto* directories = new std::vector<std::string>();
+  return *directories;
+}
+
+class TempDirectoryCleanup : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    for (const std::string& directory : TempDirectories()) {
+      std::error_code error;
+      std::filesystem::remove_all(directory, error);
+    }
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kCleanup =
+    ::testing::AddGlobalTestEnvironment(new TempDirectoryCleanup);
+
+std::string MakeTempDirectory(const std::string& name) {
+  std::filesystem::path path = std::filesystem::path(::testing::TempDir()) /
+                               ("mita_document_test_" + std::to_string(::getpid()) + "_" + name);
+  std::filesystem::remove_all(path);
+  std::filesystem::create_directories(path);
+  TempDirectories().push_back(path.string());
+  return path.string();
+}
+
+void WriteFile(const std::string& path, const std::string& bytes) {
+  std::ofstream file(path, std::ios::binary);
+  file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  ASSERT_TRUE(file.good()) << path;
+}
+
+std::string ReadFileBytes(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+}
+
+void ExpectStatus(const absl::Status& status, absl::StatusCode code, const std::string& message_part) {
+  EXPECT_EQ(status.code(), code) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr(message_part));
+}
+
+constexpr char kPython[] = "/usr/bin/python3";
+
+bool PythonHasTorch() {
+  static const bool has_torch =
+      std::system((std::string(kPython) + " -c 'import torch' > /dev/null 2>&1").c_str()) == 0;
+  return has_torch;
+}
+
+bool HasProgram(const std::string& name) {
+  return std::system(("command -v " + name + " > /dev/null 2>&1").c_str()) == 0;
+}
+
+// ----- config -----
+
+// config.json as written by tools/reference_logits.py make-document-package (document_config()).
+Json ValidDocumentConfigJson() {
+  return Json::parse(R"({
+    "architecture": "mita_document", "task": "document_classification",
+    "vocab_size": 256, "embed_dim": 32, "depth": 2, "num_heads": 2, "mlp_hidden_dim": 64,
+    "layer_norm_eps": 1e-6, "num_classes": 4, "max_tokens": 65536, "tokenizer": "bytes",
+    "position_encoding": {"type": "convolution", "kernel_size": 5},
+    "attention": {"type": "mita",
+                  "default_budget": {"expert_count": 16, "expert_width": 64},
+                  "presets": {"fast": {"expert_count": 8, "expert_width": 32},
+                              "exact": {"full_attention": true}},
+                  "max_expert_count": 256, "max_expert_width": 1024}
+  })");
+}
+
+TEST(DocumentConfigTest, ValidConfigParses) {
+  absl::StatusOr<DocumentConfig> config = ParseDocumentConfig(ValidDocumentConfigJson().dump());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->architecture, "mita_document");
+  EXPECT_EQ(config->vocab_size, 256);
+  EXPECT_EQ(config->embed_dim, 32);
+  EXPECT_EQ(config->depth, 2);
+  EXPECT_EQ(config->num_heads, 2);
+  EXPECT_EQ(config->head_dim(), 16);
+  EXPECT_EQ(config->mlp_hidden_dim, 64);
+  EXPECT_EQ(config->num_classes, 4);
+  EXPECT_DOUBLE_EQ(config->layer_norm_eps, 1e-6);
+  EXPECT_EQ(config->max_tokens, 65536);
+  EXPECT_EQ(config->tokenizer, "bytes");
+  EXPECT_EQ(config->position_kernel_size, 5);
+  EXPECT_EQ(config->default_budget.expert_count, 16);
+  EXPECT_EQ(config->default_budget.expert_width, 64);
+  ASSERT_EQ(config->presets.size(), 2u);
+  EXPECT_EQ(config->presets.at("fast").expert_count, 8);
+  EXPECT_EQ(config->presets.at("fast").expert_width, 32);
+  EXPECT_TRUE(config->presets.at("exact").full_attention);
+  EXPECT_EQ(config->max_expert_count, 256);
+  EXPECT_EQ(config->max_expert_width, 1024);
+  absl::StatusOr<ModelKind> kind = ParseModelKind(ValidDocumentConfigJson().dump());
+  ASSERT_TRUE(kind.ok());
+  EXPECT_EQ(*kind, ModelKind::kDocument);
+}
+
+TEST(DocumentConfigTest, EachMissingFieldIsNamed) {
+  for (const std::string pointer :
+       {"/architecture", "/vocab_size", "/embed_dim", "/depth", "/num_heads", "/mlp_hidden_dim", "/num_classes",
+        "/max_tokens", "/tokenizer", "/position_encoding", "/position_encoding/type",
+        "/position_encoding/kernel_size", "/attention", "/attention/type", "/attention/default_budget",
+        "/attention/max_expert_count", "/attention/max_expert_width"}) {
+    Json config = ValidDocumentConfigJson();
+    const Json::json_pointer path(pointer);
+    config[path.parent_pointer()].erase(path.back());
+    std::string field = pointer.substr(1);
+    std::replace(field.begin(), field.end(), '/', '.');
+    ExpectStatus(ParseDocumentConfig(config.dump()).status(), absl::StatusCode::kInvalidArgument,
+                 "config.json: missing required field " + field);
+  }
+}
+
+TEST(DocumentConfigTest, BadValuesAreNamedWithTheirRange) {
+  const std::vector<std::pair<std::string, Json>> cases = {
+      {"/num_heads", 3}, {"/max_tokens", 0}, {"/tokenizer", "words"}, {"/position_encoding/kernel_size", 4},
+      {"/position_encoding/type", "learned"}, {"/attention/default_budget/expert_width", 5000},
+      {"/attention/presets/fast/expert_count", 300}, {"/attention/max_expert_width", 70000},
+      {"/architecture", "mita_vit"}, {"/vocab_size", 100}, {"/embed_dim", 32.0}};
+  const std::vector<std::string> messages = {
+      "num_heads 3 does not divide embed_dim 32", "max_tokens 0 is out of range [1, 16777216]",
+      "tokenizer \"words\" is not supported", "position_encoding.kernel_size 4 must be odd",
+      "position_encoding.type \"learned\" is not supported",
+      "attention.default_budget.expert_width 5000 is out of range [1, 1024]",
+      "attention.presets.fast.expert_count 300 is out of range [1, 256]",
+      "attention.max_expert_width 70000 is out of range [1, 65536]", "architecture \"mita_vit\" is not supported",
+      "vocab_size 100 is too small for tokenizer \"bytes\"", "embed_dim must be an integer"};
+  for (size_t i = 0; i < cases.size(); ++i) {
+    Json config = ValidDocumentConfigJson();
+    config[Json::json_pointer(cases[i].first)] = cases[i].second;
+    ExpectStatus(ParseDocumentConfig(config.dump()).status(), absl::StatusCode::kInvalidArgument, messages[i]);
+  }
+  ExpectStatus(ParseDocumentConfig("{").status(), absl::StatusCode::kInvalidArgument, "config.json: invalid JSON");
+  ExpectStatus(ParseModelKind(R"({"architecture": "bert"})").status(), absl::StatusCode::kInvalidArgument,
+               "use \"mita_vit\" or \"mita_document\"");
+}
+
+TEST(DocumentBudgetTest, ValidateNamesTheFieldAndRange) {
+  const DocumentConfig config = *ParseDocumentConfig(ValidDocumentConfigJson().dump());
+  EXPECT_TRUE(ValidateDocumentBudget(config, {true, 0, 0}).ok());
+  EXPECT_TRUE(ValidateDocumentBudget(config, {false, 1, 1}).ok());
+  EXPECT_TRUE(ValidateDocumentBudget(config, {false, 256, 1024}).ok());
+  ExpectStatus(ValidateDocumentBudget(config, {false, 16, 5000}), absl::StatusCode::kInvalidArgument,
+               "budget.experts.expert_width 5000 is out of range: allowed [1, 1024]");
+  ExpectStatus(ValidateDocumentBudget(config, {false, 0, 8}), absl::StatusCode::kInvalidArgument,
+               "budget.experts.expert_count 0 is out of range: allowed [1, 256]");
+  ExpectStatus(ValidateDocumentBudget(config, {false, 257, 8}), absl::StatusCode::kInvalidArgument,
+               "budget.experts.expert_count 257 is out of range: allowed [1, 256]");
+}
+
+TEST(DocumentBudgetTest, ApplyClampsToTheDocumentLength) {
+  const AttentionBudget applied = ApplyDocumentBudget({false, 16, 64}, 40);
+  EXPECT_FALSE(applied.full_attention);
+  EXPECT_EQ(applied.expert_count, 16);
+  EXPECT_EQ(applied.expert_width, 40);
+  const AttentionBudget tiny = ApplyDocumentBudget({false, 16, 64}, 3);
+  EXPECT_EQ(tiny.expert_count, 3);
+  EXPECT_EQ(tiny.expert_width, 3);
+  const AttentionBudget unchanged = ApplyDocumentBudget({false, 16, 64}, 70000);
+  EXPECT_EQ(unchanged.expert_count, 16);
+  EXPECT_EQ(unchanged.expert_width, 64);
+  EXPECT_TRUE(ApplyDocumentBudget({true, 0, 0}, 5).full_attention);
+}
+
+// ----- UTF-8 and tokenizers -----
+
+TEST(Utf8Test, WellFormedTextPasses) {
+  EXPECT_TRUE(ValidateUtf8("", "document.text").ok());
+  EXPECT_TRUE(ValidateUtf8("plain ASCII\n", "document.text").ok());
+  // 2-, 3- and 4-byte forms at their boundaries: U+0080, U+07FF, U+0800, U+D7FF, U+E000, U+FFFF, U+10000, U+10FFFF.
+  EXPECT_TRUE(ValidateUtf8("\xC2\x80\xDF\xBF\xE0\xA0\x80\xED\x9F\xBF\xEE\x80\x80\xEF\xBF\xBF\xF0\x90\x80\x80"
+                           "\xF4\x8F\xBF\xBF",
+                           "document.text")
+                  .ok());
+}
+
+TEST(Utf8Test, EachMalformedSequenceIsReportedAtItsOffset) {
+  const std::vector<std::pair<std::string, size_t>> cases = {
+      {"ab\x80", 2},                 // lone continuation byte
+      {"a\xC0\xAF", 1},              // overlong 2-byte form of '/'
+      {"\xC1\xBF", 0},               // overlong
+      {"xy\xE0\x80\xAF", 2},         // overlong 3-byte form
+      {"\xED\xA0\x80", 0},           // surrogate U+D800
+      {"abc\xF4\x90\x80\x80", 3},    // above U+10FFFF
+      {"\xF5\x80\x80\x80", 0},       // F5 never appears
+      {"ok \xE2\x82", 3},            // truncated at the end
+      {"\xE2\x82(", 0},              // continuation missing
+      {"\xC3\xA9\xFF", 2},           // 0xFF after a valid character
+  };
+  for (const auto& [text, offset] : cases) {
+    ExpectStatus(ValidateUtf8(text, "document.text"), absl::StatusCode::kInvalidArgument,
+                 "document.text: invalid UTF-8 at byte offset " + std::to_string(offset));
+  }
+}
+
+TEST(TokenizerTest, BytesTokenizerGivesByteValues) {
+  std::unique_ptr<Tokenizer> tokenizer = MakeBytesTokenizer();
+  EXPECT_EQ(tokenizer->name(), "bytes");
+  EXPECT_EQ(tokenizer->vocab_size(), 256);
+  absl::StatusOr<std::vector<int64_t>> ids = tokenizer->Encode("a\xC3\xA9\n");
+  ASSERT_TRUE(ids.ok());
+  EXPECT_THAT(*ids, ElementsAre(97, 0xC3, 0xA9, 10));
+  EXPECT_TRUE(tokenizer->Encode("")->empty());
+}
+
+// A small SentencePiece model trained in the test by spm_train (Debian package sentencepiece) on generated text;
+// the C++ tokenizer's ids are compared with spm_encode's (the library's own command-line encoder).
+class SentencePieceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HasProgram("spm_train") || !HasProgram("spm_encode")) {
+      GTEST_SKIP() << "spm_train/spm_encode not installed (Debian package sentencepiece)";
+    }
+    work_ = MakeTempDirectory("sentencepiece");
+    std::ostringstream text;
+    const std::vector<std::string> words = {"kernel", "driver", "memory", "interrupt", "device", "tree",
+                                            "scheduler", "network", "packet", "filesystem", "inode", "page"};
+    uint32_t state = 12345;  // a fixed LCG: the same corpus every run
+    for (int line = 0; line < 400; ++line) {
+      for (int word = 0; word < 12; ++word) {
+        state = state * 1664525u + 1013904223u;
+        text << words[(state >> 16) % words.size()] << ((state >> 8) % 7 == 0 ? "s " : " ");
+      }
+      text << "\n";
+    }
+    WriteFile(work_ + "/corpus.txt", text.str());
+    const std::string command = "spm_train --input=" + work_ + "/corpus.txt --model_prefix=" + work_ +
+                                "/tokenizer --vocab_size=40 --model_type=unigram --minloglevel=2 > " + work_ +
+                                "/spm_train.log 2>&1";
+    ASSERT_EQ(std::system(command.c_str()), 0) << ReadFileBytes(work_ + "/spm_train.log");
+  }
+  std::string work_;
+};
+
+TEST_F(SentencePieceTest, EncodesAsSpmEncode) {
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadSentencePieceTokenizer(work_ + "/tokenizer.model");
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  EXPECT_EQ((*tokenizer)->name(), "sentencepiece");
+  EXPECT_EQ((*tokenizer)->vocab_size(), 40);
+  const std::string text = "the kernel drivers schedule interrupts\nfor network packets and inode pages";
+  absl::StatusOr<std::vector<int64_t>> ids = (*tokenizer)->Encode(text);
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  ASSERT_FALSE(ids->empty());
+  for (int64_t id : *ids) {
+    EXPECT_GE(id, 0);
+    EXPECT_LT(id, 40);
+  }
+  // spm_encode reads one line per sentence: the text goes as one line (the normaliser maps the newline to a space).
+  std::string one_line = text;
+  std::replace(one_line.begin(), one_line.end(), '\n', ' ');
+  WriteFile(work_ + "/input.txt", one_line + "\n");
+  ASSERT_EQ(std::system(("spm_encode --model=" + work_ + "/tokenizer.model --output_format=id < " + work_ +
+                         "/input.txt > " + work_ + "/ids.txt")
+                            .c_str()),
+            0);
+  std::istringstream expected_stream(ReadFileBytes(work_ + "/ids.txt"));
+  std::vector<int64_t> expected((std::istream_iterator<int64_t>(expected_stream)), std::istream_iterator<int64_t>());
+  EXPECT_EQ(*ids, expected);
+  absl::StatusOr<std::vector<int64_t>> empty = (*tokenizer)->Encode("");
+  ASSERT_TRUE(empty.ok());
+  EXPECT_TRUE(empty->empty());
+}
+
+TEST_F(SentencePieceTest, MissingOrCorruptModelIsAnError) {
+  ExpectStatus(LoadSentencePieceTokenizer(work_ + "/absent.model").status(), absl::StatusCode::kNotFound,
+               "absent.model");
+  WriteFile(work_ + "/corrupt.model", "this is not a protobuf \xFF\xFF\xFF");
+  ExpectStatus(LoadSentencePieceTokenizer(work_ + "/corrupt.model").status(), absl::StatusCode::kInvalidArgument,
+               "tokenizer.model: not a SentencePiece model");
+  // LoadTokenizer: the tokenizer's vocabulary must fit the model's embedding table.
+  DocumentConfig config = *ParseDocumentConfig(ValidDocumentConfigJson().dump());
+  config.tokenizer = "sentencepiece";
+  config.vocab_size = 30;
+  std::filesystem::create_directories(work_ + "/package");
+  std::filesystem::copy_file(work_ + "/tokenizer.model", work_ + "/package/tokenizer.model");
+  ExpectStatus(LoadTokenizer(config, work_ + "/package").status(), absl::StatusCode::kInvalidArgument,
+               "has 40 tokens, config.json vocab_size is 30");
+  config.vocab_size = 40;
+  absl::StatusOr<std::unique_ptr<Tokenizer>> loaded = LoadTokenizer(config, work_ + "/package");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ((*loaded)->name(), "sentencepiece");
+  std::filesystem::create_directories(work_ + "/no_model");
+  ExpectStatus(LoadTokenizer(config, work_ + "/no_model").status(), absl::StatusCode::kNotFound, "tokenizer.model");
+}
+
+// ----- packages and the classifier against the PyTorch twin -----
+
+Json BudgetJson(const AttentionBudget& budget) {
+  if (budget.full_attention) return {{"full_attention", true}};
+  return {{"expert_count", budget.expert_count}, {"expert_width", budget.expert_width}};
+}
+
+// Runs tools/reference_logits.py document-logits: every document alone through MitaDocument; [B, classes].
+absl::StatusOr<at::Tensor> PythonDocumentLogits(const std::string& package, const at::Tensor& token_ids,
+                                                const std::vector<int64_t>& lengths,
+                                                const std::vector<AttentionBudget>& budgets, const std::string& work) {
+  const at::Tensor contiguous = token_ids.contiguous();
+  WriteFile(work + "/tokens.i64",
+            std::string(static_cast<const char*>(contiguous.data_ptr()), contiguous.numel() * sizeof(int64_t)));
+  Json budget_list = Json::array();
+  for (const AttentionBudget& budget : budgets) budget_list.push_back(BudgetJson(budget));
+  WriteFile(work + "/budgets.json", budget_list.dump());
+  WriteFile(work + "/lengths.json", Json(lengths).dump());
+  const std::string command = std::string(kPython) + " " + SourceDirectory() +
+                              "/tools/reference_logits.py document-logits --package " + package + " --tokens " +
+                              work + "/tokens.i64 --lengths " + work + "/lengths.json --budgets " + work +
+                              "/budgets.json --out " + work + "/logits.f32 2> " + work + "/python_stderr.txt";
+  if (std::system(command.c_str()) != 0) {
+    return absl::InternalError("reference_logits.py failed: " + ReadFileBytes(work + "/python_stderr.txt"));
+  }
+  const std::string bytes = ReadFileBytes(work + "/logits.f32");
+  const auto batch = static_cast<int64_t>(lengths.size());
+  if (bytes.empty() || bytes.size() % (batch * sizeof(float)) != 0) {
+    return absl::InternalError("reference_logits.py wrote " + std::to_string(bytes.size()) + " bytes");
+  }
+  at::Tensor logits = at::empty({batch, static_cast<int64_t>(bytes.size() / sizeof(float)) / batch});
+  std::memcpy(logits.data_ptr(), bytes.data(), bytes.size());
+  return logits;
+}
+
+std::vector<AttentionBudget> Applied(const std::vector<AttentionBudget>& budgets, const std::vector<int64_t>& lengths) {
+  std::vector<AttentionBudget> applied;
+  for (size_t b = 0; b < budgets.size(); ++b) applied.push_back(ApplyDocumentBudget(budgets[b], lengths[b]));
+  return applied;
+}
+
+int64_t Sum(const std::vector<int64_t>& values) {
+  int64_t total = 0;
+  for (int64_t value : values) total += value;
+  return total;
+}
+
+// A random-weight bytes-tokenizer package made by the Python twin (make-document-package --seed 3).
+class DocumentTwinTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!PythonHasTorch()) {
+      GTEST_SKIP() << kPython << " cannot import torch: the comparison with the PyTorch twin needs python3-torch";
+    }
+    at::manual_seed(20261129);
+    work_ = MakeTempDirectory("document_twin");
+    package_directory_ = work_ + "/package";
+    const std::string command = std::string(kPython) + " " + SourceDirectory() +
+                                "/tools/reference_logits.py make-document-package --seed 3 --out " +
+                                package_directory_ + " 2> " + work_ + "/make_stderr.txt";
+    ASSERT_EQ(std::system(command.c_str()), 0) << ReadFileBytes(work_ + "/make_stderr.txt");
+    absl::StatusOr<ModelPackage> package = LoadModelPackage(package_directory_);
+    ASSERT_TRUE(package.ok()) << package.status();
+    package_ = std::move(*package);
+  }
+
+  // C++ packed forward of all documents vs the twin running each alone; returns the largest difference.
+  double CompareWithPython(const std::vector<int64_t>& lengths, const std::vector<AttentionBudget>& budgets,
+                           double tolerance, kernels::MitaBackend backend = kernels::MitaBackend::kAuto) {
+    const at::Tensor tokens = at::randint(0, 256, {Sum(lengths)}, at::TensorOptions().dtype(at::kLong));
+    absl::StatusOr<ClassifierOutput> output = package_.document_model->Forward(tokens, lengths, budgets, false, backend);
+    EXPECT_TRUE(output.ok()) << output.status();
+    absl::StatusOr<at::Tensor> expected = PythonDocumentLogits(package_directory_, tokens, lengths, budgets, work_);
+    EXPECT_TRUE(expected.ok()) << expected.status();
+    if (!output.ok() || !expected.ok()) return 1e9;
+    EXPECT_EQ(output->logits.sizes(), expected->sizes());
+    double largest = 0;
+    for (size_t b = 0; b < lengths.size(); ++b) {
+      const double difference = output->logits[b].sub((*expected)[b]).abs().max().item<double>();
+      largest = std::max(largest, difference);
+      EXPECT_LE(difference, tolerance) << "document " << b << " of " << lengths[b] << " tokens, budget "
+                                       << BudgetJson(budgets[b]).dump();
+    }
+    return largest;
+  }
+
+  std::string work_;
+  std::string package_directory_;
+  ModelPackage package_;
+};
+
+TEST_F(DocumentTwinTest, PackageLoadsAsADocumentModel) {
+  EXPECT_EQ(package_.kind, ModelKind::kDocument);
+  EXPECT_EQ(package_.name, "package");
+  ASSERT_NE(package_.document_model, nullptr);
+  ASSERT_NE(package_.tokenizer, nullptr);
+  EXPECT_EQ(package_.model, nullptr);
+  EXPECT_EQ(package_.tokenizer->name(), "bytes");
+  EXPECT_EQ(package_.document_config.tokenizer, "bytes");
+  EXPECT_EQ(package_.document_config.max_tokens, 65536);
+  EXPECT_EQ(package_.document_config.vocab_size, 256);
+  EXPECT_THAT(package_.labels, ElementsAre("topic 0", "topic 1", "topic 2", "topic 3"));
+}
+
+TEST_F(DocumentTwinTest, LogitsMatchPythonAtSeveralBudgetsAndFullAttention) {
+  // Five documents (1 to 1,500 tokens) at four MiTA budgets and full attention, then at mixed budgets: all in one
+  // packed batch (one C++ forward, one Python run that takes each document alone).
+  const std::vector<int64_t> document_lengths = {300, 57, 1, 1500, 129};
+  std::vector<int64_t> lengths;
+  std::vector<AttentionBudget> budgets;
+  for (const AttentionBudget budget : {AttentionBudget{false, 16, 64}, AttentionBudget{false, 8, 32},
+                                       AttentionBudget{false, 4, 16}, AttentionBudget{false, 32, 128},
+                                       AttentionBudget{true, 0, 0}}) {
+    for (int64_t length : document_lengths) {
+      lengths.push_back(length);
+      budgets.push_back(ApplyDocumentBudget(budget, length));
+    }
+  }
+  const std::vector<AttentionBudget> mixed =
+      Applied({{false, 16, 64}, {true, 0, 0}, {false, 2, 3}, {false, 64, 256}, {false, 129, 129}}, document_lengths);
+  lengths.insert(lengths.end(), document_lengths.begin(), document_lengths.end());
+  budgets.insert(budgets.end(), mixed.begin(), mixed.end());
+  double largest = CompareWithPython(lengths, budgets, 1e-4);
+  // The reference kernel too.
+  largest = std::max(largest, CompareWithPython(document_lengths, mixed, 1e-4, kernels::MitaBackend::kReference));
+  std::cout << "[ info ] max |C++ - Python| document logit difference: " << largest << "\n";
+}
+
+TEST_F(DocumentTwinTest, MixedPackedBatchEqualsEachDocumentAlone) {
+  const std::vector<int64_t> lengths = {5, 700, 64, 1, 333, 128, 900};
+  const std::vector<AttentionBudget> budgets = Applied(
+      {{false, 16, 64}, {false, 8, 32}, {true, 0, 0}, {false, 4, 16}, {false, 32, 128}, {false, 1, 1}, {true, 0, 0}},
+      lengths);
+  const at::Tensor tokens = at::randint(0, 256, {Sum(lengths)}, at::TensorOptions().dtype(at::kLong));
+  absl::StatusOr<ClassifierOutput> batched = package_.document_model->Forward(tokens, lengths, budgets, true);
+  ASSERT_TRUE(batched.ok()) << batched.status();
+  ASSERT_EQ(batched->logits.size(0), static_cast<int64_t>(lengths.size()));
+  ASSERT_EQ(batched->statistics.size(), lengths.size());
+  int64_t offset = 0;
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    absl::StatusOr<ClassifierOutput> alone = package_.document_model->Forward(
+        tokens.narrow(0, offset, lengths[b]), {lengths[b]}, {budgets[b]}, true);
+    offset += lengths[b];
+    ASSERT_TRUE(alone.ok()) << alone.status();
+    EXPECT_LE(batched->logits[b].sub(alone->logits[0]).abs().max().item<double>(), 1e-5) << "document " << b;
+    EXPECT_EQ(batched->statistics[b].size(), budgets[b].full_attention ? 0u : 2u) << "document " << b;
+    ASSERT_EQ(batched->statistics[b].size(), alone->statistics[0].size());
+    for (size_t layer = 0; layer < batched->statistics[b].size(); ++layer) {
+      EXPECT_EQ(batched->statistics[b][layer].queries_per_expert.size(),
+                static_cast<size_t>(budgets[b].expert_count));
+      EXPECT_EQ(batched->statistics[b][layer].queries_per_expert, alone->statistics[0][layer].queries_per_expert);
+    }
+  }
+}
+
+TEST_F(DocumentTwinTest, ForwardRejectsBadInputsNamingTheRange) {
+  const DocumentClassifier& model = *package_.document_model;
+  const auto ids = [](std::vector<int64_t> values) { return at::tensor(values, at::TensorOptions().dtype(at::kLong)); };
+  const AttentionBudget mita{false, 2, 3};
+  ExpectStatus(model.Forward(ids({1, 2, 256, 4}), {4}, {mita}, false).status(), absl::StatusCode::kInvalidArgument,
+               "token_ids: id 256 at position 2 is out of range: allowed [0, 255]");
+  ExpectStatus(model.Forward(ids({1, -1, 3}), {3}, {mita}, false).status(), absl::StatusCode::kInvalidArgument,
+               "token_ids: id -1 at position 1 is out of range: allowed [0, 255]");
+  ExpectStatus(model.Forward(ids({1, 2, 3}), {2}, {{true, 0, 0}}, false).status(),
+               absl::StatusCode::kInvalidArgument, "lengths: sum to 2 tokens, token_ids holds 3");
+  ExpectStatus(model.Forward(ids({1, 2, 3}), {3, 0}, {mita, mita}, false).status(),
+               absl::StatusCode::kInvalidArgument, "lengths[1]: 0 tokens is out of range: allowed [1, 65536]");
+  ExpectStatus(model.Forward(ids({1, 2, 3}), {3}, {mita, mita}, false).status(), absl::StatusCode::kInvalidArgument,
+               "budgets: 2 entries for a batch of 1 documents");
+  ExpectStatus(model.Forward(ids({}), {}, {}, false).status(), absl::StatusCode::kInvalidArgument,
+               "lengths: the batch has no documents");
+  ExpectStatus(model.Forward(ids({1, 2, 3}), {3}, {{false, 2, 5000}}, false).status(),
+               absl::StatusCode::kInvalidArgument,
+               "budgets[0]: budget.experts.expert_width 5000 is out of range: allowed [1, 1024]");
+  ExpectStatus(model.Forward(ids({1, 2, 3}), {3}, {{false, 16, 64}}, false).status(),
+               absl::StatusCode::kInvalidArgument, "must not exceed the document's 3 tokens");
+  ExpectStatus(model.Forward(at::tensor(std::vector<int>{1, 2, 3}), {3}, {mita}, false).status(),
+               absl::StatusCode::kInvalidArgument, "token_ids: must be a 1-D int64 tensor");
+  // max_tokens: the same weights with a 64-token limit.
+  absl::StatusOr<std::map<std::string, at::Tensor>> weights = LoadSafetensors(package_directory_ + "/model.safetensors");
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  DocumentConfig short_config = package_.document_config;
+  short_config.max_tokens = 64;
+  absl::StatusOr<std::unique_ptr<DocumentClassifier>> short_model =
+      DocumentClassifier::Create(short_config, *std::move(weights));
+  ASSERT_TRUE(short_model.ok()) << short_model.status();
+  const at::Tensor tokens = at::randint(0, 256, {65}, at::TensorOptions().dtype(at::kLong));
+  ExpectStatus((*short_model)->Forward(tokens, {65}, {{true, 0, 0}}, false).status(),
+               absl::StatusCode::kInvalidArgument, "lengths[0]: 65 tokens is out of range: allowed [1, 64]");
+  EXPECT_TRUE((*short_model)->Forward(tokens.narrow(0, 0, 64), {64}, {{true, 0, 0}}, false).ok());
+}
+
+TEST_F(DocumentTwinTest, PackageFaultsAreNamed) {
+  // A weight missing from the file.
+  absl::StatusOr<std::map<std::string, at::Tensor>> weights = LoadSafetensors(package_directory_ + "/model.safetensors");
+  ASSERT_TRUE(weights.ok());
+  std::map<std::string, at::Tensor> missing = *weights;
+  missing.erase("position_conv.weight");
+  ExpectStatus(DocumentClassifier::Create(package_.document_config, missing).status(),
+               absl::StatusCode::kInvalidArgument, "weights: missing tensor \"position_conv.weight\" (expected shape [32, 1, 5])");
+  std::map<std::string, at::Tensor> extra = *weights;
+  extra["pos_embed"] = at::empty({1, 4, 32});
+  ExpectStatus(DocumentClassifier::Create(package_.document_config, extra).status(), absl::StatusCode::kInvalidArgument,
+               "weights: unexpected tensor \"pos_embed\"");
+  // A sentencepiece config without tokenizer.model.
+  Json config = Json::parse(ReadFileBytes(package_directory_ + "/config.json"));
+  config["tokenizer"] = "sentencepiece";
+  WriteFile(package_directory_ + "/config.json", config.dump());
+  ExpectStatus(LoadModelPackage(package_directory_).status(), absl::StatusCode::kNotFound, "tokenizer.model");
+}
+
+}  // namespace
+}  // namespace mita::models
