@@ -23,25 +23,28 @@ done < <(dpkg-query -W -f='${Package} ${Essential} ${Priority}\n')
 
 # Every resolved library, its real path and the usrmerge twins (/usr/lib and /lib are the same files), are
 # looked up in one dpkg -S call (each call reads the whole file database).
-declare -A owners=()
+declare -A owners=() real=()
 mapfile -t libraries < <(for binary in "${binaries[@]}"; do
   [ -x "$binary" ] && ldd "$binary" | awk '/=>/ && $3 ~ /^\// {print $3}'; done | sort -u)
+mapfile -t real_paths < <(readlink -f "${libraries[@]}")
 candidates=()
-for library in "${libraries[@]}"; do
-  for path in "$library" "$(readlink -f "$library")"; do candidates+=("$path" "${path#/usr}" "/usr${path}"); done
+for i in "${!libraries[@]}"; do
+  real[${libraries[$i]}]=${real_paths[$i]}
+  for path in "${libraries[$i]}" "${real_paths[$i]}"; do candidates+=("$path" "${path#/usr}" "/usr${path}"); done
 done
 while IFS= read -r line; do
   package=${line%%: *}
   owners[${line#*: }]=${package%%:*}
 done < <(dpkg -S "${candidates[@]}" 2>/dev/null | grep -v '^diversion' || true)
-owner() {
-  local library=$1 path
-  for path in "$library" "$(readlink -f "$library")"; do
+# Sets `package` to the owner of library $1, or "?".
+find_owner() {
+  local path candidate
+  package="?"
+  for path in "$1" "${real[$1]}"; do
     for candidate in "$path" "${path#/usr}" "/usr${path}"; do
-      if [ -n "${owners[$candidate]:-}" ]; then echo "${owners[$candidate]}"; return; fi
+      if [ -n "${owners[$candidate]:-}" ]; then package=${owners[$candidate]}; return; fi
     done
   done
-  echo "?"
 }
 
 status=0
@@ -53,7 +56,7 @@ for binary in "${binaries[@]}"; do
   fi
   count=0
   while read -r library; do
-    package=$(owner "$library")
+    find_owner "$library"
     count=$((count + 1))
     if [ "$package" = "?" ]; then
       echo "$binary: $library belongs to no Debian package"; status=1
