@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <optional>
 #include <utility>
@@ -307,7 +308,8 @@ absl::StatusOr<inference::ModelInferResponse> ToModelInferResponse(const inferen
   }
   absl::StatusOr<int64_t> resolved_top_n = ResolveTopN(top_n, classes);
   if (!resolved_top_n.ok()) {
-    return absl::Status(resolved_top_n.status().code(), RenameFieldsInMessage(std::string(resolved_top_n.status().message())));
+    return absl::Status(resolved_top_n.status().code(),
+                        RenameFieldsInMessage(std::string(resolved_top_n.status().message())));
   }
 
   bool want_scores = request.outputs_size() == 0;

@@ -1,5 +1,6 @@
 // mita-server: serves the model packages of a model repository over gRPC (mita.v1.MitaService, the Open
-// Inference Protocol inference.GRPCInferenceService, grpc.health.v1, server reflection) and exports Prometheus metrics over HTTP.
+// Inference Protocol inference.GRPCInferenceService, grpc.health.v1, server reflection) and exports Prometheus
+// metrics over HTTP.
 //
 // Flags (defaults):
 //   --listen=0.0.0.0:50051                 gRPC address.
@@ -190,7 +191,8 @@ int main(int argc, char** argv) {
     metrics_line = absl::StrCat("metrics on http://", metrics_listen, "/metrics (port ", metrics_server->port(), ")");
   }
   Log(absl::StrCat("serving gRPC on ", listen, " (port ", selected_port, "; mita.v1.MitaService, grpc.health.v1, ",
-                   "inference.GRPCInferenceService, reflection), ", metrics_line, "; models: ", absl::StrJoin((*registry)->names(), ", "),
+                   "inference.GRPCInferenceService, reflection), ", metrics_line,
+                   "; models: ", absl::StrJoin((*registry)->names(), ", "),
                    "; max_batch_size=", options.batching.max_batch_size,
                    " max_queue_delay=", absl::FormatDuration(options.batching.max_queue_delay),
                    " queue_capacity=", options.batching.queue_capacity,

@@ -446,7 +446,8 @@ TEST_F(KserveTest, BadRequestsGetTheMitaV1CodesWithProtocolNames) {
   {
     inference::ModelInferRequest request = ImageRequest(image);
     request.add_outputs()->set_name("logits");
-    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT, "outputs: unknown output 'logits'; available: scores, labels");
+    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT,
+                "outputs: unknown output 'logits'; available: scores, labels");
   }
   {
     inference::ModelInferRequest request = ImageRequest(image);
