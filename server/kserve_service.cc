@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <optional>
 #include <utility>
@@ -307,7 +308,8 @@ absl::StatusOr<inference::ModelInferResponse> ToModelInferResponse(const inferen
   }
   absl::StatusOr<int64_t> resolved_top_n = ResolveTopN(top_n, classes);
   if (!resolved_top_n.ok()) {
-    return absl::Status(resolved_top_n.status().code(), RenameFieldsInMessage(std::string(resolved_top_n.status().message())));
+    return absl::Status(resolved_top_n.status().code(),
+                        RenameFieldsInMessage(std::string(resolved_top_n.status().message())));
   }
 
   bool want_scores = request.outputs_size() == 0;
@@ -411,9 +413,9 @@ std::string KnobsJson(const v1::ModelMetadata& model) {
   return json.dump();
 }
 
-KserveService::KserveService(const ModelRegistry* registry, ClassifyService* classify,
+KserveService::KserveService(const ModelRegistry* registry, ClassifyService* classify, ServerMetrics* metrics,
                              int64_t max_encoded_image_bytes, std::string server_version)
-    : registry_(registry), classify_(classify), server_version_(std::move(server_version)) {
+    : registry_(registry), classify_(classify), metrics_(metrics), server_version_(std::move(server_version)) {
   for (const models::ModelPackage* package : registry_->packages()) {
     models_.emplace(package->name, BuildModelMetadata(*package, max_encoded_image_bytes));
   }
@@ -494,7 +496,10 @@ grpc::Status KserveService::ModelInfer(grpc::ServerContext* context, const infer
   }
   const v1::ModelMetadata& model = it->second;
   absl::StatusOr<v1::ClassifyRequest> classify = ToClassifyRequest(*request, model);
-  if (!classify.ok()) return fail(classify.status());
+  if (!classify.ok()) {
+    metrics_->CountRequest(RpcMethod::kClassify, metrics_->ForModel(model.name()), classify.status().code());
+    return fail(classify.status());
+  }
   absl::StatusOr<v1::ClassifyResponse> classified = classify_->HandleClassify(*classify, deadline, cancelled);
   if (!classified.ok()) return fail(classified.status());
   absl::StatusOr<inference::ModelInferResponse> translated = ToModelInferResponse(*request, *classified, model);

@@ -49,6 +49,7 @@
 #include "kserve/grpc_predict_v2.pb.h"
 #include "mita/v1/mita.pb.h"
 #include "server/classify_service.h"
+#include "server/metrics.h"
 #include "server/model_registry.h"
 
 namespace mita::server {
@@ -93,11 +94,13 @@ std::string RenameFieldsInMessage(const std::string& message);
 
 class KserveService final : public inference::GRPCInferenceService::Service {
  public:
-  // Serves the models of `registry` through `classify` (both must outlive the service). Not ready until
-  // SetReady(true). `max_encoded_image_bytes` is the image limit ClassifyService was built with (declared in
-  // the metadata), `server_version` the ServerMetadata version.
-  KserveService(const ModelRegistry* registry, ClassifyService* classify, int64_t max_encoded_image_bytes,
-                std::string server_version);
+  // Serves the models of `registry` through `classify`, which was built with `metrics` (all three must
+  // outlive the service); a ModelInfer rejected by the translation, before it reaches `classify`, is counted
+  // in `metrics` as a Classify call like the ones `classify` rejects. Not ready until SetReady(true).
+  // `max_encoded_image_bytes` is the image limit ClassifyService was built with (declared in the metadata),
+  // `server_version` the ServerMetadata version.
+  KserveService(const ModelRegistry* registry, ClassifyService* classify, ServerMetrics* metrics,
+                int64_t max_encoded_image_bytes, std::string server_version);
 
   // Readiness of the server and its models (ServerReady, ModelReady). Thread-safe.
   void SetReady(bool ready) { ready_.store(ready); }
@@ -124,6 +127,7 @@ class KserveService final : public inference::GRPCInferenceService::Service {
 
   const ModelRegistry* const registry_;
   ClassifyService* const classify_;
+  ServerMetrics* const metrics_;
   const std::string server_version_;
   std::map<std::string, v1::ModelMetadata> models_;  // immutable after construction
   std::atomic<bool> ready_{false};

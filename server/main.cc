@@ -1,5 +1,6 @@
 // mita-server: serves the model packages of a model repository over gRPC (mita.v1.MitaService, the Open
-// Inference Protocol inference.GRPCInferenceService, grpc.health.v1, server reflection) and exports Prometheus metrics over HTTP.
+// Inference Protocol inference.GRPCInferenceService, grpc.health.v1, server reflection) and exports Prometheus
+// metrics over HTTP.
 //
 // Flags (defaults):
 //   --listen=0.0.0.0:50051                 gRPC address.
@@ -172,7 +173,8 @@ int main(int argc, char** argv) {
       mita::server::ClassifyService::Create(registry->get(), &metrics, options);
   if (!service.ok()) return Fail(service.status().ToString());
   // Open Inference Protocol (KServe V2) on the same port, translated onto the same ClassifyService.
-  mita::server::KserveService kserve(registry->get(), service->get(), options.max_encoded_image_bytes, "0.1.0");
+  mita::server::KserveService kserve(registry->get(), service->get(), &metrics, options.max_encoded_image_bytes,
+                                     "0.1.0");
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -199,7 +201,8 @@ int main(int argc, char** argv) {
     metrics_line = absl::StrCat("metrics on http://", metrics_listen, "/metrics (port ", metrics_server->port(), ")");
   }
   Log(absl::StrCat("serving gRPC on ", listen, " (port ", selected_port, "; mita.v1.MitaService, grpc.health.v1, ",
-                   "inference.GRPCInferenceService, reflection), ", metrics_line, "; models: ", absl::StrJoin((*registry)->names(), ", "),
+                   "inference.GRPCInferenceService, reflection), ", metrics_line,
+                   "; models: ", absl::StrJoin((*registry)->names(), ", "),
                    "; max_batch_size=", options.batching.max_batch_size,
                    " max_queue_delay=", absl::FormatDuration(options.batching.max_queue_delay),
                    " max_batch_tokens=", options.batching.max_batch_tokens,

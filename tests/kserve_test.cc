@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,6 +37,7 @@
 #include "server/kserve_service.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
+#include "prometheus/metric_family.h"
 #include "tools/fashion_mnist.h"
 
 namespace mita::server {
@@ -76,6 +78,21 @@ void SetString(inference::ModelInferRequest& request, const std::string& name, c
   (*request.mutable_parameters())[name].set_string_param(value);
 }
 
+// mita_requests_total{method="Classify", model=kModel, code=`code`} read from the registry.
+double ClassifyCount(const ServerMetrics& metrics, const std::string& code) {
+  for (const prometheus::MetricFamily& family : metrics.registry()->Collect()) {
+    if (family.name != "mita_requests_total") continue;
+    for (const prometheus::ClientMetric& metric : family.metric) {
+      std::map<std::string, std::string> labels;
+      for (const auto& label : metric.label) labels[label.name] = label.value;
+      if (labels["method"] == "Classify" && labels["model"] == kModel && labels["code"] == code) {
+        return metric.counter.value;
+      }
+    }
+  }
+  return -1;
+}
+
 const inference::ModelInferResponse::InferOutputTensor* FindOutput(const inference::ModelInferResponse& response,
                                                                    const std::string& name) {
   for (const auto& output : response.outputs()) {
@@ -101,7 +118,7 @@ class KserveTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<ClassifyService>> service = ClassifyService::Create(registry_, metrics_, options);
     ASSERT_TRUE(service.ok()) << service.status();
     classify_ = service->release();
-    kserve_ = new KserveService(registry_, classify_, kMaxImageBytes, "test");
+    kserve_ = new KserveService(registry_, classify_, metrics_, kMaxImageBytes, "test");
     kserve_->SetReady(true);
 
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -429,7 +446,8 @@ TEST_F(KserveTest, BadRequestsGetTheMitaV1CodesWithProtocolNames) {
   {
     inference::ModelInferRequest request = ImageRequest(image);
     request.add_outputs()->set_name("logits");
-    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT, "outputs: unknown output 'logits'; available: scores, labels");
+    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT,
+                "outputs: unknown output 'logits'; available: scores, labels");
   }
   {
     inference::ModelInferRequest request = ImageRequest(image);
@@ -454,6 +472,22 @@ TEST_F(KserveTest, BadRequestsGetTheMitaV1CodesWithProtocolNames) {
     inference::ModelInferResponse response;
     EXPECT_EQ(stub_->ModelInfer(&context, request, &response).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   }
+}
+
+// ModelInfer calls are counted as Classify: rejected by the translation, by ClassifyService, or answered.
+TEST_F(KserveTest, CallsAreCountedAsClassify) {
+  const double invalid_before = ClassifyCount(*metrics_, "INVALID_ARGUMENT");
+  const double ok_before = ClassifyCount(*metrics_, "OK");
+  inference::ModelInferRequest bad_datatype = ImageRequest(images_[1]);
+  bad_datatype.mutable_inputs(0)->set_datatype("FP32");
+  inference::ModelInferRequest bad_budget = ImageRequest(images_[1]);
+  SetInt(bad_budget, "mita_expert_count", 3);
+  inference::ModelInferResponse response;
+  EXPECT_EQ(Infer(bad_datatype, &response).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Infer(bad_budget, &response).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(Infer(ImageRequest(images_[1]), &response).ok());
+  EXPECT_EQ(ClassifyCount(*metrics_, "INVALID_ARGUMENT") - invalid_before, 2);
+  EXPECT_EQ(ClassifyCount(*metrics_, "OK") - ok_before, 1);
 }
 
 TEST_F(KserveTest, HealthAndMetadata) {

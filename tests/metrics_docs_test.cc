@@ -129,7 +129,8 @@ TEST(MetricsDocsTest, EveryDocumentedSeriesIsExposedAndNothingElse) {
   ASSERT_GE(documented.size(), 10u) << "the README metrics table was not found or is short";
 
   ServerMetrics metrics({{"model-a", 2}});
-  absl::StatusOr<std::unique_ptr<MetricsHttpServer>> server = MetricsHttpServer::Start("127.0.0.1:0", metrics.registry());
+  absl::StatusOr<std::unique_ptr<MetricsHttpServer>> server =
+      MetricsHttpServer::Start("127.0.0.1:0", metrics.registry());
   ASSERT_TRUE(server.ok()) << server.status();
   absl::StatusOr<std::string> body = HttpGet((*server)->port(), "/metrics");
   ASSERT_TRUE(body.ok()) << body.status();

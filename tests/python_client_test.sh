@@ -40,16 +40,24 @@ fi
 client=("$python" "$source_dir/client/python/mita_client.py" --server="127.0.0.1:$port"
         --stubs="$build_dir/client/python" --manifest="$work/images/manifest.csv" --json)
 "$python" "$source_dir/client/python/mita_client.py" --server="127.0.0.1:$port" --stubs="$build_dir/client/python" --list
+"$python" "$source_dir/client/python/mita_client.py" --server="127.0.0.1:$port" --stubs="$build_dir/client/python" \
+  --protocol=kserve --list --json > "$work/kserve_metadata.json"
 "${client[@]}" --expert_count=16 --expert_width=32 > "$work/mita.json"
 "${client[@]}" --protocol=kserve --expert_count=16 --expert_width=32 > "$work/kserve.json"
 "${client[@]}" --protocol=kserve --preset=fast > "$work/kserve_fast.json"
-cat "$work"/*.json
+cat "$work"/kserve.json "$work"/kserve_fast.json "$work"/mita.json
 "$python" - "$work" <<'PY'
 import json, sys
 work = sys.argv[1]
 mita = json.load(open(f"{work}/mita.json"))
 kserve = json.load(open(f"{work}/kserve.json"))
 fast = json.load(open(f"{work}/kserve_fast.json"))
+metadata = json.load(open(f"{work}/kserve_metadata.json"))
+# ModelMetadata over the Open Inference Protocol, the knobs from the "mita-parameters" initial metadata.
+assert metadata["inputs"] == [["image", "BYTES", [1]]], metadata
+assert metadata["outputs"] == [["scores", "FP32", [10]], ["labels", "BYTES", [-1]]], metadata
+assert metadata["parameters"]["mita_expert_count"]["allowed"] == [1, 4, 9, 16, 25, 36, 49], metadata
+assert metadata["parameters"]["mita_expert_width"]["max"] == 50, metadata
 # The embedded model reaches 0.883 on the 10,000 test images at (16, 32) (README); 50 images: >= 0.8.
 for summary in (mita, kserve, fast):
     assert summary["labelled"] == 50, summary

@@ -92,7 +92,9 @@ def main():
     parser.add_argument("--top_n", type=int, default=0, help="labels returned (0: 5)")
     parser.add_argument("--manifest", help="CSV path,label_index: classify every image, print accuracy")
     parser.add_argument("--deadline_s", type=float, default=30.0)
-    parser.add_argument("--list", action="store_true", help="list the models (mita.v1 ListModels)")
+    parser.add_argument("--list", action="store_true",
+                        help="describe the models: mita.v1 ListModels, or with --protocol=kserve the Open "
+                             "Inference Protocol ModelMetadata of --model and its knobs")
     parser.add_argument("--json", action="store_true", help="print one JSON summary object")
     default_stubs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "build", "client", "python")
     parser.add_argument("--stubs", default=os.environ.get("MITA_PYTHON_STUBS", default_stubs),
@@ -101,6 +103,19 @@ def main():
     load_stubs(args.stubs)
 
     channel = grpc.insecure_channel(args.server)
+    if args.list and args.protocol == "kserve":
+        stub = kserve_pb2_grpc.GRPCInferenceServiceStub(channel)
+        metadata, call = stub.ModelMetadata.with_call(kserve_pb2.ModelMetadataRequest(name=args.model),
+                                                      timeout=args.deadline_s)
+        # The protocol's ModelMetadataResponse has no parameters field: MiTA Serve declares the knobs as JSON
+        # in the initial metadata key "mita-parameters".
+        knobs = json.loads(dict(call.initial_metadata())["mita-parameters"])
+        description = {"name": metadata.name, "versions": list(metadata.versions), "platform": metadata.platform,
+                       "inputs": [[t.name, t.datatype, list(t.shape)] for t in metadata.inputs],
+                       "outputs": [[t.name, t.datatype, list(t.shape)] for t in metadata.outputs],
+                       "parameters": knobs}
+        print(json.dumps(description) if args.json else json.dumps(description, indent=2))
+        return 0
     if args.list:
         stub = mita_pb2_grpc.MitaServiceStub(channel)
         for model in stub.ListModels(mita_pb2.ListModelsRequest(), timeout=args.deadline_s).models:
