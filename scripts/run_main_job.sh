@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The main job: build, start mita-server on the embedded default model, classify 200 real Fashion-MNIST test
-# images (PNG) through mita-client over gRPC at two budgets, print accuracy and latency, scrape the metrics,
-# stop the server.
-# Environment: IMAGES (default 200), PORT (default 50051), METRICS_PORT (default 9464).
+# The main job: build, start mita-server on the embedded models, classify 200 real Fashion-MNIST test images
+# (PNG) through mita-client over gRPC at two budgets (+ full attention), classify the held-out Linux kernel
+# documents (Debian linux-doc-6.1) with the embedded document model and one long real document (held-out
+# documents of one class concatenated, >= 16K tokens) at two budgets and full attention, print accuracy and
+# latency, scrape the metrics, stop the server.
+# Environment: IMAGES (default 200), DOCUMENTS (held-out documents to classify, default all), PORT (default
+# 50051), METRICS_PORT (default 9464).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 IMAGES=${IMAGES:-200}
@@ -39,11 +42,58 @@ echo "== one image with attention statistics"
 ./build/client/mita-client --server="127.0.0.1:$PORT" --model=fashion-mnist-vit --statistics \
   "$work/images/t10k-00000.png"
 
+DOCUMENT_MODEL=linux-doc-mita
+if [ ! -d "models/repository/$DOCUMENT_MODEL" ]; then
+  echo "== documents: NOT RUN: models/repository/$DOCUMENT_MODEL is missing" >&2
+  exit 1
+fi
+echo "== documents: held-out Linux kernel documentation (corpus built by tools/build_document_corpus.py)"
+/usr/bin/python3 tools/build_document_corpus.py --out "$work/corpus" --vocab-size 0 > "$work/corpus.log" 2>&1 ||
+  { cat "$work/corpus.log"; exit 1; }
+# manifest "path,label_index" of the held-out documents (heldout.tsv: text file, label index, source path)
+awk -F'\t' -v n="${DOCUMENTS:-0}" 'n == 0 || NR <= n {print $1 "," $2}' "$work/corpus/heldout.tsv" \
+  > "$work/corpus/heldout.csv"
+docs=(./build/client/mita-client --server="127.0.0.1:$PORT" --model="$DOCUMENT_MODEL"
+      --manifest="$work/corpus/heldout.csv" --concurrency=2 --truncate --quiet --deadline_ms=120000)
+echo "== documents, model default budget"
+"${docs[@]}"
+echo "== documents, preset 'fast'"
+"${docs[@]}" --preset=fast
+
+# One long real document: the held-out documents of the class with the most held-out text, concatenated
+# until 160,000 bytes (SentencePiece: about 4 bytes per token).
+/usr/bin/python3 - "$work/corpus" > "$work/long.label" <<'PYTHON'
+import collections, os, sys
+corpus = sys.argv[1]
+rows = [line.rstrip("\n").split("\t") for line in open(os.path.join(corpus, "heldout.tsv")) if line.strip()]
+size = collections.Counter()
+for path, label, _ in rows:
+    size[label] += os.path.getsize(os.path.join(corpus, path))
+label = size.most_common(1)[0][0]
+parts, total = [], 0
+for path, row_label, _ in rows:
+    if row_label == label and total < 160000:
+        text = open(os.path.join(corpus, path), encoding="utf-8").read()
+        parts.append(text)
+        total += len(text.encode("utf-8"))
+open(os.path.join(corpus, "long.txt"), "w", encoding="utf-8").write("\n\n".join(parts))
+names = open(os.path.join(corpus, "labels.txt")).read().split()
+print(f"{names[int(label)]} ({len(parts)} held-out documents, {total} bytes)")
+PYTHON
+echo "== one long document: $(cat "$work/long.label")"
+long=(./build/client/mita-client --server="127.0.0.1:$PORT" --model="$DOCUMENT_MODEL" --truncate --top_n=3
+      --deadline_ms=600000 "$work/corpus/long.txt")
+"${long[@]}" | tee "$work/long.out"
+tokens=$(sed -n 's/.*, \([0-9]*\) tokens.*/\1/p' "$work/long.out" | head -1)
+[ "${tokens:-0}" -ge 16384 ] || { echo "the long document has ${tokens:-0} tokens, fewer than 16384"; exit 1; }
+"${long[@]}" --preset=fast
+"${long[@]}" --full_attention
+
 echo "== metrics scrape (routing and pruning series)"
 exec 3<>"/dev/tcp/127.0.0.1/$METRICS_PORT"
 printf 'GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n' >&3
 # non-zero series only: requests by code, batch sizes, per-layer routing and pruning histograms (sum, count)
-grep -E '^mita_(attention_[a-z_]+_(sum|count)|requests_total|batch_size_(sum|count))' <&3 | awk '$NF != 0'
+grep -E '^mita_(attention_[a-z_]+_(sum|count)|requests_total|rejected_requests_total|batch_size_(sum|count)|(request|batch)_tokens_(sum|count))' <&3 | awk '$NF != 0'
 exec 3>&-
 
 kill -TERM $server

@@ -1,6 +1,7 @@
 #include "server/classify_service.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 #include <c10/core/InferenceMode.h>
 
@@ -13,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "kernels/mita_attention.h"
+#include "models/document_classifier.h"
 #include "models/image_decoder.h"
 #include "models/vit_classifier.h"
 #include "server/grpc_status.h"
@@ -66,9 +68,11 @@ absl::Time DeadlineOf(const grpc::ServerContext& context) {
 // One Classify request, queued in a model's batcher. The handler that submitted it owns `result` and waits
 // on it, so every pointer here outlives the task.
 struct ClassifyService::Task {
-  at::Tensor image;  // [C, H, W] float32, preprocessed
+  at::Tensor image;                // image models: [C, H, W] float32, preprocessed
+  std::vector<int64_t> token_ids;  // document models: token_count ids in [0, vocab_size)
   models::AttentionBudget budget;  // as applied to this input
-  int64_t token_count = 0;         // tokens in the packed batch (image: patches + cls)
+  int64_t token_count = 0;         // tokens in the packed batch (image: patches + cls; document: after truncation)
+  int64_t input_token_count = 0;   // tokens before truncation
   int64_t compute_unit_count = 0;  // ComputeUnits(token_count, budget)
   int64_t top_n = kDefaultTopN;
   absl::Time deadline = absl::InfiniteFuture();
@@ -91,16 +95,22 @@ struct ClassifyService::TaskResult {
   absl::Notification done;
 };
 
-absl::StatusOr<ResolvedBudget> ResolveBudget(const models::VitConfig& config, const v1::ClassifyRequest& request) {
+namespace {
+
+// Resolves a request's budget against a model's default budget and presets; `validate` checks an explicit
+// budget against the model's ranges (naming the proto field).
+absl::StatusOr<ResolvedBudget> ResolveBudgetAgainst(
+    const models::AttentionBudget& default_budget, const std::map<std::string, models::AttentionBudget>& presets,
+    const std::function<absl::Status(const models::AttentionBudget&)>& validate, const v1::ClassifyRequest& request) {
   const v1::Budget& budget = request.budget();
   switch (budget.choice_case()) {
     case v1::Budget::CHOICE_NOT_SET:
-      return ResolvedBudget{config.default_budget, "default"};
+      return ResolvedBudget{default_budget, "default"};
     case v1::Budget::kPreset: {
-      auto it = config.presets.find(budget.preset());
-      if (it == config.presets.end()) {
+      auto it = presets.find(budget.preset());
+      if (it == presets.end()) {
         std::vector<std::string> names;
-        for (const auto& [name, preset] : config.presets) names.push_back(name);
+        for (const auto& [name, preset] : presets) names.push_back(name);
         return absl::InvalidArgumentError(
             absl::StrCat("field budget.preset: unknown preset '", Echo(budget.preset()), "'; available: ",
                          names.empty() ? std::string("none (use budget.experts or budget.full_attention)")
@@ -110,19 +120,19 @@ absl::StatusOr<ResolvedBudget> ResolveBudget(const models::VitConfig& config, co
     }
     case v1::Budget::kExperts: {
       // A knob left at 0 takes the model's default, so a client may set only the expert count or only the
-      // expert width. Negative values are errors (ValidateBudget names the field and the range).
+      // expert width. Negative values are errors (`validate` names the field and the range).
       models::AttentionBudget resolved;
-      resolved.expert_count = budget.experts().expert_count() == 0 ? config.default_budget.expert_count
+      resolved.expert_count = budget.experts().expert_count() == 0 ? default_budget.expert_count
                                                                    : budget.experts().expert_count();
-      resolved.expert_width = budget.experts().expert_width() == 0 ? config.default_budget.expert_width
+      resolved.expert_width = budget.experts().expert_width() == 0 ? default_budget.expert_width
                                                                    : budget.experts().expert_width();
-      if (config.default_budget.full_attention && (resolved.expert_count == 0 || resolved.expert_width == 0)) {
+      if (default_budget.full_attention && (resolved.expert_count == 0 || resolved.expert_width == 0)) {
         return absl::InvalidArgumentError(
             "field budget.experts: the model's default is full attention, so set both expert_count and "
             "expert_width");
       }
-      if (absl::Status status = models::ValidateBudget(config, resolved); !status.ok()) {
-        // ValidateBudget names the field and the range; keep its code unless it is not a user error code.
+      if (absl::Status status = validate(resolved); !status.ok()) {
+        // `validate` names the field and the range; keep its code unless it is not a user error code.
         if (status.code() == absl::StatusCode::kInvalidArgument) return status;
         return absl::InvalidArgumentError(status.message());
       }
@@ -135,6 +145,85 @@ absl::StatusOr<ResolvedBudget> ResolveBudget(const models::VitConfig& config, co
     }
   }
   return absl::InvalidArgumentError("field budget: unknown budget choice");
+}
+
+}  // namespace
+
+absl::StatusOr<ResolvedBudget> ResolveBudget(const models::VitConfig& config, const v1::ClassifyRequest& request) {
+  return ResolveBudgetAgainst(
+      config.default_budget, config.presets,
+      [&config](const models::AttentionBudget& budget) { return models::ValidateBudget(config, budget); }, request);
+}
+
+absl::StatusOr<ResolvedBudget> ResolveDocumentBudget(const models::DocumentConfig& config,
+                                                     const v1::ClassifyRequest& request) {
+  return ResolveBudgetAgainst(
+      config.default_budget, config.presets,
+      [&config](const models::AttentionBudget& budget) { return models::ValidateDocumentBudget(config, budget); },
+      request);
+}
+
+absl::StatusOr<TokenizedDocument> TokenizeDocument(const v1::Document& document, const models::Tokenizer* tokenizer,
+                                                   const DocumentLimits& limits) {
+  std::vector<int64_t> ids;
+  std::string field;
+  switch (document.content_case()) {
+    case v1::Document::CONTENT_NOT_SET:
+      return absl::InvalidArgumentError("field document: set document.text or document.token_ids");
+    case v1::Document::kText: {
+      field = "document.text";
+      const std::string& text = document.text();
+      if (text.empty()) {
+        return absl::InvalidArgumentError(
+            "field document.text: the document is empty; a document needs at least 1 token");
+      }
+      if (absl::Status status = models::ValidateUtf8(text, absl::StrCat("field ", field)); !status.ok()) {
+        return absl::InvalidArgumentError(status.message());
+      }
+      if (tokenizer == nullptr) return absl::InternalError("the model has no tokenizer");
+      absl::StatusOr<std::vector<int64_t>> encoded = tokenizer->Encode(text);
+      if (!encoded.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("field document.text: ", encoded.status().message()));
+      }
+      ids = *std::move(encoded);
+      if (ids.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat("field document.text: the ", text.size(),
+                                                       "-byte text has no tokens (tokenizer ", tokenizer->name(),
+                                                       "); a document needs at least 1 token"));
+      }
+      break;
+    }
+    case v1::Document::kTokenIds: {
+      field = "document.token_ids.ids";
+      const auto& sent = document.token_ids().ids();
+      if (sent.empty()) {
+        return absl::InvalidArgumentError(
+            "field document.token_ids.ids: the document is empty; a document needs at least 1 token");
+      }
+      for (int i = 0; i < sent.size(); ++i) {
+        if (sent[i] < 0 || sent[i] >= limits.vocab_size) {
+          return absl::InvalidArgumentError(absl::StrCat("field document.token_ids.ids[", i, "]: ", sent[i],
+                                                         " is out of range: allowed [0, ", limits.vocab_size - 1,
+                                                         "]"));
+        }
+      }
+      ids.assign(sent.begin(), sent.end());
+      break;
+    }
+  }
+  TokenizedDocument result;
+  result.input_tokens = static_cast<int64_t>(ids.size());
+  if (result.input_tokens > limits.max_tokens) {
+    if (!document.truncate()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "field ", field, ": the document has ", result.input_tokens, " tokens, over the limit of ",
+          limits.max_tokens, " tokens (", limits.max_tokens_source, "); set document.truncate to classify its first ",
+          limits.max_tokens, " tokens"));
+    }
+    ids.resize(static_cast<size_t>(limits.max_tokens));
+  }
+  result.token_ids = std::move(ids);
+  return result;
 }
 
 absl::StatusOr<int64_t> ResolveTopN(int64_t top_n, int64_t num_classes) {
@@ -152,7 +241,53 @@ int64_t ComputeUnits(int64_t tokens, const models::AttentionBudget& budget) {
   return tokens * std::max<int64_t>(width, 1);
 }
 
-v1::ModelMetadata BuildModelMetadata(const models::ModelPackage& package, int64_t max_encoded_image_bytes) {
+int64_t AttentionLayers(const models::ModelPackage& package) {
+  return package.kind == models::ModelKind::kDocument ? package.document_config.depth : package.config.depth;
+}
+
+namespace {
+
+v1::ModelMetadata BuildDocumentMetadata(const models::ModelPackage& package, const ServiceOptions& options) {
+  const models::DocumentConfig& config = package.document_config;
+  v1::ModelMetadata metadata;
+  metadata.set_name(package.name);
+  metadata.set_architecture(config.architecture);
+  metadata.set_input_kind(v1::INPUT_KIND_DOCUMENT);
+  v1::DocumentLimits* limits = metadata.mutable_document_limits();
+  limits->set_max_tokens(std::min(config.max_tokens, options.batching.max_batch_tokens));
+  limits->set_vocabulary_size(config.vocab_size);
+  limits->set_tokenizer(package.tokenizer != nullptr ? package.tokenizer->name() : config.tokenizer);
+  for (const std::string& label : package.labels) metadata.add_labels(label);
+  v1::Knobs* knobs = metadata.mutable_knobs();
+  knobs->set_min_expert_count(1);
+  knobs->set_max_expert_count(config.max_expert_count);
+  knobs->set_min_expert_width(1);
+  knobs->set_max_expert_width(config.max_expert_width);
+  knobs->mutable_default_budget()->set_expert_count(config.default_budget.expert_count);
+  knobs->mutable_default_budget()->set_expert_width(config.default_budget.expert_width);
+  for (const auto& [name, preset] : config.presets) {
+    v1::NamedBudget* named = knobs->add_presets();
+    named->set_name(name);
+    if (preset.full_attention) {
+      named->set_full_attention(true);
+    } else {
+      named->mutable_budget()->set_expert_count(preset.expert_count);
+      named->mutable_budget()->set_expert_width(preset.expert_width);
+    }
+  }
+  knobs->set_full_attention_supported(true);
+  metadata.set_layers(static_cast<int32_t>(config.depth));
+  metadata.set_heads(static_cast<int32_t>(config.num_heads));
+  metadata.set_embed_dim(static_cast<int32_t>(config.embed_dim));
+  metadata.set_tokens_per_input(0);
+  return metadata;
+}
+
+}  // namespace
+
+v1::ModelMetadata BuildModelMetadata(const models::ModelPackage& package, const ServiceOptions& options) {
+  if (package.kind == models::ModelKind::kDocument) return BuildDocumentMetadata(package, options);
+  const int64_t max_encoded_image_bytes = options.max_encoded_image_bytes;
   const models::VitConfig& config = package.config;
   v1::ModelMetadata metadata;
   metadata.set_name(package.name);
@@ -180,8 +315,12 @@ v1::ModelMetadata BuildModelMetadata(const models::ModelPackage& package, int64_
   for (const auto& [name, preset] : config.presets) {
     v1::NamedBudget* named = knobs->add_presets();
     named->set_name(name);
-    named->mutable_budget()->set_expert_count(preset.expert_count);
-    named->mutable_budget()->set_expert_width(preset.expert_width);
+    if (preset.full_attention) {
+      named->set_full_attention(true);
+    } else {
+      named->mutable_budget()->set_expert_count(preset.expert_count);
+      named->mutable_budget()->set_expert_width(preset.expert_width);
+    }
   }
   knobs->set_full_attention_supported(true);
   metadata.set_layers(static_cast<int32_t>(config.depth));
@@ -206,7 +345,14 @@ absl::StatusOr<std::unique_ptr<ClassifyService>> ClassifyService::Create(const M
     if (slot->metrics == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("metrics were not built for model '", package->name, "'"));
     }
-    slot->metadata = BuildModelMetadata(*package, service->options_.max_encoded_image_bytes);
+    slot->metadata = BuildModelMetadata(*package, service->options_);
+    if (package->kind == models::ModelKind::kImage &&
+        package->config.tokens() > service->options_.batching.max_batch_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "max_batch_tokens ", service->options_.batching.max_batch_tokens, " (",
+          service->options_.batching.max_batch_tokens_source, ") is smaller than the ", package->config.tokens(),
+          " tokens of one input of model '", package->name, "'"));
+    }
     const ModelSlot* slot_ptr = slot.get();
     ClassifyService* self = service.get();
     absl::StatusOr<std::unique_ptr<DynamicBatcher<Task>>> batcher = DynamicBatcher<Task>::Create(
@@ -277,9 +423,8 @@ absl::StatusOr<v1::ClassifyResponse> ClassifyService::HandleClassify(const v1::C
   return result;
 }
 
-absl::StatusOr<v1::ClassifyResponse> ClassifyService::DoClassify(const ModelSlot& slot,
-                                                                 const v1::ClassifyRequest& request,
-                                                                 absl::Time deadline, std::function<bool()> cancelled) {
+absl::Status ClassifyService::PrepareImageTask(const ModelSlot& slot, const v1::ClassifyRequest& request,
+                                               absl::Time deadline, Task* task, std::string* preset) const {
   const models::ModelPackage& package = *slot.package;
   const models::VitConfig& config = package.config;
   // Input kind and the cheap checks first, so that a bad request costs no decoding.
@@ -305,17 +450,70 @@ absl::StatusOr<v1::ClassifyResponse> ClassifyService::DoClassify(const ModelSlot
   // Decode and preprocess here, in the handler thread: bad input fails before it is queued.
   absl::StatusOr<at::Tensor> image = DecodeAndPreprocess(bytes, config);
   if (!image.ok()) return image.status();
-
-  TaskResult result;
-  auto task = std::make_unique<Task>();
   task->image = *std::move(image);
   task->budget = budget->budget;
   task->token_count = config.tokens();
-  task->compute_unit_count = ComputeUnits(task->token_count, task->budget);
+  task->input_token_count = config.tokens();
   task->top_n = *top_n;
+  *preset = budget->preset;
+  return absl::OkStatus();
+}
+
+absl::Status ClassifyService::PrepareDocumentTask(const ModelSlot& slot, const v1::ClassifyRequest& request,
+                                                  absl::Time deadline, Task* task, std::string* preset) const {
+  const models::ModelPackage& package = *slot.package;
+  const models::DocumentConfig& config = package.document_config;
+  if (request.input_case() != v1::ClassifyRequest::kDocument) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "field input: model '", package.name, "' takes a document (document.text or document.token_ids)",
+        request.input_case() == v1::ClassifyRequest::kImage ? ", not an image" : " and none was set"));
+  }
+  absl::StatusOr<ResolvedBudget> budget = ResolveDocumentBudget(config, request);
+  if (!budget.ok()) return budget.status();
+  absl::StatusOr<int64_t> top_n = ResolveTopN(request.top_n(), config.num_classes);
+  if (!top_n.ok()) return top_n.status();
+  if (clock_->Now() >= deadline) {
+    return absl::DeadlineExceededError("the deadline passed before the request was queued; it was not run");
+  }
+
+  // Validate and tokenize here, in the handler thread: bad input fails before it is queued, and the batch
+  // thread only runs the model.
+  DocumentLimits limits;
+  limits.max_tokens = std::min(config.max_tokens, options_.batching.max_batch_tokens);
+  limits.max_tokens_source = config.max_tokens <= options_.batching.max_batch_tokens
+                                 ? std::string("the model's max_tokens")
+                                 : options_.batching.max_batch_tokens_source;
+  limits.vocab_size = config.vocab_size;  // the embedding table; a tokenizer's ids are within it
+  absl::StatusOr<TokenizedDocument> document = TokenizeDocument(request.document(), package.tokenizer.get(), limits);
+  if (!document.ok()) return document.status();
+  task->token_count = static_cast<int64_t>(document->token_ids.size());
+  task->input_token_count = document->input_tokens;
+  task->token_ids = std::move(document->token_ids);
+  // The budget actually applied to a document of this length (m and k at most N); the response echoes it.
+  task->budget = models::ApplyDocumentBudget(budget->budget, task->token_count);
+  task->top_n = *top_n;
+  *preset = budget->preset;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::ClassifyResponse> ClassifyService::DoClassify(const ModelSlot& slot,
+                                                                 const v1::ClassifyRequest& request,
+                                                                 absl::Time deadline, std::function<bool()> cancelled) {
+  const models::ModelPackage& package = *slot.package;
+  TaskResult result;
+  auto task = std::make_unique<Task>();
+  std::string preset;
+  const absl::Status prepared = package.kind == models::ModelKind::kDocument
+                                    ? PrepareDocumentTask(slot, request, deadline, task.get(), &preset)
+                                    : PrepareImageTask(slot, request, deadline, task.get(), &preset);
+  if (!prepared.ok()) return prepared;
+  task->compute_unit_count = ComputeUnits(task->token_count, task->budget);
   task->deadline = deadline;
   task->cancelled = std::move(cancelled);
   task->result = &result;
+  const models::AttentionBudget applied_budget = task->budget;
+  const int64_t token_count = task->token_count;
+  const int64_t input_token_count = task->input_token_count;
   if (absl::Status status = Admit(slot, &task); !status.ok()) return status;
   result.done.WaitForNotification();
   if (!result.status.ok()) return result.status;
@@ -331,17 +529,18 @@ absl::StatusOr<v1::ClassifyResponse> ClassifyService::DoClassify(const ModelSlot
     entry->set_score(score);
   }
   v1::AppliedBudget* applied = response.mutable_budget();
-  applied->set_full_attention(budget->budget.full_attention);
-  if (!budget->budget.full_attention) {
-    applied->set_expert_count(budget->budget.expert_count);
-    applied->set_expert_width(budget->budget.expert_width);
+  applied->set_full_attention(applied_budget.full_attention);
+  if (!applied_budget.full_attention) {
+    applied->set_expert_count(applied_budget.expert_count);
+    applied->set_expert_width(applied_budget.expert_width);
   }
-  applied->set_preset(budget->preset);
+  applied->set_preset(preset);
   v1::Timing* timing = response.mutable_timing();
   timing->set_queue_delay_us(Microseconds(result.queue_delay));
   timing->set_compute_us(Microseconds(result.compute));
   timing->set_batch_size(static_cast<int32_t>(result.batch_size));
-  response.set_token_count(config.tokens());
+  response.set_token_count(token_count);
+  response.set_input_token_count(input_token_count);
   if (request.return_statistics()) {
     for (size_t layer = 0; layer < result.statistics.size(); ++layer) {
       const kernels::MitaItemStatistics& stats = result.statistics[layer];
@@ -405,19 +604,33 @@ void ClassifyService::ProcessBatch(const ModelSlot& slot, Batch<Task> batch) {
   absl::Status failure;
   try {
     c10::InferenceMode inference_mode;
-    std::vector<at::Tensor> images;
     std::vector<models::AttentionBudget> budgets;
     int64_t max_top_n = 1;
-    images.reserve(runnable.size());
     budgets.reserve(runnable.size());
     for (Task* task : runnable) {
-      images.push_back(task->image);
       budgets.push_back(task->budget);
       max_top_n = std::max(max_top_n, task->top_n);
     }
-    const at::Tensor stacked = at::stack(images, 0);
-    absl::StatusOr<models::ClassifierOutput> output =
-        package.model->Forward(stacked, budgets, /*want_statistics=*/true);
+    absl::StatusOr<models::ClassifierOutput> output = absl::UnknownError("not run");
+    if (package.kind == models::ModelKind::kDocument) {
+      // A packed batch without padding: the documents' token ids back to back, [T] with T = batch_tokens; the
+      // dense layers run on all T tokens at once, attention per document with its own N, m and k.
+      at::Tensor token_ids = at::empty({batch_tokens}, at::TensorOptions().dtype(at::kLong));
+      int64_t* packed = token_ids.data_ptr<int64_t>();
+      std::vector<int64_t> lengths;
+      lengths.reserve(runnable.size());
+      for (const Task* task : runnable) {
+        std::copy(task->token_ids.begin(), task->token_ids.end(), packed);
+        packed += task->token_ids.size();
+        lengths.push_back(task->token_count);
+      }
+      output = package.document_model->Forward(token_ids, lengths, budgets, /*want_statistics=*/true);
+    } else {
+      std::vector<at::Tensor> images;
+      images.reserve(runnable.size());
+      for (Task* task : runnable) images.push_back(task->image);
+      output = package.model->Forward(at::stack(images, 0), budgets, /*want_statistics=*/true);
+    }
     if (!output.ok()) {
       // The requests were validated: a failing forward is a server fault, not the caller's.
       failure = absl::InternalError(absl::StrCat("model '", package.name, "' failed: ", output.status().message()));

@@ -32,6 +32,8 @@
 #include "mita/v1/mita.grpc.pb.h"
 #include "mita/v1/mita.pb.h"
 #include "models/model_config.h"
+#include "models/model_package.h"
+#include "models/tokenizer.h"
 #include "server/batcher.h"
 #include "server/clock.h"
 #include "server/metrics.h"
@@ -63,6 +65,41 @@ struct ResolvedBudget {
 // "field budget.preset: unknown preset 'x'; available: accurate, balanced, fast".
 absl::StatusOr<ResolvedBudget> ResolveBudget(const models::VitConfig& config, const v1::ClassifyRequest& request);
 
+// As ResolveBudget, for a document model: experts -> models::ValidateDocumentBudget (expert_count in
+// [1, max_expert_count], expert_width in [1, max_expert_width]). The budget applied to a document is then
+// models::ApplyDocumentBudget(budget, tokens) (m and k at most the document's tokens N).
+absl::StatusOr<ResolvedBudget> ResolveDocumentBudget(const models::DocumentConfig& config,
+                                                     const v1::ClassifyRequest& request);
+
+// What a document may be: at most max_tokens tokens (named by max_tokens_source in errors, e.g. "the
+// model's max_tokens" or "flag --max_batch_tokens"), token ids in [0, vocab_size).
+struct DocumentLimits {
+  int64_t max_tokens = 0;
+  std::string max_tokens_source;
+  int64_t vocab_size = 0;
+};
+
+// A request's document as token ids.
+struct TokenizedDocument {
+  std::vector<int64_t> token_ids;  // 1 .. max_tokens ids, in [0, vocab_size)
+  int64_t input_tokens = 0;        // tokens before truncation (>= token_ids.size())
+};
+
+// Validates and tokenizes a request's document (DESIGN.md section 4): text is checked as UTF-8 and encoded
+// with `tokenizer`; token ids are range-checked against limits.vocab_size. A document longer than
+// limits.max_tokens is cut to its first max_tokens tokens when document.truncate is set.
+// Errors, all INVALID_ARGUMENT naming the field: neither text nor ids ("field document: ..."); invalid UTF-8
+// ("field document.text: invalid UTF-8 at byte offset 3"); an empty document or text without tokens ("...
+// the document is empty; a document needs at least 1 token"); an id out of range ("field
+// document.token_ids.ids[7]: 300 is out of range: allowed [0, 255]"); too long without truncate ("field
+// document.text: the document has 70000 tokens, over the limit of 65536 tokens (the model's max_tokens); set
+// document.truncate ..."). `tokenizer` may be null only for token-id documents.
+absl::StatusOr<TokenizedDocument> TokenizeDocument(const v1::Document& document, const models::Tokenizer* tokenizer,
+                                                   const DocumentLimits& limits);
+
+// Attention layers of a package's model (image or document): the layer label range of its metrics.
+int64_t AttentionLayers(const models::ModelPackage& package);
+
 // Resolves top_n: 0 -> min(5, num_classes). Errors: INVALID_ARGUMENT "field top_n: ..." with the range when
 // top_n < 0 or > num_classes.
 absl::StatusOr<int64_t> ResolveTopN(int64_t top_n, int64_t num_classes);
@@ -73,8 +110,10 @@ absl::StatusOr<int64_t> ResolveTopN(int64_t top_n, int64_t num_classes);
 // applied to the input.
 int64_t ComputeUnits(int64_t tokens, const models::AttentionBudget& budget);
 
-// The metadata GetModel returns for `package`: input kind IMAGE with its limits, labels, and knobs.
-v1::ModelMetadata BuildModelMetadata(const models::ModelPackage& package, int64_t max_encoded_image_bytes);
+// The metadata GetModel returns for `package` served with `options`: input kind (IMAGE or DOCUMENT) with its
+// limits (ImageLimits, or DocumentLimits whose max_tokens is min(model max_tokens, max_batch_tokens)),
+// labels, and knobs (allowed ranges, default budget, presets).
+v1::ModelMetadata BuildModelMetadata(const models::ModelPackage& package, const ServiceOptions& options);
 
 class ClassifyService final : public v1::MitaService::Service {
  public:
@@ -128,6 +167,13 @@ class ClassifyService final : public v1::MitaService::Service {
   // The slot of model `name`. On failure counts the RPC (`method`, model "unknown") and returns the
   // registry's error: INVALID_ARGUMENT for an empty name, NOT_FOUND for an unknown one.
   absl::StatusOr<const ModelSlot*> FindSlot(const std::string& name, RpcMethod method) const;
+  // Fill `*task` (input, applied budget, tokens, top_n) and `*preset` (the preset name to echo) from an
+  // image / document request, in the handler thread. Errors: INVALID_ARGUMENT naming the field;
+  // DEADLINE_EXCEEDED when the deadline passed before the work (decoding, tokenizing) started.
+  absl::Status PrepareImageTask(const ModelSlot& slot, const v1::ClassifyRequest& request, absl::Time deadline,
+                                Task* task, std::string* preset) const;
+  absl::Status PrepareDocumentTask(const ModelSlot& slot, const v1::ClassifyRequest& request, absl::Time deadline,
+                                   Task* task, std::string* preset) const;
   // Submits `*task` to the slot's batcher; on success observes its budget and tokens, on refusal counts the
   // rejection by reason. Errors: the batcher's (RESOURCE_EXHAUSTED, UNAVAILABLE, INVALID_ARGUMENT).
   absl::Status Admit(const ModelSlot& slot, std::unique_ptr<Task>* task);

@@ -148,7 +148,16 @@ int main(int argc, char** argv) {
   std::vector<mita::server::ServerMetrics::ModelInfo> model_infos;
   std::vector<std::string> model_lines;
   for (const mita::models::ModelPackage* package : (*registry)->packages()) {
-    model_infos.push_back({package->name, package->config.depth});
+    model_infos.push_back({package->name, mita::server::AttentionLayers(*package)});
+    if (package->kind == mita::models::ModelKind::kDocument) {
+      const mita::models::DocumentConfig& config = package->document_config;
+      model_lines.push_back(absl::StrCat(package->name, " (", config.architecture, ", documents up to ",
+                                         config.max_tokens, " tokens, tokenizer ", config.tokenizer, ", ",
+                                         config.depth, " layers, ", config.num_classes,
+                                         " classes, default budget expert_count=", config.default_budget.expert_count,
+                                         " expert_width=", config.default_budget.expert_width, ")"));
+      continue;
+    }
     const mita::models::VitConfig& config = package->config;
     model_lines.push_back(absl::StrCat(package->name, " (", config.architecture, ", ", config.image_size, "x",
                                        config.image_size, "x", config.in_channels, ", ", config.tokens(), " tokens, ",

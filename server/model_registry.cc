@@ -56,7 +56,7 @@ absl::StatusOr<std::unique_ptr<ModelRegistry>> ModelRegistry::FromPackages(std::
   std::unique_ptr<ModelRegistry> registry(new ModelRegistry());
   for (models::ModelPackage& package : packages) {
     if (package.name.empty()) return absl::InvalidArgumentError("model package without a name");
-    if (package.model == nullptr) {
+    if (package.model == nullptr && package.document_model == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("model package '", package.name, "' has no model"));
     }
     std::string name = package.name;

@@ -25,9 +25,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -143,7 +145,7 @@ class ServiceTest : public ::testing::Test {
     ASSERT_TRUE(package.ok()) << package.status();
 
     std::vector<ServerMetrics::ModelInfo> infos;
-    for (const models::ModelPackage* p : registry_->packages()) infos.push_back({p->name, p->config.depth});
+    for (const models::ModelPackage* p : registry_->packages()) infos.push_back({p->name, AttentionLayers(*p)});
     metrics_ = new ServerMetrics(infos);
     absl::StatusOr<std::unique_ptr<MetricsHttpServer>> metrics_server =
         MetricsHttpServer::Start("127.0.0.1:0", metrics_->registry());
@@ -741,10 +743,11 @@ TEST_F(ServiceTest, MetricsScrapeHasRoutingAndPruningSeries) {
 // the shared fixture's.
 class TestServer {
  public:
-  // Serves `registry` with `options`; check ok() after construction.
-  TestServer(const ModelRegistry* registry, ServiceOptions options) {
+  // Serves `registry` with `options`; `max_receive_message_bytes` > 0 sets gRPC's receive limit (else gRPC's
+  // default, 4 MiB). Check status() after construction.
+  TestServer(const ModelRegistry* registry, ServiceOptions options, int max_receive_message_bytes = 0) {
     std::vector<ServerMetrics::ModelInfo> infos;
-    for (const models::ModelPackage* p : registry->packages()) infos.push_back({p->name, p->config.depth});
+    for (const models::ModelPackage* p : registry->packages()) infos.push_back({p->name, AttentionLayers(*p)});
     metrics_ = std::make_unique<ServerMetrics>(infos);
     absl::StatusOr<std::unique_ptr<ClassifyService>> service = ClassifyService::Create(registry, metrics_.get(), options);
     if (!service.ok()) {
@@ -756,6 +759,7 @@ class TestServer {
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
     builder.RegisterService(service_.get());
+    if (max_receive_message_bytes > 0) builder.SetMaxReceiveMessageSize(max_receive_message_bytes);
     server_ = builder.BuildAndStart();
     if (server_ == nullptr || port == 0) {
       status_ = absl::UnavailableError("cannot start the gRPC server");
@@ -800,22 +804,28 @@ double Percentile(std::vector<double> values, double p) {
 // Sends `count` requests at once (one thread each) and returns every call's outcome and client latency.
 struct BurstOutcome {
   std::vector<absl::Status> statuses;
-  std::vector<double> latencies_ms;  // client side, parallel to statuses
+  std::vector<double> latencies_ms;         // client side, parallel to statuses
+  std::vector<double> server_latencies_ms;  // timing.total_us of successful calls (receipt to answer), else 0
 };
 BurstOutcome SendBurst(const client::MitaClient& client, const std::vector<std::string>& images, int count,
                        const client::ClassifyOptions& options) {
   BurstOutcome outcome;
   outcome.statuses.assign(static_cast<size_t>(count), absl::UnknownError("no answer"));
   outcome.latencies_ms.assign(static_cast<size_t>(count), 0);
+  outcome.server_latencies_ms.assign(static_cast<size_t>(count), 0);
   absl::Notification go;
   std::vector<std::thread> threads;
   for (int i = 0; i < count; ++i) {
     threads.emplace_back([&, i] {
       go.WaitForNotification();
       const absl::Time start = absl::Now();
-      outcome.statuses[static_cast<size_t>(i)] =
-          client.Classify(images[static_cast<size_t>(i) % images.size()], options).status();
+      absl::StatusOr<v1::ClassifyResponse> response =
+          client.Classify(images[static_cast<size_t>(i) % images.size()], options);
       outcome.latencies_ms[static_cast<size_t>(i)] = absl::ToDoubleMilliseconds(absl::Now() - start);
+      outcome.statuses[static_cast<size_t>(i)] = response.status();
+      if (response.ok()) {
+        outcome.server_latencies_ms[static_cast<size_t>(i)] = static_cast<double>(response->timing().total_us()) / 1e3;
+      }
     });
   }
   go.Notify();
@@ -877,12 +887,13 @@ TEST_F(ServiceTest, BurstOfTenTimesCapacityGetsOneAnswerEach) {
   ASSERT_TRUE(server.status().ok()) << server.status();
   BurstOutcome burst = SendBurst(server.client(), images_, kBurst, Options());
   int ok = 0, exhausted = 0;
-  std::vector<double> admitted_ms;
+  std::vector<double> admitted_ms, admitted_server_ms;
   for (size_t i = 0; i < burst.statuses.size(); ++i) {
     const absl::Status& status = burst.statuses[i];
     if (status.ok()) {
       ++ok;
       admitted_ms.push_back(burst.latencies_ms[i]);
+      admitted_server_ms.push_back(burst.server_latencies_ms[i]);
     } else {
       ASSERT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
       EXPECT_THAT(std::string(status.message()), HasSubstr("(flag --queue_compute_units)"));
@@ -897,7 +908,9 @@ TEST_F(ServiceTest, BurstOfTenTimesCapacityGetsOneAnswerEach) {
   std::cout << "burst of " << kBurst << " requests at a queue of " << kCapacityRequests
             << " requests' compute units: " << ok << " admitted, " << exhausted
             << " RESOURCE_EXHAUSTED; client latency of admitted: p50 " << Percentile(admitted_ms, 50) << " ms, p99 "
-            << Percentile(admitted_ms, 99) << " ms, max " << Percentile(admitted_ms, 100) << " ms\n";
+            << Percentile(admitted_ms, 99) << " ms, max " << Percentile(admitted_ms, 100)
+            << " ms; in the server (receipt to answer): p50 " << Percentile(admitted_server_ms, 50) << " ms, p99 "
+            << Percentile(admitted_server_ms, 99) << " ms\n";
 }
 
 // Full attention costs N x N compute units instead of N x (M + k): at the same queue capacity fewer
@@ -932,6 +945,506 @@ TEST_F(ServiceTest, FullAttentionCostsMoreComputeUnits) {
   EXPECT_EQ(CounterValue(small.registry(), "mita_rejected_requests_total",
                          {{"model", kModel}, {"reason", "task_over_queue_compute_units"}}),
             1);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Document models (issue 3): a small random-weight document package (tools/reference_logits.py
+// make-document-package: bytes tokenizer, vocabulary 256, 2 layers, max_tokens 4096) served over loopback.
+
+constexpr char kDocumentModel[] = "random-document";
+constexpr int64_t kDocumentMaxTokens = 4096;
+constexpr int kDocumentClasses = 4;
+
+// Real text for documents: this repository's README and design notes (UTF-8).
+std::string RealText() {
+  const char* source = std::getenv("MITA_SOURCE_DIR");
+  std::string text;
+  for (const char* file : {"/README.md", "/server/batcher.h", "/server/classify_service.cc"}) {
+    std::ifstream in(absl::StrCat(source != nullptr ? source : ".", file), std::ios::binary);
+    std::ostringstream bytes;
+    bytes << in.rdbuf();
+    text += bytes.str();
+  }
+  return text;
+}
+
+// The first `count` bytes of `text` cut back to a UTF-8 character boundary.
+std::string Utf8Prefix(const std::string& text, size_t count) {
+  count = std::min(count, text.size());
+  while (count > 0 && count < text.size() && (static_cast<unsigned char>(text[count]) & 0xC0) == 0x80) --count;
+  return text.substr(0, count);
+}
+
+class DocumentServiceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    char pattern[] = "/tmp/mita-document-test-XXXXXX";
+    const char* made = mkdtemp(pattern);
+    ASSERT_NE(made, nullptr);
+    directory_ = new std::string(made);
+    const std::string package = absl::StrCat(*directory_, "/", kDocumentModel);
+    const char* source = std::getenv("MITA_SOURCE_DIR");
+    const std::string command =
+        absl::StrCat("/usr/bin/python3 ", source != nullptr ? source : ".",
+                     "/tools/reference_logits.py make-document-package --seed 3 --max-tokens ", kDocumentMaxTokens,
+                     " --num-classes ", kDocumentClasses, " --out ", package, " 2> ", *directory_, "/stderr.txt");
+    ASSERT_EQ(std::system(command.c_str()), 0)
+        << command << " failed (needs Debian's python3-torch); see " << *directory_ << "/stderr.txt";
+    absl::StatusOr<std::unique_ptr<ModelRegistry>> registry = ModelRegistry::LoadFromDirectory(*directory_);
+    ASSERT_TRUE(registry.ok()) << registry.status();
+    registry_ = registry->release();
+    // ASCII only, so that any byte range is valid UTF-8 (multi-byte text has its own test).
+    text_ = new std::string(RealText());
+    for (char& c : *text_) {
+      if (static_cast<unsigned char>(c) >= 0x80) c = '?';
+    }
+    ASSERT_GT(text_->size(), static_cast<size_t>(kDocumentMaxTokens) + 100);
+  }
+
+  static void TearDownTestSuite() {
+    delete registry_;
+    delete text_;
+    if (directory_ != nullptr) std::system(absl::StrCat("rm -rf ", *directory_).c_str());
+    delete directory_;
+  }
+
+  void SetUp() override { ASSERT_NE(registry_, nullptr) << "suite set-up failed"; }
+
+  static ServiceOptions DefaultOptions() {
+    ServiceOptions options;
+    options.batching.max_batch_size = 8;
+    options.batching.max_queue_delay = absl::Milliseconds(1);
+    return options;
+  }
+
+  static client::ClassifyOptions Options() {
+    client::ClassifyOptions options;
+    options.model = kDocumentModel;
+    options.deadline = absl::Seconds(60);
+    options.top_n = kDocumentClasses;
+    return options;
+  }
+
+  static v1::ClassifyRequest TextRequest(const std::string& text, const client::ClassifyOptions& options) {
+    absl::StatusOr<v1::ClassifyRequest> request = client::BuildTextRequest(text, options);
+    EXPECT_TRUE(request.ok()) << request.status();
+    return request.ok() ? *request : v1::ClassifyRequest();
+  }
+
+  // Class scores by class index.
+  static std::vector<float> ScoresByClass(const v1::ClassifyResponse& response) {
+    std::vector<float> scores(kDocumentClasses, -1.0f);
+    for (const v1::ClassScore& score : response.classes()) {
+      if (score.index() >= 0 && score.index() < kDocumentClasses) scores[static_cast<size_t>(score.index())] = score.score();
+    }
+    return scores;
+  }
+
+  static void ExpectError(const absl::Status& status, absl::StatusCode code, const std::string& text) {
+    EXPECT_EQ(status.code(), code) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(text));
+  }
+
+  static std::string* directory_;
+  static ModelRegistry* registry_;
+  static std::string* text_;
+};
+
+std::string* DocumentServiceTest::directory_ = nullptr;
+ModelRegistry* DocumentServiceTest::registry_ = nullptr;
+std::string* DocumentServiceTest::text_ = nullptr;
+
+TEST_F(DocumentServiceTest, ClassifiesTextAndEchoesTheAppliedBudget) {
+  TestServer server(registry_, DefaultOptions());
+  ASSERT_TRUE(server.status().ok()) << server.status();
+  const std::string text = Utf8Prefix(*text_, 3000);
+  client::ClassifyOptions options = Options();
+  options.return_statistics = true;
+  absl::StatusOr<v1::ClassifyResponse> response = server.client().ClassifyText(text, options);
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->model(), kDocumentModel);
+  ASSERT_EQ(response->classes_size(), kDocumentClasses);
+  float total = 0;
+  for (const v1::ClassScore& score : response->classes()) {
+    total += score.score();
+    EXPECT_EQ(score.label(), absl::StrCat("topic ", score.index()));
+  }
+  EXPECT_NEAR(total, 1.0f, 1e-5f) << "all classes were asked for: the softmax sums to 1";
+  // Bytes tokenizer: one token per byte.
+  EXPECT_EQ(response->token_count(), static_cast<int64_t>(text.size()));
+  EXPECT_EQ(response->input_token_count(), static_cast<int64_t>(text.size()));
+  EXPECT_FALSE(response->budget().full_attention());
+  EXPECT_EQ(response->budget().expert_count(), 16);  // the package's default budget
+  EXPECT_EQ(response->budget().expert_width(), 64);
+  EXPECT_EQ(response->budget().preset(), "default");
+  ASSERT_EQ(response->statistics_size(), 2);
+  for (const v1::LayerStatistics& layer : response->statistics()) {
+    ASSERT_EQ(layer.queries_per_expert_size(), 16);
+    double queries = 0;
+    for (float q : layer.queries_per_expert()) queries += q;
+    EXPECT_NEAR(queries, static_cast<double>(text.size()), 1e-2) << "every query is routed to one expert";
+  }
+  EXPECT_GT(response->timing().compute_us(), 0);
+  EXPECT_GE(response->timing().total_us(), response->timing().compute_us());
+
+  // Multi-byte UTF-8 is valid text: "na" + 2-byte "\u00ef" + "ve " + three 3-byte CJK characters = 16 bytes,
+  // one token per byte.
+  absl::StatusOr<v1::ClassifyResponse> multibyte =
+      server.client().ClassifyText("na\xC3\xAFve \xE6\x97\xA5\xE6\x9C\xAC\xE8\xAA\x9E", Options());
+  ASSERT_TRUE(multibyte.ok()) << multibyte.status();
+  EXPECT_EQ(multibyte->token_count(), 16);
+
+  // The same document as token ids (the byte values) gives the same answer.
+  std::vector<int64_t> ids;
+  for (char c : text) ids.push_back(static_cast<unsigned char>(c));
+  absl::StatusOr<v1::ClassifyRequest> as_ids = client::BuildTokenIdsRequest(ids, options);
+  ASSERT_TRUE(as_ids.ok());
+  absl::StatusOr<v1::ClassifyResponse> by_ids = server.client().ClassifyRaw(*as_ids, absl::Seconds(60));
+  ASSERT_TRUE(by_ids.ok()) << by_ids.status();
+  EXPECT_THAT(ScoresByClass(*by_ids), ElementsAreArray(ScoresByClass(*response)));
+  EXPECT_EQ(by_ids->token_count(), response->token_count());
+}
+
+TEST_F(DocumentServiceTest, BudgetsLargerThanTheDocumentAreClampedAndEchoed) {
+  TestServer server(registry_, DefaultOptions());
+  ASSERT_TRUE(server.status().ok()) << server.status();
+  const std::string text = "A short document.";  // 17 tokens
+  client::ClassifyOptions options = Options();
+  options.expert_count = 256;   // the model's maximum, larger than N = 17
+  options.expert_width = 1024;  // likewise
+  absl::StatusOr<v1::ClassifyResponse> response = server.client().ClassifyText(text, options);
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->token_count(), 17);
+  EXPECT_EQ(response->budget().expert_count(), 17);
+  EXPECT_EQ(response->budget().expert_width(), 17);
+  // A preset and full attention.
+  options = Options();
+  options.preset = "fast";
+  response = server.client().ClassifyText(text, options);
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->budget().expert_count(), 8);
+  EXPECT_EQ(response->budget().expert_width(), 17);  // min(32, 17)
+  EXPECT_EQ(response->budget().preset(), "fast");
+  options = Options();
+  options.full_attention = true;
+  options.return_statistics = true;
+  response = server.client().ClassifyText(text, options);
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_TRUE(response->budget().full_attention());
+  EXPECT_EQ(response->statistics_size(), 0);
+  // Out of the model's range: INVALID_ARGUMENT naming the field, whatever the document's length.
+  options = Options();
+  options.expert_width = 1025;
+  ExpectError(server.client().ClassifyText(text, options).status(), absl::StatusCode::kInvalidArgument,
+              "budget.experts.expert_width 1025 is out of range: allowed [1, 1024]");
+  options = Options();
+  options.expert_count = -3;
+  ExpectError(server.client().ClassifyText(text, options).status(), absl::StatusCode::kInvalidArgument,
+              "budget.experts.expert_count");
+  options = Options();
+  options.preset = "turbo";
+  ExpectError(server.client().ClassifyText(text, options).status(), absl::StatusCode::kInvalidArgument,
+              "field budget.preset: unknown preset 'turbo'; available: accurate, balanced, exact, fast");
+}
+
+TEST_F(DocumentServiceTest, BadDocumentsGetInvalidArgumentNamingTheField) {
+  TestServer server(registry_, DefaultOptions());
+  ASSERT_TRUE(server.status().ok()) << server.status();
+  const client::MitaClient& client = server.client();
+  // Invalid UTF-8: a lone continuation byte at offset 5, a truncated 3-byte sequence at the end.
+  ExpectError(client.ClassifyText(std::string("hello\x80world"), Options()).status(),
+              absl::StatusCode::kInvalidArgument, "field document.text: invalid UTF-8 at byte offset 5");
+  ExpectError(client.ClassifyText(std::string("abc\xE2\x82"), Options()).status(), absl::StatusCode::kInvalidArgument,
+              "field document.text: invalid UTF-8 at byte offset 3");
+  // Empty documents: defined answers.
+  ExpectError(client.ClassifyText("", Options()).status(), absl::StatusCode::kInvalidArgument,
+              "field document.text: the document is empty; a document needs at least 1 token");
+  absl::StatusOr<v1::ClassifyRequest> no_ids = client::BuildTokenIdsRequest({}, Options());
+  ASSERT_TRUE(no_ids.ok());
+  ExpectError(client.ClassifyRaw(*no_ids).status(), absl::StatusCode::kInvalidArgument,
+              "field document.token_ids.ids: the document is empty");
+  v1::ClassifyRequest no_content;
+  no_content.set_model(kDocumentModel);
+  no_content.mutable_document();
+  ExpectError(client.ClassifyRaw(no_content).status(), absl::StatusCode::kInvalidArgument,
+              "field document: set document.text or document.token_ids");
+  // Token ids out of the vocabulary [0, 256): index and allowed range named; an int64 beyond int32 too.
+  for (int64_t bad : {int64_t{256}, int64_t{-1}, int64_t{1} << 40}) {
+    absl::StatusOr<v1::ClassifyRequest> request = client::BuildTokenIdsRequest({65, 66, bad, 67}, Options());
+    ASSERT_TRUE(request.ok());
+    ExpectError(client.ClassifyRaw(*request).status(), absl::StatusCode::kInvalidArgument,
+                absl::StrCat("field document.token_ids.ids[2]: ", bad, " is out of range: allowed [0, 255]"));
+  }
+  // The wrong input kind, both ways.
+  v1::ClassifyRequest image;
+  image.set_model(kDocumentModel);
+  image.set_image("\x89PNG");
+  ExpectError(client.ClassifyRaw(image).status(), absl::StatusCode::kInvalidArgument,
+              "field input: model 'random-document' takes a document (document.text or document.token_ids), not an "
+              "image");
+  v1::ClassifyRequest nothing;
+  nothing.set_model(kDocumentModel);
+  ExpectError(client.ClassifyRaw(nothing).status(), absl::StatusCode::kInvalidArgument, "and none was set");
+  // top_n beyond the classes.
+  client::ClassifyOptions options = Options();
+  options.top_n = kDocumentClasses + 1;
+  ExpectError(client.ClassifyText("text", options).status(), absl::StatusCode::kInvalidArgument, "field top_n");
+  // After all of that the server still serves.
+  EXPECT_TRUE(client.ClassifyText("still serving", Options()).ok());
+}
+
+TEST_F(DocumentServiceTest, LengthLimitAndTruncation) {
+  TestServer server(registry_, DefaultOptions());
+  ASSERT_TRUE(server.status().ok()) << server.status();
+  const std::string longer = text_->substr(0, kDocumentMaxTokens + 1);  // bytes: 4097 tokens
+  client::ClassifyOptions options = Options();
+  ExpectError(server.client().ClassifyText(longer, options).status(), absl::StatusCode::kInvalidArgument,
+              "field document.text: the document has 4097 tokens, over the limit of 4096 tokens (the model's "
+              "max_tokens); set document.truncate to classify its first 4096 tokens");
+  std::vector<int64_t> ids(static_cast<size_t>(kDocumentMaxTokens) + 1, 65);
+  absl::StatusOr<v1::ClassifyRequest> as_ids = client::BuildTokenIdsRequest(ids, options);
+  ASSERT_TRUE(as_ids.ok());
+  ExpectError(server.client().ClassifyRaw(*as_ids).status(), absl::StatusCode::kInvalidArgument,
+              "field document.token_ids.ids: the document has 4097 tokens, over the limit of 4096 tokens");
+  // Truncated: the same answer as the first 4096 tokens sent alone.
+  options.truncate = true;
+  absl::StatusOr<v1::ClassifyResponse> truncated = server.client().ClassifyText(longer, options);
+  ASSERT_TRUE(truncated.ok()) << truncated.status();
+  EXPECT_EQ(truncated->token_count(), kDocumentMaxTokens);
+  EXPECT_EQ(truncated->input_token_count(), kDocumentMaxTokens + 1);
+  std::vector<int64_t> prefix_ids(longer.begin(), longer.begin() + kDocumentMaxTokens);
+  absl::StatusOr<v1::ClassifyRequest> prefix_request = client::BuildTokenIdsRequest(prefix_ids, Options());
+  ASSERT_TRUE(prefix_request.ok());
+  absl::StatusOr<v1::ClassifyResponse> prefix = server.client().ClassifyRaw(*prefix_request, absl::Seconds(60));
+  ASSERT_TRUE(prefix.ok()) << prefix.status();
+  EXPECT_EQ(prefix->token_count(), kDocumentMaxTokens);
+  EXPECT_EQ(prefix->input_token_count(), kDocumentMaxTokens);
+  EXPECT_THAT(ScoresByClass(*truncated), ElementsAreArray(ScoresByClass(*prefix)));
+
+  // A server whose batch token budget is below the model's max_tokens: the smaller limit applies and the
+  // error names its flag; GetModel reports it.
+  ServiceOptions small = DefaultOptions();
+  small.batching.max_batch_tokens = 1000;
+  TestServer limited(registry_, small);
+  ASSERT_TRUE(limited.status().ok()) << limited.status();
+  ExpectError(limited.client().ClassifyText(text_->substr(0, 1001), Options()).status(),
+              absl::StatusCode::kInvalidArgument,
+              "the document has 1001 tokens, over the limit of 1000 tokens (flag --max_batch_tokens)");
+  absl::StatusOr<v1::ModelMetadata> metadata = limited.client().GetModel(kDocumentModel);
+  ASSERT_TRUE(metadata.ok()) << metadata.status();
+  EXPECT_EQ(metadata->document_limits().max_tokens(), 1000);
+}
+
+// A 64K-token document, as text and as ids, fits the default gRPC receive limit of mita-server (4 MiB +
+// 64 KiB): the request reaches the service (which answers with its own length error for this 4096-token
+// model) instead of being refused by gRPC with RESOURCE_EXHAUSTED.
+TEST_F(DocumentServiceTest, SixtyFourThousandTokenDocumentsFitTheDefaultMessageLimit) {
+  TestServer server(registry_, DefaultOptions(), /*max_receive_message_bytes=*/(4 << 20) + (64 << 10));
+  ASSERT_TRUE(server.status().ok()) << server.status();
+  std::string text;
+  while (text.size() < 65536) text += *text_;
+  text = Utf8Prefix(text, 65536);
+  ExpectError(server.client().ClassifyText(text, Options()).status(), absl::StatusCode::kInvalidArgument,
+              "over the limit of 4096 tokens");
+  // Ids near the top of a 64K vocabulary take 3 bytes each as varints; 65,536 of them.
+  std::vector<int64_t> ids(65536, 65535);
+  absl::StatusOr<v1::ClassifyRequest> request = client::BuildTokenIdsRequest(ids, Options());
+  ASSERT_TRUE(request.ok());
+  ExpectError(server.client().ClassifyRaw(*request).status(), absl::StatusCode::kInvalidArgument,
+              "is out of range: allowed [0, 255]");
+}
+
+// Issue 3: documents of different lengths and budgets share one packed batch (no padding) and each gets the
+// same answer as when it runs alone.
+TEST_F(DocumentServiceTest, MixedBatchEqualsEachRequestAlone) {
+  struct Item {
+    size_t offset, length;
+    std::optional<int64_t> expert_count, expert_width;
+    std::string preset;
+    bool full = false;
+  };
+  const std::vector<Item> items = {
+      {0, 3000, std::nullopt, std::nullopt, "", false},  // default budget (16, 64)
+      {100, 40, std::nullopt, std::nullopt, "fast", false},
+      {500, 1200, 4, 16, "", false},
+      {2000, 700, std::nullopt, std::nullopt, "", true},    // full attention
+      {3000, 9, 200, 1000, "", false},                      // m and k clamped to N = 9
+      {4000, 2048, 64, 256, "", false},
+  };
+  std::vector<v1::ClassifyRequest> requests;
+  for (const Item& item : items) {
+    client::ClassifyOptions options = Options();
+    options.expert_count = item.expert_count;
+    options.expert_width = item.expert_width;
+    options.preset = item.preset;
+    options.full_attention = item.full;
+    options.return_statistics = true;
+    requests.push_back(TextRequest(Utf8Prefix(text_->substr(item.offset), item.length), options));
+  }
+  // Together: one batch of all six (max_batch_size = 6 makes it full when the last arrives; the 10 s delay
+  // never expires).
+  ServiceOptions together = DefaultOptions();
+  together.batching.max_batch_size = static_cast<int64_t>(items.size());
+  together.batching.max_queue_delay = absl::Seconds(10);
+  std::vector<absl::StatusOr<v1::ClassifyResponse>> batched(items.size(), absl::UnknownError("not run"));
+  {
+    TestServer server(registry_, together);
+    ASSERT_TRUE(server.status().ok()) << server.status();
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < items.size(); ++i) {
+      threads.emplace_back([&, i] { batched[i] = server.client().ClassifyRaw(requests[i], absl::Seconds(60)); });
+    }
+    for (std::thread& thread : threads) thread.join();
+  }
+  // Alone: batches of one.
+  ServiceOptions alone_options = DefaultOptions();
+  alone_options.batching.max_batch_size = 1;
+  TestServer alone_server(registry_, alone_options);
+  ASSERT_TRUE(alone_server.status().ok()) << alone_server.status();
+  int64_t batch_tokens = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    ASSERT_TRUE(batched[i].ok()) << "item " << i << ": " << batched[i].status();
+    EXPECT_EQ(batched[i]->timing().batch_size(), static_cast<int>(items.size())) << "item " << i;
+    batch_tokens += batched[i]->token_count();
+    absl::StatusOr<v1::ClassifyResponse> alone = alone_server.client().ClassifyRaw(requests[i], absl::Seconds(60));
+    ASSERT_TRUE(alone.ok()) << alone.status();
+    EXPECT_EQ(alone->timing().batch_size(), 1);
+    EXPECT_EQ(alone->token_count(), batched[i]->token_count());
+    EXPECT_EQ(alone->budget().expert_count(), batched[i]->budget().expert_count());
+    EXPECT_EQ(alone->budget().expert_width(), batched[i]->budget().expert_width());
+    const std::vector<float> together_scores = ScoresByClass(*batched[i]);
+    const std::vector<float> alone_scores = ScoresByClass(*alone);
+    for (int c = 0; c < kDocumentClasses; ++c) {
+      EXPECT_NEAR(together_scores[static_cast<size_t>(c)], alone_scores[static_cast<size_t>(c)], 1e-5f)
+          << "item " << i << " class " << c;
+    }
+    ASSERT_EQ(alone->statistics_size(), batched[i]->statistics_size());
+    for (int layer = 0; layer < alone->statistics_size(); ++layer) {
+      const v1::LayerStatistics& a = alone->statistics(layer);
+      const v1::LayerStatistics& b = batched[i]->statistics(layer);
+      ASSERT_EQ(a.queries_per_expert_size(), b.queries_per_expert_size());
+      // The routing may differ by a query at a float near-tie (averaged over 2 heads: 0.5).
+      for (int e = 0; e < a.queries_per_expert_size(); ++e) {
+        EXPECT_NEAR(a.queries_per_expert(e), b.queries_per_expert(e), 1.0) << "item " << i << " layer " << layer;
+      }
+    }
+  }
+  EXPECT_EQ(batched[4]->budget().expert_count(), 9);
+  EXPECT_EQ(batched[4]->budget().expert_width(), 9);
+  EXPECT_TRUE(batched[3]->budget().full_attention());
+  EXPECT_GT(batch_tokens, 6000) << "the packed batch held every document's tokens";
+}
+
+TEST_F(DocumentServiceTest, GetModelDeclaresDocumentLimitsAndKnobs) {
+  TestServer server(registry_, DefaultOptions());
+  ASSERT_TRUE(server.status().ok()) << server.status();
+  absl::StatusOr<v1::ModelMetadata> model = server.client().GetModel(kDocumentModel);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(model->architecture(), "mita_document");
+  EXPECT_EQ(model->input_kind(), v1::INPUT_KIND_DOCUMENT);
+  EXPECT_EQ(model->document_limits().max_tokens(), kDocumentMaxTokens);
+  EXPECT_EQ(model->document_limits().vocabulary_size(), 256);
+  EXPECT_EQ(model->document_limits().tokenizer(), "bytes");
+  EXPECT_FALSE(model->has_image_limits());
+  EXPECT_EQ(model->labels_size(), kDocumentClasses);
+  const v1::Knobs& knobs = model->knobs();
+  EXPECT_EQ(knobs.allowed_expert_counts_size(), 0);
+  EXPECT_EQ(knobs.min_expert_count(), 1);
+  EXPECT_EQ(knobs.max_expert_count(), 256);
+  EXPECT_EQ(knobs.min_expert_width(), 1);
+  EXPECT_EQ(knobs.max_expert_width(), 1024);
+  EXPECT_EQ(knobs.default_budget().expert_count(), 16);
+  EXPECT_EQ(knobs.default_budget().expert_width(), 64);
+  ASSERT_EQ(knobs.presets_size(), 4);
+  EXPECT_EQ(knobs.presets(2).name(), "exact");
+  EXPECT_TRUE(knobs.presets(2).full_attention());
+  EXPECT_EQ(knobs.presets(3).name(), "fast");
+  EXPECT_EQ(knobs.presets(3).budget().expert_count(), 8);
+  EXPECT_FALSE(knobs.presets(3).full_attention());
+  EXPECT_TRUE(knobs.full_attention_supported());
+  EXPECT_EQ(model->layers(), 2);
+  EXPECT_EQ(model->heads(), 2);
+  EXPECT_EQ(model->embed_dim(), 32);
+}
+
+TEST_F(DocumentServiceTest, AdmissionCountsDocumentTokensAndComputeUnits) {
+  // Queue capacity 300,000 compute units: a 3000-token document at M + k = 16 + 64 costs 240,000 and is
+  // admitted; the same document under full attention costs 9,000,000, more than the whole queue.
+  ServiceOptions options = DefaultOptions();
+  options.batching.queue_compute_units = 300000;
+  TestServer server(registry_, options);
+  ASSERT_TRUE(server.status().ok()) << server.status();
+  const std::string text = Utf8Prefix(*text_, 3000);
+  ASSERT_EQ(text.size(), 3000u);
+  ASSERT_TRUE(server.client().ClassifyText(text, Options()).ok());
+  client::ClassifyOptions full = Options();
+  full.full_attention = true;
+  ExpectError(server.client().ClassifyText(text, full).status(), absl::StatusCode::kResourceExhausted,
+              "request needs 9000000 compute units (tokens x attention width), more than the queue's capacity of "
+              "300000 (flag --queue_compute_units)");
+  const prometheus::Registry& registry = server.registry();
+  EXPECT_EQ(CounterValue(registry, "mita_rejected_requests_total",
+                         {{"model", kDocumentModel}, {"reason", "task_over_queue_compute_units"}}),
+            1);
+  double tokens_sum = -1, batch_tokens_count = -1, layer_count = -1;
+  for (const prometheus::MetricFamily& family : registry.Collect()) {
+    for (const prometheus::ClientMetric& metric : family.metric) {
+      if (family.name == "mita_request_tokens") tokens_sum = metric.histogram.sample_sum;
+      if (family.name == "mita_batch_tokens") batch_tokens_count = static_cast<double>(metric.histogram.sample_count);
+      if (family.name == "mita_attention_pruned_key_fraction") {
+        layer_count = std::max(layer_count, static_cast<double>(metric.histogram.sample_count));
+      }
+    }
+  }
+  EXPECT_EQ(tokens_sum, 3000);
+  EXPECT_EQ(batch_tokens_count, 1);
+  EXPECT_EQ(layer_count, 1) << "the attention series work for document models";
+}
+
+// The embedded document model (models/repository/linux-doc-mita, SentencePiece tokenizer) end to end over
+// loopback in the shared fixture's server, next to the image model: real text, its GetModel metadata, and a
+// document longer than 16K tokens.
+TEST_F(ServiceTest, EmbeddedDocumentModelClassifiesRealText) {
+  constexpr char kEmbedded[] = "linux-doc-mita";
+  if (!registry_->Lookup(kEmbedded).ok()) GTEST_SKIP() << "no " << kEmbedded << " in " << RepositoryPath();
+  absl::StatusOr<v1::ModelMetadata> model = client_->GetModel(kEmbedded);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(model->input_kind(), v1::INPUT_KIND_DOCUMENT);
+  EXPECT_EQ(model->document_limits().tokenizer(), "sentencepiece");
+  EXPECT_GE(model->document_limits().max_tokens(), 65536);
+  const int labels = model->labels_size();
+  ASSERT_GT(labels, 1);
+
+  std::string text = RealText();
+  client::ClassifyOptions options;
+  options.model = kEmbedded;
+  options.deadline = absl::Seconds(120);
+  options.top_n = labels;
+  options.return_statistics = true;
+  absl::StatusOr<v1::ClassifyResponse> response = client_->ClassifyText(text, options);
+  ASSERT_TRUE(response.ok()) << response.status();
+  ASSERT_EQ(response->classes_size(), labels);
+  float total = 0;
+  for (const v1::ClassScore& score : response->classes()) {
+    EXPECT_EQ(score.label(), model->labels(score.index()));
+    total += score.score();
+  }
+  EXPECT_NEAR(total, 1.0f, 1e-4f);
+  // SentencePiece: fewer tokens than bytes, more than words.
+  EXPECT_LT(response->token_count(), static_cast<int64_t>(text.size()));
+  EXPECT_GT(response->token_count(), static_cast<int64_t>(text.size()) / 16);
+  EXPECT_EQ(response->statistics_size(), model->layers());
+
+  // More than 16K tokens: the text repeated.
+  std::string long_text;
+  while (static_cast<int64_t>(long_text.size()) < 6 * 16384) long_text += text;
+  options.return_statistics = false;
+  options.top_n = 1;
+  absl::StatusOr<v1::ClassifyResponse> long_response = client_->ClassifyText(long_text, options);
+  ASSERT_TRUE(long_response.ok()) << long_response.status();
+  EXPECT_GE(long_response->token_count(), 16384);
+  std::cout << "embedded document model: " << long_response->token_count() << " tokens classified in "
+            << long_response->timing().compute_us() / 1000.0 << " ms of compute (default budget)\n";
 }
 
 TEST(ComputeUnitsTest, TokensTimesAttentionWidth) {
