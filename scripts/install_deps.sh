@@ -12,6 +12,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   dataset-fashion-mnist
   python3 python3-numpy python3-torch
+  clang libclang-rt-dev libomp-dev  # ASan/UBSan test build, libFuzzer targets (scripts/run_sanitizers.sh)
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

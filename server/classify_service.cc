@@ -248,11 +248,16 @@ grpc::Status ClassifyService::Classify(grpc::ServerContext* context, const v1::C
     // Never crash on a request; an exception here is a server fault.
     result = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
   }
+  const absl::Duration total = clock_->Now() - receipt;
+  if (result.ok()) {
+    result->mutable_timing()->set_total_us(Microseconds(total));
+    if (options_.message_size != nullptr) {
+      if (absl::Status size = options_.message_size->CheckResponse(*result); !size.ok()) result = size;
+    }
+  }
   metrics_->CountRequest(RpcMethod::kClassify, slot.metrics, result.status().code());
   if (!result.ok()) return ToGrpcStatus(result.status());
   *response = *std::move(result);
-  const absl::Duration total = clock_->Now() - receipt;
-  response->mutable_timing()->set_total_us(Microseconds(total));
   slot.metrics->ObserveLatency(total);
   return grpc::Status::OK;
 }
@@ -262,6 +267,9 @@ absl::StatusOr<v1::ClassifyResponse> ClassifyService::DoClassify(const ModelSlot
                                                                  absl::Time deadline, std::function<bool()> cancelled) {
   const models::ModelPackage& package = *slot.package;
   const models::VitConfig& config = package.config;
+  if (options_.message_size != nullptr) {
+    if (absl::Status size = options_.message_size->CheckRequest(request); !size.ok()) return size;
+  }
   // Input kind and the cheap checks first, so that a bad request costs no decoding.
   if (request.input_case() != v1::ClassifyRequest::kImage) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -429,8 +437,10 @@ void ClassifyService::ProcessBatch(const ModelSlot& slot, Batch<Task> batch) {
 grpc::Status ClassifyService::ListModels(grpc::ServerContext* /*context*/, const v1::ListModelsRequest* /*request*/,
                                          v1::ListModelsResponse* response) {
   for (const auto& [name, slot] : slots_) *response->add_models() = slot->metadata;
-  metrics_->CountRequest(RpcMethod::kListModels, nullptr, absl::StatusCode::kOk);
-  return grpc::Status::OK;
+  absl::Status status = options_.message_size != nullptr ? options_.message_size->CheckResponse(*response)
+                                                         : absl::OkStatus();
+  metrics_->CountRequest(RpcMethod::kListModels, nullptr, status.code());
+  return ToGrpcStatus(status);
 }
 
 grpc::Status ClassifyService::GetModel(grpc::ServerContext* /*context*/, const v1::GetModelRequest* request,
@@ -438,8 +448,10 @@ grpc::Status ClassifyService::GetModel(grpc::ServerContext* /*context*/, const v
   absl::StatusOr<const ModelSlot*> found = FindSlot(request->name(), RpcMethod::kGetModel);
   if (!found.ok()) return ToGrpcStatus(found.status());
   *response = (*found)->metadata;
-  metrics_->CountRequest(RpcMethod::kGetModel, (*found)->metrics, absl::StatusCode::kOk);
-  return grpc::Status::OK;
+  absl::Status status = options_.message_size != nullptr ? options_.message_size->CheckResponse(*response)
+                                                         : absl::OkStatus();
+  metrics_->CountRequest(RpcMethod::kGetModel, (*found)->metrics, status.code());
+  return ToGrpcStatus(status);
 }
 
 }  // namespace mita::server
