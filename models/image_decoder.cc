@@ -4,7 +4,9 @@
 // of JPEG file" and fill the rest with grey; a PNG with a bad CRC or missing data makes libpng warn or fail;
 // both are reported as INVALID_ARGUMENT instead of returning a partly made-up image. The one libpng check that
 // is switched off is the sRGB ICC profile check (PNG_SKIP_sRGB_CHECK_PROFILE), which only warns about colour
-// metadata many valid files carry and never affects the pixels.
+// metadata many valid files carry and never affects the pixels. Ancillary chunks other than tRNS (text, ICC
+// profiles, gamma, ...) are skipped without being decompressed (they do not change the pixels here, and
+// compressed text chunks are a decompression bomb: tests/hostile_input_test.cc).
 //
 // Channel conversion (applied after decoding to 8 bits per sample):
 //   * palette and sub-8-bit gray are expanded, tRNS becomes an alpha channel (png_set_expand);
@@ -166,6 +168,10 @@ bool ReadPngHeader(png_structp png, png_infop info, PngContext& context, const I
   if (setjmp(png_jmpbuf(png))) return false;
   png_set_read_fn(png, &context, PngRead);
   png_set_option(png, PNG_SKIP_sRGB_CHECK_PROFILE, PNG_OPTION_ON);
+  // Skip every ancillary chunk but tRNS unread (libpng's list for num_chunks < 0: all chunks except IHDR, PLTE,
+  // tRNS, IDAT and IEND; unknown ones too). None changes our pixels, and libpng would otherwise inflate each
+  // zTXt/iTXt/iCCP chunk (up to 8 MB) and keep the text: a decompression bomb of ~1000x the file size.
+  png_set_keep_unknown_chunks(png, PNG_HANDLE_CHUNK_NEVER, nullptr, -1);
   png_set_user_limits(png, static_cast<png_uint_32>(std::clamp<int64_t>(limits.max_width, 1, PNG_UINT_31_MAX)),
                       static_cast<png_uint_32>(std::clamp<int64_t>(limits.max_height, 1, PNG_UINT_31_MAX)));
   png_read_info(png, info);
@@ -245,11 +251,30 @@ absl::StatusOr<DecodedImage> DecodePng(absl::string_view bytes, int64_t channels
 
 // ----- JPEG -----
 
+// Largest number of scans of a progressive JPEG. Each scan is another pass over every block of the image, and a
+// tiny file can hold hundreds (a CPU decompression bomb); libjpeg-turbo's TurboJPEG API uses the same limit
+// (TJFLAG_LIMITSCANS). Encoders write about 10 (jpeg_simple_progression).
+constexpr int kMaxJpegScans = 500;
+
 struct JpegErrorManager {
   jpeg_error_mgr base;  // first member: libjpeg passes a jpeg_error_mgr* that we cast back
   jmp_buf jump;
   char message[kMessageCapacity];
+  jpeg_progress_mgr progress;  // counts scans (JpegProgressMonitor)
 };
+
+// Called by libjpeg while it reads the file: stops a progressive JPEG with more than kMaxJpegScans scans.
+void JpegProgressMonitor(j_common_ptr info) {
+  if (!info->is_decompressor) return;
+  const int scans = reinterpret_cast<j_decompress_ptr>(info)->input_scan_number;
+  if (scans <= kMaxJpegScans) return;
+  auto* manager = reinterpret_cast<JpegErrorManager*>(info->err);
+  if (manager->message[0] == '\0') {
+    std::snprintf(manager->message, kMessageCapacity, "more than %d scans (a progressive JPEG has about 10)",
+                  kMaxJpegScans);
+  }
+  longjmp(manager->jump, 1);
+}
 
 void JpegErrorExit(j_common_ptr info) {
   auto* manager = reinterpret_cast<JpegErrorManager*>(info->err);
@@ -275,6 +300,8 @@ bool ReadJpegHeader(jpeg_decompress_struct& info, JpegErrorManager& manager, abs
                     int64_t channels) {
   if (setjmp(manager.jump)) return false;
   jpeg_create_decompress(&info);
+  manager.progress.progress_monitor = JpegProgressMonitor;
+  info.progress = &manager.progress;
   jpeg_mem_src(&info, reinterpret_cast<const unsigned char*>(bytes.data()), static_cast<unsigned long>(bytes.size()));
   jpeg_read_header(&info, TRUE);
   switch (info.jpeg_color_space) {

@@ -32,10 +32,12 @@ struct DecodedImage {
 // convention) inputs are converted; image_decoder.cc documents each rule. No colour management or gamma
 // correction; EXIF orientation is not applied (documented in the README). The declared width x height is
 // checked against `limits` before any pixel buffer is allocated (for PNG straight from the IHDR bytes).
-// Every libpng/libjpeg warning is an error.
+// Every libpng/libjpeg warning is an error. Against decompression bombs: PNG ancillary chunks other than tRNS
+// are skipped without being inflated, and a JPEG with more than 500 scans is rejected.
 // Errors: INVALID_ARGUMENT for empty input, an unknown format, `channels` not 1 or 3, a declared size over the
-// limits (the message gives the size and the limits), or any decoder error or warning (truncated or corrupt
-// data is an error, never a grey-filled image); RESOURCE_EXHAUSTED when a decoder cannot be created.
+// limits (the message gives the size and the limits), a JPEG of more than 500 scans, or any decoder error or
+// warning (truncated or corrupt data is an error, never a grey-filled image); RESOURCE_EXHAUSTED when a
+// decoder cannot be created.
 absl::StatusOr<DecodedImage> DecodeImage(std::string_view bytes, int64_t channels, const ImageDecodeLimits& limits);
 
 // Converts a decoded image to the model input [C, image_size, image_size] float32 (C = in_channels), CPU.

@@ -13,6 +13,7 @@ PACKAGES=(
   dataset-fashion-mnist
   python3 python3-numpy python3-torch
   python3-grpcio python3-protobuf python3-yaml
+  clang libclang-rt-dev libomp-dev  # ASan/UBSan test build, libFuzzer targets (scripts/run_sanitizers.sh)
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

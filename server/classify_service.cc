@@ -410,15 +410,23 @@ absl::StatusOr<v1::ClassifyResponse> ClassifyService::HandleClassify(const v1::C
   const ModelSlot& slot = **found;
   absl::StatusOr<v1::ClassifyResponse> result = absl::UnknownError("not run");
   try {
-    result = DoClassify(slot, request, deadline, std::move(cancelled));
+    // The request size limit applies to every input kind (server/message_limits.h), before any decoding.
+    absl::Status size = options_.message_size != nullptr ? options_.message_size->CheckRequest(request)
+                                                         : absl::OkStatus();
+    result = size.ok() ? DoClassify(slot, request, deadline, std::move(cancelled)) : size;
   } catch (const std::exception& e) {
     // Never crash on a request; an exception here is a server fault.
     result = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
   }
+  const absl::Duration total = clock_->Now() - receipt;
+  if (result.ok()) {
+    result->mutable_timing()->set_total_us(Microseconds(total));
+    if (options_.message_size != nullptr) {
+      if (absl::Status size = options_.message_size->CheckResponse(*result); !size.ok()) result = size;
+    }
+  }
   metrics_->CountRequest(RpcMethod::kClassify, slot.metrics, result.status().code());
   if (!result.ok()) return result.status();
-  const absl::Duration total = clock_->Now() - receipt;
-  result->mutable_timing()->set_total_us(Microseconds(total));
   slot.metrics->ObserveLatency(total);
   return result;
 }
@@ -682,8 +690,10 @@ void ClassifyService::ProcessBatch(const ModelSlot& slot, Batch<Task> batch) {
 grpc::Status ClassifyService::ListModels(grpc::ServerContext* /*context*/, const v1::ListModelsRequest* /*request*/,
                                          v1::ListModelsResponse* response) {
   for (const auto& [name, slot] : slots_) *response->add_models() = slot->metadata;
-  metrics_->CountRequest(RpcMethod::kListModels, nullptr, absl::StatusCode::kOk);
-  return grpc::Status::OK;
+  absl::Status status = options_.message_size != nullptr ? options_.message_size->CheckResponse(*response)
+                                                         : absl::OkStatus();
+  metrics_->CountRequest(RpcMethod::kListModels, nullptr, status.code());
+  return ToGrpcStatus(status);
 }
 
 grpc::Status ClassifyService::GetModel(grpc::ServerContext* /*context*/, const v1::GetModelRequest* request,
@@ -691,8 +701,10 @@ grpc::Status ClassifyService::GetModel(grpc::ServerContext* /*context*/, const v
   absl::StatusOr<const ModelSlot*> found = FindSlot(request->name(), RpcMethod::kGetModel);
   if (!found.ok()) return ToGrpcStatus(found.status());
   *response = (*found)->metadata;
-  metrics_->CountRequest(RpcMethod::kGetModel, (*found)->metrics, absl::StatusCode::kOk);
-  return grpc::Status::OK;
+  absl::Status status = options_.message_size != nullptr ? options_.message_size->CheckResponse(*response)
+                                                         : absl::OkStatus();
+  metrics_->CountRequest(RpcMethod::kGetModel, (*found)->metrics, status.code());
+  return ToGrpcStatus(status);
 }
 
 }  // namespace mita::server

@@ -36,6 +36,7 @@
 #include "models/tokenizer.h"
 #include "server/batcher.h"
 #include "server/clock.h"
+#include "server/message_limits.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
 
@@ -50,6 +51,9 @@ struct ServiceOptions {
   // Largest accepted encoded image, bytes (ImageLimits.max_encoded_bytes). Keep it below the server's gRPC
   // receive limit, which rejects larger messages before the handler runs (RESOURCE_EXHAUSTED).
   int64_t max_encoded_image_bytes = int64_t{4} << 20;
+  // When set, Classify requests and every response over its limits get RESOURCE_EXHAUSTED naming the limit
+  // and its flag (server/message_limits.h).
+  std::shared_ptr<const MessageSizeGuard> message_size;
 };
 
 // The budget a request resolves to, and the preset name to echo ("default" when the request had none, the

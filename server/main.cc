@@ -16,9 +16,10 @@
 //   --batch_threads=1                      Batch threads per model.
 //   --torch_threads=0                      LibTorch intra-op threads; 0: the hardware concurrency (LibTorch 1.13
 //                                          otherwise starts with half the cores).
-//   --max_receive_message_bytes=4259840    gRPC receive limit (4 MiB + 64 KiB): larger messages get
-//                                          RESOURCE_EXHAUSTED from gRPC. Encoded images may use up to this
-//                                          limit minus 64 KiB (room for the other request fields).
+//   --max_receive_message_bytes=4194304    Largest request message (4 MiB), and so largest encoded image;
+//                                          larger gets RESOURCE_EXHAUSTED naming the limit and this flag
+//                                          (server/message_limits.h).
+//   --max_send_message_bytes=4194304       Largest response message (4 MiB); likewise.
 //   --drain_timeout_s=20                   On SIGTERM/SIGINT: how long in-flight RPCs may take to finish.
 //
 // Shutdown: on SIGTERM or SIGINT the health status goes NOT_SERVING, the gRPC server stops accepting calls and
@@ -54,6 +55,7 @@
 #include "absl/time/time.h"
 #include "server/classify_service.h"
 #include "server/kserve_service.h"
+#include "server/message_limits.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
 
@@ -73,13 +75,13 @@ ABSL_FLAG(int64_t, queue_compute_units, int64_t{1} << 32,
           "attention width (expert_count + expert_width under MiTA, tokens under full attention).");
 ABSL_FLAG(int32_t, batch_threads, 1, "Threads forming and running batches, per model.");
 ABSL_FLAG(int32_t, torch_threads, 0, "LibTorch intra-op threads; 0: the hardware concurrency.");
-ABSL_FLAG(int64_t, max_receive_message_bytes, (int64_t{4} << 20) + (int64_t{64} << 10),
-          "Largest gRPC request message, bytes (4 MiB + 64 KiB); encoded images may use this minus 64 KiB.");
+ABSL_FLAG(int64_t, max_receive_message_bytes, mita::server::MessageSizeLimits::kDefaultBytes,
+          "Largest request message, bytes (4 MiB); larger gets RESOURCE_EXHAUSTED naming this flag.");
+ABSL_FLAG(int64_t, max_send_message_bytes, mita::server::MessageSizeLimits::kDefaultBytes,
+          "Largest response message, bytes (4 MiB); larger gets RESOURCE_EXHAUSTED naming this flag.");
 ABSL_FLAG(int32_t, drain_timeout_s, 20, "On SIGTERM/SIGINT, seconds in-flight RPCs may take to finish.");
 
 namespace {
-
-constexpr int64_t kRequestOverheadBytes = int64_t{64} << 10;
 
 void Log(const std::string& line) {
   std::fprintf(stderr, "%s mita-server: %s\n",
@@ -111,9 +113,11 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(usage_config);
   absl::ParseCommandLine(argc, argv);
 
-  const int64_t max_receive = absl::GetFlag(FLAGS_max_receive_message_bytes);
-  if (max_receive <= kRequestOverheadBytes || max_receive > INT32_MAX) {
-    return Fail(absl::StrCat("--max_receive_message_bytes must be in (", kRequestOverheadBytes, ", ", INT32_MAX, "]"));
+  mita::server::MessageSizeLimits message_limits;
+  message_limits.max_receive_bytes = absl::GetFlag(FLAGS_max_receive_message_bytes);
+  message_limits.max_send_bytes = absl::GetFlag(FLAGS_max_send_message_bytes);
+  if (absl::Status status = mita::server::ValidateMessageSizeLimits(message_limits); !status.ok()) {
+    return Fail(std::string(status.message()));
   }
   const double delay_ms = absl::GetFlag(FLAGS_max_queue_delay_ms);
   if (!(delay_ms >= 0 && delay_ms <= 60000)) return Fail("--max_queue_delay_ms must be in [0, 60000]");
@@ -134,7 +138,7 @@ int main(int argc, char** argv) {
   options.batching.num_batch_threads = absl::GetFlag(FLAGS_batch_threads);
   options.batching.queue_capacity_source = "flag --queue_capacity";
   options.batching.max_batch_size_source = "flag --max_batch_size";
-  options.max_encoded_image_bytes = max_receive - kRequestOverheadBytes;
+  options.max_encoded_image_bytes = message_limits.max_receive_bytes;
   if (absl::Status status = mita::server::ValidateBatcherOptions(options.batching); !status.ok()) {
     return Fail(std::string(status.message()));
   }
@@ -169,6 +173,7 @@ int main(int argc, char** argv) {
                    absl::FormatDuration(absl::Now() - load_start), ": ", absl::StrJoin(model_lines, "; ")));
 
   mita::server::ServerMetrics metrics(model_infos);
+  options.message_size = std::make_shared<mita::server::MessageSizeGuard>(message_limits, metrics.registry().get());
   std::unique_ptr<mita::server::MetricsHttpServer> metrics_server;
   const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   if (!metrics_listen.empty()) {
@@ -191,7 +196,7 @@ int main(int argc, char** argv) {
   const std::string listen = absl::GetFlag(FLAGS_listen);
   int selected_port = 0;
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &selected_port);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(max_receive));
+  options.message_size->ConfigureServer(builder);
   builder.RegisterService(service->get());
   builder.RegisterService(&kserve);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

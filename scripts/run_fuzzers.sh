@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Runs each libFuzzer target of tests/fuzz for a bounded time (MITA_FUZZ_SECONDS, default 60 s each) from its
+# committed seed corpus (tests/fuzz/corpus/<fuzzer>/). The fuzzers are built, with ASan + UBSan, by
+# scripts/run_sanitizers.sh in ./build-asan (run that first; CI runs both from scripts/run_tests.sh).
+# New inputs libFuzzer finds go to a scratch corpus under the build folder, not into the repository. A crash,
+# timeout, out-of-memory or sanitizer report fails the script; the input that caused it is saved as
+# build-asan/fuzz-artifacts/<fuzzer>-crash-... (reproduce: build-asan/tests/fuzz/<fuzzer> THAT_FILE).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR=${MITA_SANITIZER_BUILD_DIR:-build-asan}
+SECONDS_EACH=${MITA_FUZZ_SECONDS:-60}
+FUZZERS=(image_decoder_fuzzer safetensors_fuzzer model_config_fuzzer classify_request_fuzzer)
+if [ -n "${MITA_FUZZERS:-}" ]; then read -r -a FUZZERS <<<"$MITA_FUZZERS"; fi
+
+# Same sanitizer options as the test run (see scripts/run_sanitizers.sh).
+export ASAN_OPTIONS="detect_leaks=1:detect_odr_violation=0:abort_on_error=1"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+export LSAN_OPTIONS="suppressions=$PWD/tests/sanitizers/lsan.supp:print_suppressions=0"
+export OMP_WAIT_POLICY=passive OMP_NUM_THREADS=1
+
+artifacts="$BUILD_DIR/fuzz-artifacts"
+mkdir -p "$artifacts"
+status=0
+for fuzzer in "${FUZZERS[@]}"; do
+  binary="$BUILD_DIR/tests/fuzz/$fuzzer"
+  seeds="tests/fuzz/corpus/${fuzzer%_fuzzer}"
+  if [ ! -x "$binary" ]; then echo "missing $binary: run scripts/run_sanitizers.sh first" >&2; exit 1; fi
+  work="$BUILD_DIR/fuzz-corpus/${fuzzer%_fuzzer}"
+  mkdir -p "$work"
+  echo "== $fuzzer: ${SECONDS_EACH} s from $seeds"
+  # -timeout: one input over 10 s is a hang; -rss_limit_mb: a decompression bomb shows up as an OOM.
+  if "$binary" -max_total_time="$SECONDS_EACH" -timeout=10 -rss_limit_mb=2048 -max_len=65536 \
+       -print_final_stats=1 -artifact_prefix="$artifacts/$fuzzer-" "$work" "$seeds" >"$artifacts/$fuzzer.log" 2>&1; then
+    grep -E "^stat::number_of_executed_units|^stat::new_units_added|^#[0-9]+.*DONE" "$artifacts/$fuzzer.log" || true
+  else
+    status=1
+    echo "FAILED: $fuzzer (log: $artifacts/$fuzzer.log)" >&2
+    tail -n 60 "$artifacts/$fuzzer.log" >&2
+  fi
+done
+if [ "$status" -eq 0 ]; then echo "all ${#FUZZERS[@]} fuzzers ran ${SECONDS_EACH} s each without a failure"; fi
+exit "$status"

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Builds every test (and, unless MITA_SKIP_FUZZERS=1, the libFuzzer targets) with clang under AddressSanitizer +
+# UndefinedBehaviorSanitizer in ./build-asan and runs the test suite with ctest. Any sanitizer report fails
+# the run (-fno-sanitize-recover=all; ASan aborts on its first error). Called by scripts/run_tests.sh (CI);
+# scripts/run_fuzzers.sh reuses the fuzzer binaries built here.
+#
+# Only the project's code is instrumented: LibTorch, gRPC, protobuf, libpng, libjpeg, ... are Debian's
+# uninstrumented builds, so memory errors inside them are not seen (their calls from our code are).
+#
+# Sanitizer options, and why:
+#   detect_leaks=1 with tests/sanitizers/lsan.supp: LibTorch, OpenMP, gRPC and protobuf keep process-lifetime
+#     allocations (thread pools, registries, static caches) that LeakSanitizer reports at exit; the file
+#     suppresses those libraries only, so a leak in our code still fails.
+#   detect_odr_violation=0: ASan's ODR check flags globals that our instrumented objects and an uninstrumented
+#     shared library both define (header-defined constants of Abseil/protobuf); not a bug of ours.
+#   halt_on_error / abort_on_error: the first report fails the test.
+# Tests skipped under ASan (MITA_SANITIZER_CTEST_EXCLUDE overrides the list): ServiceTest.DeadlinePassedInTheQueueIsNotRun
+# and ServiceTest.CancelledCallIsNotRun. They depend on wall-clock windows (a 20 ms deadline, a cancel 25 ms
+# into a 50 ms queue delay) that ASan's slowdown of the handler and the loaded test machine break: the server
+# then finishes or drops the call outside the window and the server-side counter they wait for stays at 0
+# (measured here: both failed under ASan with a loaded machine; the cancel test passed when run alone). They
+# run in the plain build (scripts/run_tests.sh), and the code they cover is under ASan in the other service
+# tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR=${MITA_SANITIZER_BUILD_DIR:-build-asan}
+if [ "${MITA_SKIP_INSTALL:-0}" != 1 ]; then bash scripts/install_deps.sh; fi
+
+FUZZERS=ON
+if [ "${MITA_SKIP_FUZZERS:-0}" = 1 ]; then FUZZERS=OFF; fi
+export ASAN_OPTIONS="detect_leaks=1:detect_odr_violation=0:halt_on_error=1:abort_on_error=1"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+export LSAN_OPTIONS="suppressions=$PWD/tests/sanitizers/lsan.supp:print_suppressions=0"
+# OpenMP workers spin-wait by default; passive keeps the 2-core CI machine usable for the other processes.
+export OMP_WAIT_POLICY=passive
+
+start=$(date +%s)
+# -O1 with line tables: the usual sanitizer build (fast to compile, readable stack traces).
+CC=clang CXX=clang++ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=None \
+  -DCMAKE_CXX_FLAGS="-O1 -gline-tables-only" -DCMAKE_C_FLAGS="-O1 -gline-tables-only" \
+  -DMITA_SANITIZE=address,undefined -DMITA_BUILD_FUZZERS="$FUZZERS"
+cmake --build "$BUILD_DIR" -j "$(nproc)"
+built=$(date +%s)
+echo "sanitizer build: $((built - start)) s"
+
+cd "$BUILD_DIR"
+EXCLUDE=${MITA_SANITIZER_CTEST_EXCLUDE-ServiceTest.DeadlinePassedInTheQueueIsNotRun|ServiceTest.CancelledCallIsNotRun}
+ctest --output-on-failure --timeout 1800 ${EXCLUDE:+-E "$EXCLUDE"}
+echo "sanitizer tests: $(($(date +%s) - built)) s"

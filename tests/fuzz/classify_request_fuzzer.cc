@@ -1,0 +1,91 @@
+// libFuzzer target: request validation of mita.v1.MitaService/Classify. The input is a serialized
+// ClassifyRequest (protobuf wire format); it is handed to the real ClassifyService (the embedded
+// fashion-mnist-vit package, its batcher and model) exactly as gRPC would after parsing, with the message size
+// guard of mita-server. Every request must get OK or a user-error code (INVALID_ARGUMENT, NOT_FOUND,
+// RESOURCE_EXHAUSTED), never INTERNAL/UNKNOWN, a crash or a sanitizer report; an OK answer must be
+// well-formed.
+//
+// The model repository is $MITA_MODEL_REPOSITORY, else the source tree's models/repository.
+#include <grpcpp/server_context.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "server/classify_service.h"
+#include "server/message_limits.h"
+#include "server/metrics.h"
+#include "server/model_registry.h"
+
+namespace {
+
+struct Fixture {
+  std::unique_ptr<mita::server::ModelRegistry> registry;
+  std::unique_ptr<mita::server::ServerMetrics> metrics;
+  std::unique_ptr<mita::server::ClassifyService> service;
+};
+
+Fixture* fixture = nullptr;
+
+[[noreturn]] void Die(const std::string& message) {
+  std::fprintf(stderr, "classify_request_fuzzer: %s\n", message.c_str());
+  std::abort();
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
+  const char* repository = std::getenv("MITA_MODEL_REPOSITORY");
+  const std::string path = repository != nullptr && *repository ? repository : MITA_SOURCE_DIR "/models/repository";
+  fixture = new Fixture;
+  absl::StatusOr<std::unique_ptr<mita::server::ModelRegistry>> registry =
+      mita::server::ModelRegistry::LoadFromDirectory(path);
+  if (!registry.ok()) Die(registry.status().ToString());
+  fixture->registry = *std::move(registry);
+  std::vector<mita::server::ServerMetrics::ModelInfo> infos;
+  for (const mita::models::ModelPackage* package : fixture->registry->packages()) {
+    infos.push_back({package->name, package->config.depth});
+  }
+  fixture->metrics = std::make_unique<mita::server::ServerMetrics>(infos);
+  mita::server::ServiceOptions options;
+  options.batching.max_queue_delay = absl::ZeroDuration();
+  // A 64 KiB message limit keeps each run fast; the checks are the same as at 4 MiB.
+  mita::server::MessageSizeLimits limits;
+  limits.max_receive_bytes = int64_t{64} << 10;
+  options.max_encoded_image_bytes = limits.max_receive_bytes;
+  options.message_size = std::make_shared<mita::server::MessageSizeGuard>(limits, fixture->metrics->registry().get());
+  absl::StatusOr<std::unique_ptr<mita::server::ClassifyService>> service =
+      mita::server::ClassifyService::Create(fixture->registry.get(), fixture->metrics.get(), options);
+  if (!service.ok()) Die(service.status().ToString());
+  fixture->service = *std::move(service);
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  mita::v1::ClassifyRequest request;
+  if (!request.ParseFromArray(data, static_cast<int>(size))) return -1;  // gRPC would reject it before us
+  grpc::ServerContext context;
+  mita::v1::ClassifyResponse response;
+  const grpc::Status status = fixture->service->Classify(&context, &request, &response);
+  switch (status.error_code()) {
+    case grpc::StatusCode::OK:
+      if (response.classes_size() < 1 || response.classes_size() > 10) Die("OK with a wrong number of classes");
+      for (const mita::v1::ClassScore& score : response.classes()) {
+        if (!(score.score() >= 0 && score.score() <= 1) || score.index() < 0 || score.index() >= 10) {
+          Die("OK with a score or index out of range");
+        }
+      }
+      break;
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::NOT_FOUND:
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      if (status.error_message().empty()) Die("an error without a message");
+      break;
+    default:
+      Die("unexpected code " + std::to_string(status.error_code()) + ": " + status.error_message());
+  }
+  return 0;
+}

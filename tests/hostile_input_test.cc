@@ -1,0 +1,446 @@
+// Hostile input: message size limits at 4 MiB +/- 1 byte over loopback (with errors naming the limit and the
+// flag), decompression bombs hidden in PNG ancillary chunks, and zero-sized / wrong-rank tensors given to the
+// model. The image and safetensors/config faults themselves are in image_decoder_test.cc and models_test.cc;
+// the fuzzers are in tests/fuzz.
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
+#include <jpeglib.h>
+#include <zlib.h>
+
+#include <csetjmp>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "client/mita_client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "models/image_decoder.h"
+#include "models/model_package.h"
+#include "prometheus/registry.h"
+#include "server/classify_service.h"
+#include "server/message_limits.h"
+#include "server/metrics.h"
+#include "server/model_registry.h"
+#include "tools/fashion_mnist.h"
+
+namespace mita::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kModel[] = "fashion-mnist-vit";
+constexpr int64_t kFourMiB = int64_t{4} << 20;
+
+std::string RepositoryPath() {
+  const char* source = std::getenv("MITA_SOURCE_DIR");
+  return absl::StrCat(source != nullptr ? source : ".", "/models/repository");
+}
+
+void ExpectError(const absl::Status& status, absl::StatusCode code, const std::vector<std::string>& parts) {
+  EXPECT_EQ(status.code(), code) << status;
+  for (const std::string& part : parts) EXPECT_THAT(std::string(status.message()), HasSubstr(part));
+}
+
+// The sum of counter samples of `name` whose labels include `labels`.
+double CounterValue(const prometheus::Registry& registry, const std::string& name,
+                    const std::map<std::string, std::string>& labels) {
+  double total = 0;
+  for (const prometheus::MetricFamily& family : registry.Collect()) {
+    if (family.name != name) continue;
+    for (const prometheus::ClientMetric& metric : family.metric) {
+      int matched = 0;
+      for (const prometheus::ClientMetric::Label& label : metric.label) {
+        auto it = labels.find(label.name);
+        if (it != labels.end() && it->second == label.value) ++matched;
+      }
+      if (matched == static_cast<int>(labels.size())) total += metric.counter.value;
+    }
+  }
+  return total;
+}
+
+// ----- PNG building -----
+
+void AppendBigEndian32(std::string& out, uint32_t value) {
+  for (int shift = 24; shift >= 0; shift -= 8) out.push_back(static_cast<char>((value >> shift) & 0xff));
+}
+
+// One PNG chunk: length, type, data, CRC-32 of type + data (PNG spec 5.3).
+std::string PngChunk(const std::string& type, const std::string& data) {
+  std::string chunk;
+  AppendBigEndian32(chunk, static_cast<uint32_t>(data.size()));
+  chunk += type;
+  chunk += data;
+  uLong crc = crc32(0L, Z_NULL, 0);
+  crc = crc32(crc, reinterpret_cast<const Bytef*>(type.data()), static_cast<uInt>(type.size()));
+  crc = crc32(crc, reinterpret_cast<const Bytef*>(data.data()), static_cast<uInt>(data.size()));
+  AppendBigEndian32(chunk, static_cast<uint32_t>(crc));
+  return chunk;
+}
+
+// Inserts `chunks` right after IHDR (8-byte signature + 25-byte IHDR chunk) of a PNG.
+std::string InsertAfterIhdr(const std::string& png, const std::string& chunks) {
+  return png.substr(0, 33) + chunks + png.substr(33);
+}
+
+// zlib-compressed `size` zero bytes (level 9: about 1000:1).
+std::string CompressedZeros(size_t size) {
+  const std::string zeros(size, '\0');
+  uLongf compressed_size = compressBound(static_cast<uLong>(zeros.size()));
+  std::string compressed(compressed_size, '\0');
+  EXPECT_EQ(compress2(reinterpret_cast<Bytef*>(compressed.data()), &compressed_size,
+                      reinterpret_cast<const Bytef*>(zeros.data()), static_cast<uLong>(zeros.size()), 9),
+            Z_OK);
+  compressed.resize(compressed_size);
+  return compressed;
+}
+
+// A Fashion-MNIST-like 28 x 28 gray PNG (a gradient; the model's output does not matter here).
+std::string SmallPng() {
+  std::vector<uint8_t> pixels(28 * 28);
+  for (size_t i = 0; i < pixels.size(); ++i) pixels[i] = static_cast<uint8_t>(i % 251);
+  absl::StatusOr<std::string> png = datasets::EncodePng(pixels, 28, 28, 1);
+  EXPECT_TRUE(png.ok()) << png.status();
+  return png.ok() ? *png : std::string();
+}
+
+// A valid PNG request for kModel whose protobuf encoding is exactly `target_bytes`: SmallPng() padded with a
+// private ancillary chunk ("mtPd"), which decoders skip.
+v1::ClassifyRequest RequestOfExactSize(int64_t target_bytes) {
+  const std::string png = SmallPng();
+  v1::ClassifyRequest request;
+  request.set_model(kModel);
+  int64_t padding = target_bytes - static_cast<int64_t>(png.size()) - 64;
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    request.set_image(InsertAfterIhdr(png, PngChunk("mtPd", std::string(static_cast<size_t>(padding), 'p'))));
+    const int64_t size = static_cast<int64_t>(request.ByteSizeLong());
+    if (size == target_bytes) break;
+    padding += target_bytes - size;
+  }
+  EXPECT_EQ(static_cast<int64_t>(request.ByteSizeLong()), target_bytes);
+  return request;
+}
+
+// ----- MessageSizeGuard -----
+
+TEST(MessageSizeGuardTest, LimitIsInclusiveAndTheErrorNamesTheLimitAndTheFlag) {
+  prometheus::Registry registry;
+  MessageSizeGuard guard(MessageSizeLimits{}, &registry);
+  EXPECT_TRUE(guard.CheckRequestBytes(kFourMiB - 1).ok());
+  EXPECT_TRUE(guard.CheckRequestBytes(kFourMiB).ok());
+  ExpectError(guard.CheckRequestBytes(kFourMiB + 1), absl::StatusCode::kResourceExhausted,
+              {"request message of 4194305 bytes is over the limit of 4194304 bytes",
+               "flag --max_receive_message_bytes"});
+  EXPECT_TRUE(guard.CheckResponseBytes(kFourMiB).ok());
+  ExpectError(guard.CheckResponseBytes(kFourMiB + 1), absl::StatusCode::kResourceExhausted,
+              {"response message of 4194305 bytes is over the limit of 4194304 bytes",
+               "flag --max_send_message_bytes"});
+  EXPECT_EQ(CounterValue(registry, "mita_oversized_messages_total", {{"direction", "request"}}), 1);
+  EXPECT_EQ(CounterValue(registry, "mita_oversized_messages_total", {{"direction", "response"}}), 1);
+
+  // The message check uses the protobuf encoding size.
+  v1::ClassifyResponse response;
+  response.set_model(std::string(static_cast<size_t>(kFourMiB - 5), 'm'));  // tag 1 + 4-byte length + data
+  ASSERT_EQ(static_cast<int64_t>(response.ByteSizeLong()), kFourMiB);
+  EXPECT_TRUE(guard.CheckResponse(response).ok());
+  response.mutable_model()->push_back('m');
+  EXPECT_EQ(guard.CheckResponse(response).code(), absl::StatusCode::kResourceExhausted);
+}
+
+TEST(MessageSizeGuardTest, LimitsOutOfRangeAreRejectedAndTheTransportLimitIsTwice) {
+  MessageSizeLimits limits;
+  EXPECT_TRUE(ValidateMessageSizeLimits(limits).ok());
+  limits.max_receive_bytes = 1023;
+  ExpectError(ValidateMessageSizeLimits(limits), absl::StatusCode::kInvalidArgument,
+              {"flag --max_receive_message_bytes is 1023 bytes: allowed [1024, 1073741824]"});
+  limits.max_receive_bytes = kFourMiB;
+  limits.max_send_bytes = (int64_t{1} << 30) + 1;
+  ExpectError(ValidateMessageSizeLimits(limits), absl::StatusCode::kInvalidArgument,
+              {"flag --max_send_message_bytes"});
+  EXPECT_EQ(TransportLimitBytes(kFourMiB), 2 * kFourMiB);
+  EXPECT_EQ(TransportLimitBytes(int64_t{1} << 30), 2147483647);
+}
+
+// ----- the service over loopback -----
+
+// A server for the repository's models with the given message limits (as mita-server sets them up).
+class LimitedServer {
+ public:
+  LimitedServer(const ModelRegistry* registry, MessageSizeLimits limits) {
+    std::vector<ServerMetrics::ModelInfo> infos;
+    for (const models::ModelPackage* p : registry->packages()) infos.push_back({p->name, p->config.depth});
+    metrics_ = std::make_unique<ServerMetrics>(infos);
+    ServiceOptions options;
+    options.batching.max_queue_delay = absl::ZeroDuration();
+    options.max_encoded_image_bytes = limits.max_receive_bytes;
+    options.message_size = std::make_shared<MessageSizeGuard>(limits, metrics_->registry().get());
+    absl::StatusOr<std::unique_ptr<ClassifyService>> service = ClassifyService::Create(registry, metrics_.get(), options);
+    EXPECT_TRUE(service.ok()) << service.status();
+    if (!service.ok()) return;
+    service_ = *std::move(service);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    options.message_size->ConfigureServer(builder);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    EXPECT_NE(port, 0);
+    client_ = client::MitaClient::Connect(absl::StrCat("127.0.0.1:", port));
+  }
+  ~LimitedServer() {
+    if (server_ != nullptr) server_->Shutdown();
+    if (service_ != nullptr) service_->Shutdown();
+  }
+  const client::MitaClient& client() const { return *client_; }
+  const prometheus::Registry& registry() const { return *metrics_->registry(); }
+
+ private:
+  std::unique_ptr<ServerMetrics> metrics_;
+  std::unique_ptr<ClassifyService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<client::MitaClient> client_;
+};
+
+class MessageLimitServiceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    absl::StatusOr<std::unique_ptr<ModelRegistry>> registry = ModelRegistry::LoadFromDirectory(RepositoryPath());
+    ASSERT_TRUE(registry.ok()) << registry.status();
+    registry_ = registry->release();
+  }
+  static void TearDownTestSuite() {
+    delete registry_;
+    registry_ = nullptr;
+  }
+  void SetUp() override { ASSERT_NE(registry_, nullptr); }
+  static ModelRegistry* registry_;
+};
+ModelRegistry* MessageLimitServiceTest::registry_ = nullptr;
+
+TEST_F(MessageLimitServiceTest, FourMiBRequestIsServedAndOneByteMoreNamesTheLimitAndTheFlag) {
+  LimitedServer server(registry_, MessageSizeLimits{});
+  for (int64_t size : {kFourMiB - 1, kFourMiB}) {
+    absl::StatusOr<v1::ClassifyResponse> response = server.client().ClassifyRaw(RequestOfExactSize(size));
+    ASSERT_TRUE(response.ok()) << size << " bytes: " << response.status();
+    EXPECT_EQ(response->classes_size(), 5);
+  }
+  ExpectError(server.client().ClassifyRaw(RequestOfExactSize(kFourMiB + 1)).status(),
+              absl::StatusCode::kResourceExhausted,
+              {"request message of 4194305 bytes is over the limit of 4194304 bytes",
+               "flag --max_receive_message_bytes"});
+  // Up to twice the limit the service answers; beyond it gRPC's transport does (its own message).
+  ExpectError(server.client().ClassifyRaw(RequestOfExactSize(2 * kFourMiB - 16)).status(),
+              absl::StatusCode::kResourceExhausted, {"flag --max_receive_message_bytes"});
+  EXPECT_EQ(server.client().ClassifyRaw(RequestOfExactSize(2 * kFourMiB + 16)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(CounterValue(server.registry(), "mita_oversized_messages_total", {{"direction", "request"}}), 2);
+  EXPECT_EQ(CounterValue(server.registry(), "mita_requests_total",
+                         {{"method", "Classify"}, {"model", kModel}, {"code", "RESOURCE_EXHAUSTED"}}),
+            2);
+  // The server still serves.
+  absl::StatusOr<v1::ClassifyResponse> response = server.client().ClassifyRaw(RequestOfExactSize(1000));
+  EXPECT_TRUE(response.ok()) << response.status();
+}
+
+TEST_F(MessageLimitServiceTest, ResponseOverTheSendLimitNamesTheLimitAndTheFlag) {
+  v1::ClassifyRequest request = RequestOfExactSize(1000);
+  // All 10 classes and 49 routed experts: with the per-layer statistics of 4 layers the answer takes more than
+  // 1 KiB, without them less (measured first on a server with the default limits).
+  request.set_top_n(10);
+  request.mutable_budget()->mutable_experts()->set_expert_count(49);
+  request.mutable_budget()->mutable_experts()->set_expert_width(50);
+  v1::ClassifyRequest with_statistics = request;
+  with_statistics.set_return_statistics(true);
+  {
+    LimitedServer unlimited(registry_, MessageSizeLimits{});
+    absl::StatusOr<v1::ClassifyResponse> small = unlimited.client().ClassifyRaw(request);
+    absl::StatusOr<v1::ClassifyResponse> large = unlimited.client().ClassifyRaw(with_statistics);
+    ASSERT_TRUE(small.ok() && large.ok()) << small.status() << " " << large.status();
+    ASSERT_LT(small->ByteSizeLong(), 1024u - 64);
+    ASSERT_GT(large->ByteSizeLong(), 1024u + 64);
+  }
+  MessageSizeLimits limits;
+  limits.max_send_bytes = 1024;
+  LimitedServer server(registry_, limits);
+  EXPECT_TRUE(server.client().ClassifyRaw(request).ok());
+  request = with_statistics;
+  ExpectError(server.client().ClassifyRaw(request).status(), absl::StatusCode::kResourceExhausted,
+              {"over the limit of 1024 bytes", "flag --max_send_message_bytes", "return_statistics"});
+  EXPECT_EQ(CounterValue(server.registry(), "mita_oversized_messages_total", {{"direction", "response"}}), 1);
+  // GetModel's metadata (labels, knobs) fits in 1 KiB for this model.
+  EXPECT_TRUE(server.client().GetModel(kModel).ok());
+}
+
+// ----- decompression bombs -----
+
+// Peak resident memory of this process (VmHWM), bytes, or -1 when unknown.
+int64_t PeakResidentBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    absl::string_view rest = line;
+    if (!absl::ConsumePrefix(&rest, "VmHWM:")) continue;
+    rest = absl::StripAsciiWhitespace(rest);
+    absl::ConsumeSuffix(&rest, " kB");
+    int64_t kilobytes = 0;
+    if (absl::SimpleAtoi(rest, &kilobytes)) return kilobytes * 1024;
+  }
+  return -1;
+}
+
+// Resets VmHWM to the current resident size (Linux clear_refs "5"). Returns false when not permitted.
+bool ResetPeakResident() {
+  std::ofstream clear_refs("/proc/self/clear_refs");
+  clear_refs << "5";
+  clear_refs.flush();
+  return clear_refs.good();
+}
+
+// REGRESSION: libpng inflates every zTXt/iTXt chunk (up to 8 MB each) and keeps the text until the decoder
+// is destroyed, so a small PNG with many compressed text chunks made the server hold gigabytes (about 1000x the
+// request size). The decoder now skips every ancillary chunk it does not use (all but tRNS) without inflating.
+TEST(DecompressionBombTest, CompressedTextChunksAreNotInflated) {
+  const std::string png = SmallPng();
+  // 64 zTXt chunks of 7.5 MB of zeros each: 480 MB if inflated, 0.5 MB on the wire.
+  const std::string zeros = CompressedZeros(7'500'000);
+  std::string chunks;
+  for (int i = 0; i < 64; ++i) {
+    chunks += PngChunk("zTXt", std::string("Comment\0\0", 9) + zeros);
+  }
+  chunks += PngChunk("tEXt", std::string("Title\0bomb", 10));
+  const std::string bomb = InsertAfterIhdr(png, chunks);
+  ASSERT_LT(bomb.size(), size_t{1} << 20);
+
+  const bool peak_measured = ResetPeakResident();
+  const int64_t peak_before = PeakResidentBytes();
+  absl::StatusOr<models::DecodedImage> decoded = models::DecodeImage(bomb, 1, models::ImageDecodeLimits{});
+  const int64_t peak_after = PeakResidentBytes();
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  absl::StatusOr<models::DecodedImage> plain = models::DecodeImage(png, 1, models::ImageDecodeLimits{});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(decoded->pixels, plain->pixels);
+  if (peak_measured && peak_before > 0) {
+    EXPECT_LT(peak_after - peak_before, int64_t{64} << 20) << "peak resident memory grew by "
+                                                           << (peak_after - peak_before) << " bytes";
+  } else {
+    ADD_FAILURE() << "cannot reset or read the peak resident size (/proc/self/clear_refs, VmHWM)";
+  }
+}
+
+// tRNS is the one ancillary chunk that changes pixels; it is still applied.
+TEST(DecompressionBombTest, TransparencyIsStillApplied) {
+  // 2 x 1 gray 8-bit: values 200 and 100; tRNS makes gray 200 fully transparent (composited over black: 0).
+  std::vector<uint8_t> pixels = {200, 100};
+  absl::StatusOr<std::string> png = datasets::EncodePng(pixels, 2, 1, 1);
+  ASSERT_TRUE(png.ok());
+  const std::string with_trns = InsertAfterIhdr(*png, PngChunk("tRNS", std::string("\0\xc8", 2)));
+  absl::StatusOr<models::DecodedImage> decoded = models::DecodeImage(with_trns, 1, models::ImageDecodeLimits{});
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->pixels, (std::vector<uint8_t>{0, 100}));
+}
+
+// A 16 x 16 gray progressive JPEG written with libjpeg: with `many_scans`, a valid scan script of 694 scans
+// (DC, then each AC coefficient alone, first at Al = 10 and refined bit by bit down to Al = 0); else the
+// standard progression of jpeg_simple_progression (6 scans for gray).
+std::string ProgressiveJpeg(bool many_scans) {
+  jpeg_compress_struct info;
+  jpeg_error_mgr error;
+  info.err = jpeg_std_error(&error);
+  jpeg_create_compress(&info);
+  unsigned char* buffer = nullptr;
+  unsigned long size = 0;
+  jpeg_mem_dest(&info, &buffer, &size);
+  info.image_width = 16;
+  info.image_height = 16;
+  info.input_components = 1;
+  info.in_color_space = JCS_GRAYSCALE;
+  jpeg_set_defaults(&info);
+  std::vector<jpeg_scan_info> scans;
+  if (many_scans) {
+    scans.push_back(jpeg_scan_info{1, {0}, 0, 0, 0, 0});
+    for (int k = 1; k < 64; ++k) {
+      scans.push_back(jpeg_scan_info{1, {0}, k, k, 0, 10});
+      for (int bit = 10; bit >= 1; --bit) scans.push_back(jpeg_scan_info{1, {0}, k, k, bit, bit - 1});
+    }
+    info.scan_info = scans.data();
+    info.num_scans = static_cast<int>(scans.size());
+  } else {
+    jpeg_simple_progression(&info);
+  }
+  jpeg_start_compress(&info, TRUE);
+  std::vector<uint8_t> row(16);
+  for (int y = 0; y < 16; ++y) {
+    for (int x = 0; x < 16; ++x) row[x] = static_cast<uint8_t>((x * 13 + y * 7) % 256);
+    JSAMPROW pointer = row.data();
+    jpeg_write_scanlines(&info, &pointer, 1);
+  }
+  jpeg_finish_compress(&info);
+  jpeg_destroy_compress(&info);
+  std::string bytes(reinterpret_cast<const char*>(buffer), size);
+  std::free(buffer);
+  return bytes;
+}
+
+// REGRESSION: every scan of a progressive JPEG is one more pass over all blocks, so a small file with hundreds
+// of scans costs far more to decode than its size suggests. More than 500 scans are now rejected.
+TEST(DecompressionBombTest, JpegWithTooManyScansIsRejected) {
+  const std::string normal = ProgressiveJpeg(false);
+  absl::StatusOr<models::DecodedImage> decoded = models::DecodeImage(normal, 1, models::ImageDecodeLimits{});
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->width, 16);
+  const std::string bomb = ProgressiveJpeg(true);
+  ExpectError(models::DecodeImage(bomb, 1, models::ImageDecodeLimits{}).status(), absl::StatusCode::kInvalidArgument,
+              {"invalid JPEG: more than 500 scans"});
+}
+
+// ----- zero-sized and wrong-rank tensors given to the model -----
+
+TEST(HostileTensorTest, ZeroSizedAndWrongRankImagesAreInvalidArgument) {
+  absl::StatusOr<models::ModelPackage> package = models::LoadModelPackage(RepositoryPath() + "/" + kModel);
+  ASSERT_TRUE(package.ok()) << package.status();
+  const models::VitClassifier& model = *package->model;
+  const std::vector<models::AttentionBudget> one = {package->config.default_budget};
+  const std::vector<models::AttentionBudget> none;
+  struct Case {
+    at::Tensor images;
+    const std::vector<models::AttentionBudget>* budgets;
+  };
+  const std::vector<Case> cases = {
+      {at::Tensor(), &one},                   // undefined
+      {at::zeros({}), &one},                  // rank 0
+      {at::zeros({28}), &one},                // rank 1
+      {at::zeros({1, 28, 28}), &one},         // rank 3
+      {at::zeros({1, 1, 1, 28, 28}), &one},   // rank 5
+      {at::zeros({0, 1, 28, 28}), &none},     // empty batch
+      {at::zeros({1, 0, 28, 28}), &one},      // zero channels
+      {at::zeros({1, 1, 0, 28}), &one},       // zero height
+      {at::zeros({1, 1, 28, 0}), &one},       // zero width
+      {at::zeros({1, 3, 28, 28}), &one},      // wrong channels
+      {at::zeros({1, 1, 27, 28}), &one},      // wrong side
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.images.defined() ? c.images.sizes().vec() : std::vector<int64_t>{-1});
+    absl::StatusOr<models::ClassifierOutput> output = model.Forward(c.images, *c.budgets, false);
+    EXPECT_EQ(output.status().code(), absl::StatusCode::kInvalidArgument) << output.status();
+    EXPECT_THAT(std::string(output.status().message()), HasSubstr("images"));
+  }
+}
+
+}  // namespace
+}  // namespace mita::server
