@@ -10,6 +10,10 @@
 //     each released batch to a processing callback. Shutdown() drains: it stops accepting (UNAVAILABLE),
 //     processes everything already queued, and joins the threads.
 //
+// A queued task can be taken back before it is batched (Remove / Cancel with the ticket Enqueue / Submit
+// gave it): a caller that gives up (cancelled call, passed deadline) frees its queue slot at once instead of
+// at batch formation.
+//
 // Policy: tasks are batched in FIFO order. A batch is the longest prefix of the queue whose total size fits
 // in max_batch_size. It is released when it is full (its size equals max_batch_size, or the next task would
 // not fit) or when its oldest task has waited max_queue_delay; while draining, at once.
@@ -114,7 +118,8 @@ class BatchQueue {
   // `*task` untouched. Errors: RESOURCE_EXHAUSTED when the task does not fit in the remaining queue capacity
   // (fails fast, names the capacity, e.g. "queue is full: 64 of 64 queued units (flag --queue_capacity)");
   // INVALID_ARGUMENT when the task is null, its size is < 1, or it is larger than max_batch_size.
-  absl::Status Enqueue(std::unique_ptr<Task>* task, absl::Time now) {
+  // `ticket` (optional) receives the task's ticket for Remove: unique within this queue.
+  absl::Status Enqueue(std::unique_ptr<Task>* task, absl::Time now, uint64_t* ticket = nullptr) {
     if (task == nullptr || *task == nullptr) return absl::InvalidArgumentError("task is null");
     const int64_t size = (*task)->size();
     if (size < 1) return absl::InvalidArgumentError(absl::StrCat("task size ", size, " must be >= 1"));
@@ -129,9 +134,24 @@ class BatchQueue {
                        size > 1 ? absl::StrCat(", the task needs ", size) : std::string(), " (",
                        options_.queue_capacity_source, ")"));
     }
-    entries_.push_back(Entry{std::move(*task), size, now});
+    const uint64_t assigned = next_ticket_++;
+    entries_.push_back(Entry{std::move(*task), size, now, assigned});
     queued_units_ += size;
+    if (ticket != nullptr) *ticket = assigned;
     return absl::OkStatus();
+  }
+
+  // Takes the task with `ticket` out of the queue and returns it; nullptr when it is not queued any more
+  // (already taken into a batch, or removed). O(queued tasks).
+  std::unique_ptr<Task> Remove(uint64_t ticket) {
+    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+      if (it->ticket != ticket) continue;
+      std::unique_ptr<Task> task = std::move(it->task);
+      queued_units_ -= it->size;
+      entries_.erase(it);
+      return task;
+    }
+    return nullptr;
   }
 
   // Releases the next batch if it is due at `now`: it is full (its size equals max_batch_size or the next
@@ -177,6 +197,7 @@ class BatchQueue {
     std::unique_ptr<Task> task;
     int64_t size;
     absl::Time enqueue_time;
+    uint64_t ticket;
   };
 
   // (tasks, units, full) of the batch TakeBatch would release now. Requires a non-empty queue.
@@ -194,6 +215,7 @@ class BatchQueue {
   const BatcherOptions options_;
   std::deque<Entry> entries_;
   int64_t queued_units_ = 0;
+  uint64_t next_ticket_ = 1;
 };
 
 // Runs `num_batch_threads` threads that take batches from a BatchQueue as they become due and hand them to
@@ -231,26 +253,44 @@ class DynamicBatcher {
   // Queues `*task`. On success takes ownership (`*task` becomes null); on failure leaves `*task` untouched.
   // Errors: UNAVAILABLE after Shutdown() began; RESOURCE_EXHAUSTED when the queue is full (names the
   // capacity); INVALID_ARGUMENT for a null task or a bad size (see BatchQueue::Enqueue).
-  absl::Status Submit(std::unique_ptr<Task>* task) ABSL_LOCKS_EXCLUDED(mu_) {
+  // `ticket` (optional) receives the ticket with which Cancel takes the task back.
+  absl::Status Submit(std::unique_ptr<Task>* task, uint64_t* ticket = nullptr) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
     if (stopping_) return absl::UnavailableError("shutting down: no new work is accepted");
     const int64_t units = (task != nullptr && *task != nullptr) ? (*task)->size() : 0;
-    absl::Status status = queue_.Enqueue(task, clock_->Now());
+    absl::Status status = queue_.Enqueue(task, clock_->Now(), ticket);
     if (!status.ok()) return status;
     ReportDepthChange(1, units);
     cv_.Signal();
     return absl::OkStatus();
   }
 
-  // Stops accepting work (Submit then fails with UNAVAILABLE), processes every queued task without waiting
-  // for batches to fill, and joins the batch threads. Blocks until done; idempotent and thread-safe.
-  // Must not be called from the processing callback.
-  void Shutdown() ABSL_LOCKS_EXCLUDED(mu_, join_mu_) {
-    {
-      absl::MutexLock lock(&mu_);
-      stopping_ = true;
-      cv_.SignalAll();
+  // Takes the task with `ticket` (from Submit) out of the queue, updating the queue depth at once, and
+  // returns it so that the caller completes it; nullptr when it is no longer queued (a batch thread took it
+  // and will process it). Thread-safe.
+  std::unique_ptr<Task> Cancel(uint64_t ticket) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    std::unique_ptr<Task> task = queue_.Remove(ticket);
+    if (task != nullptr) {
+      ReportDepthChange(-1, -task->size());
+      // The next batch's deadline may have changed.
+      cv_.Signal();
     }
+    return task;
+  }
+
+  // Stops accepting work (Submit then fails with UNAVAILABLE) and makes the batch threads release what is
+  // queued without waiting for batches to fill; returns at once. Idempotent and thread-safe.
+  void BeginShutdown() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    cv_.SignalAll();
+  }
+
+  // BeginShutdown(), then waits until every queued task is processed and joins the batch threads. Blocks
+  // until done; idempotent and thread-safe. Must not be called from the processing callback.
+  void Shutdown() ABSL_LOCKS_EXCLUDED(mu_, join_mu_) {
+    BeginShutdown();
     absl::MutexLock join_lock(&join_mu_);
     for (std::thread& thread : threads_) {
       if (thread.joinable()) thread.join();

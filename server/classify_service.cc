@@ -5,6 +5,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <exception>
 #include <utility>
@@ -55,6 +56,13 @@ absl::StatusOr<at::Tensor> DecodeAndPreprocess(const std::string& bytes, const m
   }
 }
 
+// DEADLINE_EXCEEDED for a request whose deadline passed after `queued` in the queue.
+absl::Status QueuedDeadlineExceeded(absl::Duration queued) {
+  return absl::DeadlineExceededError(
+      absl::StrCat("the deadline passed after ", Microseconds(queued),
+                   " us in the queue, before the request's batch started; it was not run"));
+}
+
 absl::Time DeadlineOf(const grpc::ServerContext& context) {
   const std::chrono::system_clock::time_point deadline = context.deadline();
   if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
@@ -77,8 +85,14 @@ struct ClassifyService::Task {
   int64_t size() const { return 1; }
 };
 
+// Who decides a queued task's fate: the batch thread moves it from kQueued to kStarted just before running
+// it; the handler moves it from kQueued to kAbandoned when its caller gives up (cancel, deadline) after a
+// batch thread took it out of the queue. One compare-and-swap each, so work never starts after a give-up.
+enum TaskState : int { kQueued = 0, kStarted = 1, kAbandoned = 2 };
+
 // What the batch thread hands back to the waiting handler.
 struct ClassifyService::TaskResult {
+  std::atomic<int> state{kQueued};
   absl::Status status;
   std::vector<std::pair<int64_t, float>> classes;       // (index, probability), best first
   std::vector<kernels::MitaItemStatistics> statistics;  // per layer; empty under full attention
@@ -218,6 +232,24 @@ ClassifyService::ClassifyService(const ModelRegistry* registry, ServerMetrics* m
 
 ClassifyService::~ClassifyService() { Shutdown(); }
 
+void ClassifyService::BeginDrain() {
+  draining_.store(true);
+  for (auto& [name, slot] : slots_) {
+    if (slot->batcher != nullptr) slot->batcher->BeginShutdown();
+  }
+}
+
+bool ClassifyService::WaitUntilIdle(absl::Time deadline) {
+  absl::MutexLock lock(&in_flight_mu_);
+  return in_flight_mu_.AwaitWithDeadline(absl::Condition(
+                                             +[](int64_t* in_flight) { return *in_flight == 0; }, &in_flight_),
+                                         deadline);
+}
+
+ClassifyService::AdmissionCounts ClassifyService::admission_counts() const {
+  return AdmissionCounts{admitted_.load(), admitted_ok_.load(), admitted_failed_.load()};
+}
+
 void ClassifyService::Shutdown() {
   for (auto& [name, slot] : slots_) {
     if (slot->batcher != nullptr) slot->batcher->Shutdown();
@@ -238,6 +270,22 @@ absl::StatusOr<const ClassifyService::ModelSlot*> ClassifyService::FindSlot(cons
 grpc::Status ClassifyService::Classify(grpc::ServerContext* context, const v1::ClassifyRequest* request,
                                        v1::ClassifyResponse* response) {
   const absl::Time receipt = clock_->Now();
+  {
+    absl::MutexLock lock(&in_flight_mu_);
+    ++in_flight_;
+  }
+  struct InFlightGuard {
+    ClassifyService* self;
+    ~InFlightGuard() {
+      absl::MutexLock lock(&self->in_flight_mu_);
+      --self->in_flight_;
+    }
+  } in_flight_guard{this};
+  if (absl::Status auth = Authenticate(*context, RpcMethod::kClassify); !auth.ok()) return ToGrpcStatus(auth);
+  if (draining_.load()) {
+    metrics_->CountRequest(RpcMethod::kClassify, nullptr, absl::StatusCode::kUnavailable);
+    return ToGrpcStatus(absl::UnavailableError("the server is shutting down: no new requests are accepted"));
+  }
   absl::StatusOr<const ModelSlot*> found = FindSlot(request->model(), RpcMethod::kClassify);
   if (!found.ok()) return ToGrpcStatus(found.status());
   const ModelSlot& slot = **found;
@@ -292,12 +340,16 @@ absl::StatusOr<v1::ClassifyResponse> ClassifyService::DoClassify(const ModelSlot
   task->budget = budget->budget;
   task->top_n = *top_n;
   task->deadline = deadline;
-  task->cancelled = std::move(cancelled);
+  task->cancelled = cancelled;  // the handler watches the call too (WaitForResult)
   task->result = &result;
-  if (absl::Status status = slot.batcher->Submit(&task); !status.ok()) return status;
+  uint64_t ticket = 0;
+  if (absl::Status status = slot.batcher->Submit(&task, &ticket); !status.ok()) return status;
+  const absl::Time submitted = absl::Now();
   slot.metrics->ObserveBudget(budget->budget.full_attention, budget->budget.expert_count, budget->budget.expert_width);
-  result.done.WaitForNotification();
-  if (!result.status.ok()) return result.status;
+  ++admitted_;
+  absl::Status waited = WaitForResult(slot, ticket, deadline, submitted, cancelled, result);
+  ++(waited.ok() ? admitted_ok_ : admitted_failed_);
+  if (!waited.ok()) return waited;
 
   v1::ClassifyResponse response;
   response.set_model(package.name);
@@ -336,6 +388,46 @@ absl::StatusOr<v1::ClassifyResponse> ClassifyService::DoClassify(const ModelSlot
   return response;
 }
 
+absl::Status ClassifyService::Authenticate(const grpc::ServerContext& context, RpcMethod method) const {
+  if (options_.authenticator == nullptr) return absl::OkStatus();
+  absl::Status status = options_.authenticator->Check(context);
+  if (!status.ok()) metrics_->CountRequest(method, nullptr, status.code());
+  return status;
+}
+
+absl::Status ClassifyService::WaitForResult(const ModelSlot& slot, uint64_t ticket, absl::Time deadline,
+                                            absl::Time submitted, const std::function<bool()>& cancelled,
+                                            TaskResult& result) {
+  // gRPC's synchronous API has no cancellation callback: look at the call every cancel_check_interval while
+  // the task waits, and at the deadline itself.
+  while (!result.done.WaitForNotificationWithDeadline(
+      std::min(deadline, absl::Now() + options_.cancel_check_interval))) {
+    const absl::Time now = absl::Now();
+    absl::Status give_up;
+    // The deadline first: gRPC also cancels a call whose deadline passed, by its own clock, which can run
+    // slightly ahead of the wall-clock deadline seen here; a cancel that close to the deadline is the deadline.
+    constexpr absl::Duration kDeadlineClockSlack = absl::Milliseconds(5);
+    if (now >= deadline) {
+      give_up = QueuedDeadlineExceeded(now - submitted);
+    } else if (cancelled && cancelled()) {
+      give_up = now >= deadline - kDeadlineClockSlack
+                    ? QueuedDeadlineExceeded(now - submitted)
+                    : absl::CancelledError("the call was cancelled while queued; it was not run");
+    } else {
+      continue;
+    }
+    // Still queued: take the task back, which frees its queue slot now (not at batch formation).
+    if (std::unique_ptr<Task> back = slot.batcher->Cancel(ticket); back != nullptr) return give_up;
+    // A batch thread holds it. If it has not started it, it never will (it completes it at once).
+    int expected = kQueued;
+    const bool abandoned = result.state.compare_exchange_strong(expected, kAbandoned);
+    result.done.WaitForNotification();
+    if (abandoned) return give_up;
+    break;  // it had started: take its result
+  }
+  return result.status;
+}
+
 void ClassifyService::ProcessBatch(const ModelSlot& slot, Batch<Task> batch) {
   const absl::Time start = clock_->Now();
   auto complete = [](Task& task, absl::Status status) {
@@ -349,11 +441,12 @@ void ClassifyService::ProcessBatch(const ModelSlot& slot, Batch<Task> batch) {
     Task& task = *batch.tasks[i];
     // The deadline first: gRPC also marks a call whose deadline passed as cancelled.
     if (start >= task.deadline) {
-      complete(task, absl::DeadlineExceededError(
-                         absl::StrCat("the deadline passed after ", Microseconds(start - batch.enqueue_times[i]),
-                                      " us in the queue, before the request's batch started; it was not run")));
+      complete(task, QueuedDeadlineExceeded(start - batch.enqueue_times[i]));
     } else if (task.cancelled && task.cancelled()) {
       complete(task, absl::CancelledError("the call was cancelled before its batch started; it was not run"));
+    } else if (int expected = kQueued; !task.result->state.compare_exchange_strong(expected, kStarted)) {
+      // The handler gave up (cancel or deadline) after this batch was taken from the queue.
+      complete(task, absl::CancelledError("the caller gave up before the request's batch started; it was not run"));
     } else {
       task.result->queue_delay = start - batch.enqueue_times[i];
       runnable.push_back(&task);
@@ -377,6 +470,11 @@ void ClassifyService::ProcessBatch(const ModelSlot& slot, Batch<Task> batch) {
       max_top_n = std::max(max_top_n, task->top_n);
     }
     const at::Tensor stacked = at::stack(images, 0);
+    // Guard of the drop-before-run guarantee: work started for a caller that had already given up. The
+    // state machine above makes this 0; the metric and the tests watch it.
+    for (Task* task : runnable) {
+      if (task->result->state.load() != kStarted) slot.metrics->CountExecutedAfterCancel();
+    }
     absl::StatusOr<models::ClassifierOutput> output =
         package.model->Forward(stacked, budgets, /*want_statistics=*/true);
     if (!output.ok()) {
@@ -426,15 +524,17 @@ void ClassifyService::ProcessBatch(const ModelSlot& slot, Batch<Task> batch) {
   }
 }
 
-grpc::Status ClassifyService::ListModels(grpc::ServerContext* /*context*/, const v1::ListModelsRequest* /*request*/,
+grpc::Status ClassifyService::ListModels(grpc::ServerContext* context, const v1::ListModelsRequest* /*request*/,
                                          v1::ListModelsResponse* response) {
+  if (absl::Status auth = Authenticate(*context, RpcMethod::kListModels); !auth.ok()) return ToGrpcStatus(auth);
   for (const auto& [name, slot] : slots_) *response->add_models() = slot->metadata;
   metrics_->CountRequest(RpcMethod::kListModels, nullptr, absl::StatusCode::kOk);
   return grpc::Status::OK;
 }
 
-grpc::Status ClassifyService::GetModel(grpc::ServerContext* /*context*/, const v1::GetModelRequest* request,
+grpc::Status ClassifyService::GetModel(grpc::ServerContext* context, const v1::GetModelRequest* request,
                                        v1::ModelMetadata* response) {
+  if (absl::Status auth = Authenticate(*context, RpcMethod::kGetModel); !auth.ok()) return ToGrpcStatus(auth);
   absl::StatusOr<const ModelSlot*> found = FindSlot(request->name(), RpcMethod::kGetModel);
   if (!found.ok()) return ToGrpcStatus(found.status());
   *response = (*found)->metadata;

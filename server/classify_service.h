@@ -5,7 +5,10 @@
 //   handler thread: look up the model (NOT_FOUND) -> check the input kind and the image (INVALID_ARGUMENT
 //   naming the field) -> resolve the budget and top_n (INVALID_ARGUMENT with the allowed values) -> decode
 //   and preprocess the image (INVALID_ARGUMENT "field image: ...") -> submit a task to the model's
-//   DynamicBatcher (RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE while draining) -> wait.
+//   DynamicBatcher (RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE while draining) -> wait for the
+//   result; when the deadline passes or the call is cancelled while the task is still queued, take it back
+//   out of the queue at once (its slot and the queue-depth gauge are freed then, not at batch formation)
+//   and answer DEADLINE_EXCEEDED / CANCELLED.
 //   batch thread: drop tasks whose call was cancelled (CANCELLED) or whose deadline has passed
 //   (DEADLINE_EXCEEDED, not run) -> stack the images [B, C, H, W] -> VitClassifier::Forward with per-item
 //   budgets and statistics -> softmax, top-N -> complete each task.
@@ -16,6 +19,7 @@
 #include <grpcpp/server_context.h>
 #include <grpcpp/support/status.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -25,6 +29,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "mita/v1/mita.grpc.pb.h"
 #include "mita/v1/mita.pb.h"
@@ -33,6 +38,7 @@
 #include "server/clock.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
+#include "server/security.h"
 
 namespace mita::server {
 
@@ -43,6 +49,13 @@ struct ServiceOptions {
   // Largest accepted encoded image, bytes (ImageLimits.max_encoded_bytes). Keep it below the server's gRPC
   // receive limit, which rejects larger messages before the handler runs (RESOURCE_EXHAUSTED).
   int64_t max_encoded_image_bytes = int64_t{4} << 20;
+  // How often a handler whose request is queued looks whether its call was cancelled (gRPC's synchronous
+  // API has no cancellation callback). A cancelled call's task leaves the queue within about this time; the
+  // deadline is watched exactly.
+  absl::Duration cancel_check_interval = absl::Milliseconds(2);
+  // When set (not owned, must outlive the service), every mita.v1 call must carry its bearer token
+  // (UNAUTHENTICATED otherwise, counted with model "unknown").
+  const BearerTokenAuthenticator* authenticator = nullptr;
 };
 
 // The budget a request resolves to, and the preset name to echo ("default" when the request had none, the
@@ -88,6 +101,23 @@ class ClassifyService final : public v1::MitaService::Service {
   // threads. Call after grpc::Server::Shutdown. Idempotent.
   void Shutdown();
 
+  // Starts draining: from now on Classify answers UNAVAILABLE ("the server is shutting down") before doing
+  // any work, and the batchers release what is queued without waiting for batches to fill. Admitted
+  // requests still finish. Returns at once; idempotent.
+  void BeginDrain();
+  // Waits until no Classify call is in the service (admitted ones answered) or `deadline` passes. Returns
+  // whether it became idle.
+  bool WaitUntilIdle(absl::Time deadline);
+
+  // Requests submitted to a batcher since start (admitted), and how many of them were answered OK or with
+  // an error (cancelled, deadline passed, model failure). admitted - ok - failed are still in flight.
+  struct AdmissionCounts {
+    int64_t admitted = 0;
+    int64_t ok = 0;
+    int64_t failed = 0;
+  };
+  AdmissionCounts admission_counts() const;
+
  private:
   struct Task;
   struct TaskResult;
@@ -107,6 +137,14 @@ class ClassifyService final : public v1::MitaService::Service {
   // The slot of model `name`. On failure counts the RPC (`method`, model "unknown") and returns the
   // registry's error: INVALID_ARGUMENT for an empty name, NOT_FOUND for an unknown one.
   absl::StatusOr<const ModelSlot*> FindSlot(const std::string& name, RpcMethod method) const;
+  // Waits for the result of the task queued with `ticket` (submitted at `submitted`). When the deadline
+  // passes or the call is cancelled first, takes the task out of the queue (or, if a batch thread already
+  // holds it, makes sure it is not started) and returns DEADLINE_EXCEEDED / CANCELLED; returns the batch
+  // thread's status otherwise.
+  absl::Status WaitForResult(const ModelSlot& slot, uint64_t ticket, absl::Time deadline, absl::Time submitted,
+                             const std::function<bool()>& cancelled, TaskResult& result);
+  // OK without an authenticator; else its verdict on the call, counting a rejection under `method`.
+  absl::Status Authenticate(const grpc::ServerContext& context, RpcMethod method) const;
   // Runs one batch on a batch thread.
   void ProcessBatch(const ModelSlot& slot, Batch<Task> batch);
 
@@ -115,6 +153,12 @@ class ClassifyService final : public v1::MitaService::Service {
   const ServiceOptions options_;
   const Clock* const clock_;
   std::map<std::string, std::unique_ptr<ModelSlot>> slots_;  // immutable after Create
+  std::atomic<bool> draining_{false};
+  absl::Mutex in_flight_mu_;
+  int64_t in_flight_ ABSL_GUARDED_BY(in_flight_mu_) = 0;  // Classify calls inside the service
+  std::atomic<int64_t> admitted_{0};
+  std::atomic<int64_t> admitted_ok_{0};
+  std::atomic<int64_t> admitted_failed_{0};
 };
 
 }  // namespace mita::server

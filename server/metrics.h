@@ -25,6 +25,10 @@
 //   mita_batch_size{model}                          histogram Requests per batch run (observed per batch).
 //   mita_queue_depth                                gauge     Requests queued in all batchers, not yet in a
 //                                                             batch.
+//   mita_work_executed_after_cancel_total{model}    counter   Requests whose batch ran although their caller
+//                                                             had given up (cancelled, deadline passed) before
+//                                                             the batch started. 0 by design: the guard of the
+//                                                             drop-before-run guarantee.
 //   mita_requested_expert_count{model}              histogram Expert count m of admitted MiTA requests.
 //   mita_requested_expert_width{model}              histogram Expert width k of admitted MiTA requests.
 //   mita_full_attention_requests_total{model}       counter   Admitted requests that asked for full attention.
@@ -73,6 +77,8 @@ class ModelMetrics {
   void ObserveQueueDelay(absl::Duration delay) { queue_delay_->Observe(absl::ToDoubleSeconds(delay)); }
   // Forward time of the batch that ran one request.
   void ObserveCompute(absl::Duration compute) { compute_->Observe(absl::ToDoubleSeconds(compute)); }
+  // One request run although its caller had given up before its batch started.
+  void CountExecutedAfterCancel() { executed_after_cancel_->Increment(); }
   // Requests in one batch run.
   void ObserveBatchSize(int64_t requests) { batch_size_->Observe(static_cast<double>(requests)); }
   // The budget of one admitted request: full attention, or expert count m and expert width k.
@@ -102,6 +108,7 @@ class ModelMetrics {
   prometheus::Histogram* expert_count_ = nullptr;
   prometheus::Histogram* expert_width_ = nullptr;
   prometheus::Counter* full_attention_ = nullptr;
+  prometheus::Counter* executed_after_cancel_ = nullptr;
   std::vector<Layer> layers_;
 };
 
