@@ -205,6 +205,7 @@ absl::StatusOr<std::unique_ptr<ClassifyService>> ClassifyService::Create(const M
   }
   if (absl::Status status = ValidateBatcherOptions(options.batching); !status.ok()) return status;
   std::unique_ptr<ClassifyService> service(new ClassifyService(registry, metrics, std::move(options), clock));
+  service->watcher_ = std::thread([raw = service.get()] { raw->WatchCancellations(); });
   for (const models::ModelPackage* package : registry->packages()) {
     auto slot = std::make_unique<ModelSlot>();
     slot->package = package;
@@ -230,7 +231,15 @@ ClassifyService::ClassifyService(const ModelRegistry* registry, ServerMetrics* m
                                  const Clock* clock)
     : registry_(registry), metrics_(metrics), options_(std::move(options)), clock_(clock) {}
 
-ClassifyService::~ClassifyService() { Shutdown(); }
+ClassifyService::~ClassifyService() {
+  Shutdown();
+  {
+    absl::MutexLock lock(&watch_mu_);
+    stop_watching_ = true;
+    watch_cv_.Signal();
+  }
+  if (watcher_.joinable()) watcher_.join();
+}
 
 void ClassifyService::BeginDrain() {
   draining_.store(true);
@@ -340,7 +349,7 @@ absl::StatusOr<v1::ClassifyResponse> ClassifyService::DoClassify(const ModelSlot
   task->budget = budget->budget;
   task->top_n = *top_n;
   task->deadline = deadline;
-  task->cancelled = cancelled;  // the handler watches the call too (WaitForResult)
+  task->cancelled = cancelled;  // the watcher thread looks at the call too (WaitForResult)
   task->result = &result;
   uint64_t ticket = 0;
   if (absl::Status status = slot.batcher->Submit(&task, &ticket); !status.ok()) return status;
@@ -395,37 +404,81 @@ absl::Status ClassifyService::Authenticate(const grpc::ServerContext& context, R
   return status;
 }
 
+ClassifyService::GiveUpOutcome ClassifyService::GiveUp(const ModelSlot& slot, uint64_t ticket, TaskResult& result) {
+  // Still queued: take the task back, which frees its queue slot now (not at batch formation).
+  if (std::unique_ptr<Task> back = slot.batcher->Cancel(ticket); back != nullptr) return GiveUpOutcome::kTakenBack;
+  // A batch thread holds it. If it has not started it, it never will (it completes it at once).
+  int expected = kQueued;
+  if (result.state.compare_exchange_strong(expected, kAbandoned)) return GiveUpOutcome::kAbandoned;
+  return GiveUpOutcome::kDecided;  // started, or abandoned before: the batch thread answers
+}
+
 absl::Status ClassifyService::WaitForResult(const ModelSlot& slot, uint64_t ticket, absl::Time deadline,
                                             absl::Time submitted, const std::function<bool()>& cancelled,
                                             TaskResult& result) {
-  // gRPC's synchronous API has no cancellation callback: look at the call every cancel_check_interval while
-  // the task waits, and at the deadline itself.
-  while (!result.done.WaitForNotificationWithDeadline(
-      std::min(deadline, absl::Now() + options_.cancel_check_interval))) {
-    const absl::Time now = absl::Now();
-    absl::Status give_up;
-    // The deadline first: gRPC also cancels a call whose deadline passed, by its own clock, which can run
-    // slightly ahead of the wall-clock deadline seen here; a cancel that close to the deadline is the deadline.
-    constexpr absl::Duration kDeadlineClockSlack = absl::Milliseconds(5);
-    if (now >= deadline) {
-      give_up = QueuedDeadlineExceeded(now - submitted);
-    } else if (cancelled && cancelled()) {
-      give_up = now >= deadline - kDeadlineClockSlack
-                    ? QueuedDeadlineExceeded(now - submitted)
-                    : absl::CancelledError("the call was cancelled while queued; it was not run");
-    } else {
+  // The deadline is watched here, exactly; cancellation by the watcher thread (WatchCancellations).
+  Waiter waiter{&slot, ticket, &cancelled, &result, deadline, submitted};
+  {
+    absl::MutexLock lock(&watch_mu_);
+    waiters_.emplace(&result, &waiter);
+    if (waiters_.size() == 1) watch_cv_.Signal();
+  }
+  const bool done = result.done.WaitForNotificationWithDeadline(deadline);
+  {
+    absl::MutexLock lock(&watch_mu_);
+    waiters_.erase(&result);
+  }
+  if (!done && !result.done.HasBeenNotified()) {
+    const absl::Status why = QueuedDeadlineExceeded(absl::Now() - submitted);
+    switch (GiveUp(slot, ticket, result)) {
+      case GiveUpOutcome::kTakenBack:
+        return why;
+      case GiveUpOutcome::kAbandoned:
+        // The batch thread completes the task without running it; wait for that, since it points at `result`.
+        result.done.WaitForNotification();
+        return why;
+      case GiveUpOutcome::kDecided:
+        break;
+    }
+  }
+  result.done.WaitForNotification();
+  return result.status;
+}
+
+void ClassifyService::WatchCancellations() {
+  // gRPC's synchronous API has no cancellation callback: look at every waiting call each
+  // cancel_check_interval (one thread for all of them; it sleeps while nobody waits).
+  constexpr absl::Duration kDeadlineClockSlack = absl::Milliseconds(5);
+  absl::MutexLock lock(&watch_mu_);
+  while (!stop_watching_) {
+    if (waiters_.empty()) {
+      watch_cv_.Wait(&watch_mu_);
       continue;
     }
-    // Still queued: take the task back, which frees its queue slot now (not at batch formation).
-    if (std::unique_ptr<Task> back = slot.batcher->Cancel(ticket); back != nullptr) return give_up;
-    // A batch thread holds it. If it has not started it, it never will (it completes it at once).
-    int expected = kQueued;
-    const bool abandoned = result.state.compare_exchange_strong(expected, kAbandoned);
-    result.done.WaitForNotification();
-    if (abandoned) return give_up;
-    break;  // it had started: take its result
+    watch_cv_.WaitWithTimeout(&watch_mu_, options_.cancel_check_interval);
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      Waiter& waiter = *it->second;
+      if (!*waiter.cancelled || !(*waiter.cancelled)()) {
+        ++it;
+        continue;
+      }
+      // gRPC also cancels a call whose deadline passed, by its own clock, which can run slightly ahead of the
+      // wall-clock deadline seen here: a cancel that close to the deadline is the deadline.
+      const absl::Time now = absl::Now();
+      absl::Status why = now >= waiter.deadline - kDeadlineClockSlack
+                             ? QueuedDeadlineExceeded(now - waiter.submitted)
+                             : absl::CancelledError("the call was cancelled while queued; it was not run");
+      TaskResult& result = *waiter.result;
+      const GiveUpOutcome outcome = GiveUp(*waiter.slot, waiter.ticket, result);
+      it = waiters_.erase(it);
+      if (outcome == GiveUpOutcome::kTakenBack) {
+        // The task left the queue and is gone: answer the handler (it waits on `done`).
+        result.status = std::move(why);
+        result.done.Notify();
+      }
+      // Abandoned: the batch thread answers "the caller gave up". Started: its result stands.
+    }
   }
-  return result.status;
 }
 
 void ClassifyService::ProcessBatch(const ModelSlot& slot, Batch<Task> batch) {

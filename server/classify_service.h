@@ -25,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -49,9 +50,9 @@ struct ServiceOptions {
   // Largest accepted encoded image, bytes (ImageLimits.max_encoded_bytes). Keep it below the server's gRPC
   // receive limit, which rejects larger messages before the handler runs (RESOURCE_EXHAUSTED).
   int64_t max_encoded_image_bytes = int64_t{4} << 20;
-  // How often a handler whose request is queued looks whether its call was cancelled (gRPC's synchronous
-  // API has no cancellation callback). A cancelled call's task leaves the queue within about this time; the
-  // deadline is watched exactly.
+  // How often the service's watcher thread looks whether the calls of queued requests were cancelled (gRPC's
+  // synchronous API has no cancellation callback). A cancelled call's task leaves the queue within about
+  // this time; deadlines are watched exactly.
   absl::Duration cancel_check_interval = absl::Milliseconds(2);
   // When set (not owned, must outlive the service), every mita.v1 call must carry its bearer token
   // (UNAUTHENTICATED otherwise, counted with model "unknown").
@@ -138,11 +139,19 @@ class ClassifyService final : public v1::MitaService::Service {
   // registry's error: INVALID_ARGUMENT for an empty name, NOT_FOUND for an unknown one.
   absl::StatusOr<const ModelSlot*> FindSlot(const std::string& name, RpcMethod method) const;
   // Waits for the result of the task queued with `ticket` (submitted at `submitted`). When the deadline
-  // passes or the call is cancelled first, takes the task out of the queue (or, if a batch thread already
-  // holds it, makes sure it is not started) and returns DEADLINE_EXCEEDED / CANCELLED; returns the batch
-  // thread's status otherwise.
+  // passes or the call is cancelled first (seen by WatchCancellations), takes the task out of the queue (or,
+  // if a batch thread already holds it, makes sure it is not started) and returns DEADLINE_EXCEEDED /
+  // CANCELLED; returns the batch thread's status otherwise.
   absl::Status WaitForResult(const ModelSlot& slot, uint64_t ticket, absl::Time deadline, absl::Time submitted,
                              const std::function<bool()>& cancelled, TaskResult& result);
+  // Gives up on the task with `ticket`: takes it back out of the queue (kTakenBack: nobody else will answer
+  // `result`), or marks it abandoned in a batch thread's hands so that it is never started (kAbandoned: the
+  // batch thread completes it); kDecided when a batch thread had already started it (its result stands).
+  enum class GiveUpOutcome { kTakenBack, kAbandoned, kDecided };
+  GiveUpOutcome GiveUp(const ModelSlot& slot, uint64_t ticket, TaskResult& result);
+  // The watcher thread: every cancel_check_interval, gives up on the queued requests whose call was
+  // cancelled, answering their handlers at once when their task left the queue.
+  void WatchCancellations();
   // OK without an authenticator; else its verdict on the call, counting a rejection under `method`.
   absl::Status Authenticate(const grpc::ServerContext& context, RpcMethod method) const;
   // Runs one batch on a batch thread.
@@ -156,6 +165,20 @@ class ClassifyService final : public v1::MitaService::Service {
   std::atomic<bool> draining_{false};
   absl::Mutex in_flight_mu_;
   int64_t in_flight_ ABSL_GUARDED_BY(in_flight_mu_) = 0;  // Classify calls inside the service
+  // Handlers waiting for a queued request, watched for cancellation: keyed by their TaskResult.
+  struct Waiter {
+    const ModelSlot* slot;
+    uint64_t ticket;
+    const std::function<bool()>* cancelled;
+    TaskResult* result;
+    absl::Time deadline;
+    absl::Time submitted;
+  };
+  absl::Mutex watch_mu_;
+  absl::CondVar watch_cv_;
+  std::map<TaskResult*, Waiter*> waiters_ ABSL_GUARDED_BY(watch_mu_);
+  bool stop_watching_ ABSL_GUARDED_BY(watch_mu_) = false;
+  std::thread watcher_;
   std::atomic<int64_t> admitted_{0};
   std::atomic<int64_t> admitted_ok_{0};
   std::atomic<int64_t> admitted_failed_{0};
