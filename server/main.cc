@@ -236,12 +236,12 @@ int main(int argc, char** argv) {
   // New Classify calls get UNAVAILABLE from now on; queued ones run at once; admitted ones finish.
   (*service)->BeginDrain();
   const bool idle = (*service)->WaitUntilIdle(drain_deadline);
-  // Stops the gRPC server; calls still running at the drain deadline are cancelled (their handlers take
-  // queued work back and answer).
   // Keep refusing new calls with UNAVAILABLE a little longer: a call that reaches gRPC while it stops is
   // cancelled instead, which tells its caller less (it cannot know whether the request ran).
   if (idle) absl::SleepFor(std::min(kRefuseAfterDrain, std::max(absl::ZeroDuration(), drain_deadline - absl::Now())));
-  // What is left are quick calls and streams such as health watches: give them a second.
+  // Stop the gRPC server. When idle, what is left are quick calls and streams such as health watches: give
+  // them a second. Otherwise calls still running at the drain deadline are cancelled now (their handlers take
+  // queued work back and answer).
   const absl::Time stop_deadline = idle ? std::min(drain_deadline, absl::Now() + absl::Seconds(1)) : absl::Now();
   server->Shutdown(absl::ToChronoTime(stop_deadline));
   (*service)->Shutdown();
