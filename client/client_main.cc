@@ -47,9 +47,9 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/connection_flags.h"
 #include "client/mita_client.h"
 
-ABSL_FLAG(std::string, server, "localhost:50051", "Server address, host:port.");
 ABSL_FLAG(std::string, model, "fashion-mnist-vit", "Model name (see --list).");
 ABSL_FLAG(int64_t, expert_count, 0, "Expert count m of an explicit MiTA budget (0: not set).");
 ABSL_FLAG(int64_t, expert_width, 0, "Expert width k of an explicit MiTA budget (0: not set).");
@@ -251,7 +251,9 @@ int main(int argc, char** argv) {
       "  mita-client --list");
   // --help lists the flags of this file (Abseil would look for a file named after the binary).
   absl::FlagsUsageConfig usage_config;
-  usage_config.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "/client_main.cc"); };
+  usage_config.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "/client_main.cc") || absl::EndsWith(file, "/connection_flags.cc");
+  };
   usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
   absl::SetFlagsUsageConfig(usage_config);
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
@@ -287,7 +289,14 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  std::unique_ptr<MitaClient> client = MitaClient::Connect(absl::GetFlag(FLAGS_server));
+  absl::StatusOr<mita::client::ConnectionOptions> connection = mita::client::ConnectionOptionsFromFlags();
+  absl::StatusOr<std::unique_ptr<MitaClient>> connected = connection.status();
+  if (connection.ok()) connected = MitaClient::Connect(*connection);
+  if (!connected.ok()) {
+    std::cerr << connected.status().message() << "\n";
+    return 2;
+  }
+  std::unique_ptr<MitaClient> client = *std::move(connected);
   if (absl::GetFlag(FLAGS_list)) return ListModels(*client, options.deadline);
 
   std::vector<Item> items;

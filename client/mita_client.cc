@@ -5,6 +5,8 @@
 #include <grpcpp/security/credentials.h>
 
 #include <chrono>
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -19,7 +21,55 @@ void SetDeadline(grpc::ClientContext& context, absl::Duration deadline) {
   context.set_deadline(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(deadline));
 }
 
+absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
+  std::ostringstream bytes;
+  bytes << file.rdbuf();
+  if (file.bad()) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
+  return bytes.str();
+}
+
 }  // namespace
+
+absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateChannel(const ConnectionOptions& options) {
+  if (options.target.empty()) return absl::InvalidArgumentError("the server address is empty");
+  const bool tls = options.tls || !options.tls_ca_file.empty() || !options.tls_cert_file.empty() ||
+                   !options.tls_key_file.empty() || !options.tls_server_name.empty();
+  if (!tls) return grpc::CreateChannel(options.target, grpc::InsecureChannelCredentials());
+  if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("set both the client certificate and its key, or neither");
+  }
+  grpc::SslCredentialsOptions ssl;
+  if (!options.tls_ca_file.empty()) {
+    absl::StatusOr<std::string> ca = ReadWholeFile(options.tls_ca_file);
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *std::move(ca);
+  }
+  if (!options.tls_cert_file.empty()) {
+    absl::StatusOr<std::string> cert = ReadWholeFile(options.tls_cert_file);
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadWholeFile(options.tls_key_file);
+    if (!key.ok()) return key.status();
+    ssl.pem_cert_chain = *std::move(cert);
+    ssl.pem_private_key = *std::move(key);
+  }
+  grpc::ChannelArguments arguments;
+  if (!options.tls_server_name.empty()) arguments.SetSslTargetNameOverride(options.tls_server_name);
+  return grpc::CreateCustomChannel(options.target, grpc::SslCredentials(ssl), arguments);
+}
+
+absl::StatusOr<std::string> ReadBearerToken(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadWholeFile(path);
+  if (!text.ok()) return text.status();
+  std::string token(absl::StripAsciiWhitespace(*text));
+  if (token.empty()) return absl::InvalidArgumentError(absl::StrCat("the token file '", path, "' is empty"));
+  return token;
+}
+
+void AddBearerToken(const std::string& token, grpc::ClientContext* context) {
+  if (!token.empty()) context->AddMetadata("authorization", absl::StrCat("Bearer ", token));
+}
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
@@ -107,8 +157,14 @@ absl::StatusOr<std::vector<int64_t>> ParseTokenIds(absl::string_view text) {
   return ids;
 }
 
-MitaClient::MitaClient(std::shared_ptr<grpc::Channel> channel)
-    : channel_(std::move(channel)), stub_(v1::MitaService::NewStub(channel_)) {}
+MitaClient::MitaClient(std::shared_ptr<grpc::Channel> channel, std::string bearer_token)
+    : channel_(std::move(channel)), stub_(v1::MitaService::NewStub(channel_)), bearer_token_(std::move(bearer_token)) {}
+
+absl::StatusOr<std::unique_ptr<MitaClient>> MitaClient::Connect(const ConnectionOptions& options) {
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = CreateChannel(options);
+  if (!channel.ok()) return channel.status();
+  return std::make_unique<MitaClient>(*std::move(channel), options.bearer_token);
+}
 
 std::unique_ptr<MitaClient> MitaClient::Connect(const std::string& target) {
   return std::make_unique<MitaClient>(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
@@ -131,6 +187,7 @@ absl::StatusOr<v1::ClassifyResponse> MitaClient::ClassifyRaw(const v1::ClassifyR
                                                              absl::Duration deadline) const {
   grpc::ClientContext context;
   SetDeadline(context, deadline);
+  AddBearerToken(bearer_token_, &context);
   v1::ClassifyResponse response;
   grpc::Status status = stub_->Classify(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
@@ -140,6 +197,7 @@ absl::StatusOr<v1::ClassifyResponse> MitaClient::ClassifyRaw(const v1::ClassifyR
 absl::StatusOr<v1::ListModelsResponse> MitaClient::ListModels(absl::Duration deadline) const {
   grpc::ClientContext context;
   SetDeadline(context, deadline);
+  AddBearerToken(bearer_token_, &context);
   v1::ListModelsResponse response;
   grpc::Status status = stub_->ListModels(&context, v1::ListModelsRequest(), &response);
   if (!status.ok()) return FromGrpcStatus(status);
@@ -149,6 +207,7 @@ absl::StatusOr<v1::ListModelsResponse> MitaClient::ListModels(absl::Duration dea
 absl::StatusOr<v1::ModelMetadata> MitaClient::GetModel(const std::string& name, absl::Duration deadline) const {
   grpc::ClientContext context;
   SetDeadline(context, deadline);
+  AddBearerToken(bearer_token_, &context);
   v1::GetModelRequest request;
   request.set_name(name);
   v1::ModelMetadata response;

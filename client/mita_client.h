@@ -2,6 +2,7 @@
 #pragma once
 
 #include <grpcpp/channel.h>
+#include <grpcpp/client_context.h>
 
 #include <cstdint>
 #include <memory>
@@ -42,6 +43,35 @@ struct ClassifyOptions {
   bool truncate = false;
 };
 
+// How to reach a server: address, optional TLS, optional bearer token.
+struct ConnectionOptions {
+  // "host:port".
+  std::string target;
+  // Use TLS. Implied by any of the files below.
+  bool tls = false;
+  // PEM CA certificates that the server's certificate must chain to; empty: the system roots.
+  std::string tls_ca_file;
+  // PEM client certificate chain and key, for servers that require client certificates (both or neither).
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // Name to check the server certificate against instead of the target's host (e.g. "localhost" when
+  // connecting to 127.0.0.1); empty: the target's host.
+  std::string tls_server_name;
+  // Bearer token sent as "authorization: Bearer <token>" on every call; empty: none.
+  std::string bearer_token;
+};
+
+// A channel for `options`. Errors: INVALID_ARGUMENT for an empty target or only one of the client
+// certificate files; NOT_FOUND when a file cannot be read.
+absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateChannel(const ConnectionOptions& options);
+
+// Reads a bearer token from a file (its content without surrounding whitespace). Errors: NOT_FOUND when
+// unreadable, INVALID_ARGUMENT when empty.
+absl::StatusOr<std::string> ReadBearerToken(const std::string& path);
+
+// Adds "authorization: Bearer <token>" to `context` unless `token` is empty.
+void AddBearerToken(const std::string& token, grpc::ClientContext* context);
+
 // Builds the request for `image` (encoded PNG or JPEG bytes) and `options`.
 // Errors: INVALID_ARGUMENT when more than one budget form is set.
 absl::StatusOr<v1::ClassifyRequest> BuildClassifyRequest(std::string image, const ClassifyOptions& options);
@@ -67,10 +97,13 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 class MitaClient {
  public:
   // Uses `channel` (e.g. grpc::CreateChannel(target, grpc::InsecureChannelCredentials())).
-  explicit MitaClient(std::shared_ptr<grpc::Channel> channel);
+  // `bearer_token`, when not empty, is sent on every call ("authorization: Bearer <token>").
+  explicit MitaClient(std::shared_ptr<grpc::Channel> channel, std::string bearer_token = "");
 
   // Connects without TLS to `target` ("host:port"); the channel connects lazily on the first call.
   static std::unique_ptr<MitaClient> Connect(const std::string& target);
+  // Connects with `options` (TLS, token). Errors: those of CreateChannel.
+  static absl::StatusOr<std::unique_ptr<MitaClient>> Connect(const ConnectionOptions& options);
 
   // Classifies one encoded image. Errors: INVALID_ARGUMENT locally for conflicting budget options; else the
   // RPC's status (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED, ...).
@@ -96,6 +129,7 @@ class MitaClient {
  private:
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::MitaService::Stub> stub_;
+  std::string bearer_token_;
 };
 
 }  // namespace mita::client

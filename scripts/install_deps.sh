@@ -10,6 +10,7 @@ PACKAGES=(
   libabsl-dev prometheus-cpp-dev nlohmann-json3-dev
   libpng-dev libjpeg62-turbo-dev libsentencepiece-dev sentencepiece linux-doc-6.1
   libgtest-dev libgmock-dev googletest libbenchmark-dev
+  openssl
   dataset-fashion-mnist
   python3 python3-numpy python3-torch
   python3-grpcio python3-protobuf python3-yaml

@@ -26,6 +26,10 @@
 // a task with more tokens than max_batch_tokens is INVALID_ARGUMENT (it could never form a batch). The
 // reason of a refusal is reported as an AdmissionRejection (for a metric by reason).
 //
+// A queued task can be taken back before it is batched (Remove / Cancel with the ticket Enqueue / Submit
+// gave it): a caller that gives up (cancelled call, passed deadline) frees its queue slot at once instead of
+// at batch formation.
+//
 // Policy: tasks are batched in FIFO order. A batch is the longest prefix of the queue that holds at most
 // max_batch_size tasks and max_batch_tokens tokens. It is released when it is full (max_batch_size tasks, or
 // max_batch_tokens tokens, or the next task would not fit) or when its oldest task has waited
@@ -186,7 +190,9 @@ class BatchQueue {
   // queued compute units, the request needs 200 (flag --queue_compute_units)"); INVALID_ARGUMENT when the
   // task is null, its tokens or compute units are < 1, or its tokens exceed max_batch_tokens.
   // `rejection` (optional) receives the reason of a RESOURCE_EXHAUSTED refusal, kNone otherwise.
-  absl::Status Enqueue(std::unique_ptr<Task>* task, absl::Time now, AdmissionRejection* rejection = nullptr) {
+  // `ticket` (optional) receives the task's ticket for Remove: unique within this queue.
+  absl::Status Enqueue(std::unique_ptr<Task>* task, absl::Time now, AdmissionRejection* rejection = nullptr,
+                       uint64_t* ticket = nullptr) {
     if (rejection != nullptr) *rejection = AdmissionRejection::kNone;
     if (task == nullptr || *task == nullptr) return absl::InvalidArgumentError("task is null");
     const int64_t tokens = (*task)->tokens();
@@ -222,10 +228,26 @@ class BatchQueue {
                                  " queued compute units, the request needs ", compute_units, " (",
                                  options_.queue_compute_units_source, ")"));
     }
-    entries_.push_back(Entry{std::move(*task), tokens, compute_units, now});
+    const uint64_t assigned = next_ticket_++;
+    entries_.push_back(Entry{std::move(*task), tokens, compute_units, now, assigned});
     queued_tokens_ += tokens;
     queued_compute_units_ += compute_units;
+    if (ticket != nullptr) *ticket = assigned;
     return absl::OkStatus();
+  }
+
+  // Takes the task with `ticket` out of the queue and returns it; nullptr when it is not queued any more
+  // (already taken into a batch, or removed). O(queued tasks).
+  std::unique_ptr<Task> Remove(uint64_t ticket) {
+    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+      if (it->ticket != ticket) continue;
+      std::unique_ptr<Task> task = std::move(it->task);
+      queued_tokens_ -= it->tokens;
+      queued_compute_units_ -= it->compute_units;
+      entries_.erase(it);
+      return task;
+    }
+    return nullptr;
   }
 
   // Releases the next batch if it is due at `now`: it is full (max_batch_size tasks, max_batch_tokens tokens,
@@ -277,6 +299,7 @@ class BatchQueue {
     int64_t tokens;
     int64_t compute_units;
     absl::Time enqueue_time;
+    uint64_t ticket;
   };
 
   // The batch TakeBatch would release now: its task count and tokens, and whether it is full.
@@ -304,6 +327,7 @@ class BatchQueue {
   std::deque<Entry> entries_;
   int64_t queued_tokens_ = 0;
   int64_t queued_compute_units_ = 0;
+  uint64_t next_ticket_ = 1;
 };
 
 // Runs `num_batch_threads` threads that take batches from a BatchQueue as they become due and hand them to
@@ -342,7 +366,9 @@ class DynamicBatcher {
   // Errors: UNAVAILABLE after Shutdown() began; RESOURCE_EXHAUSTED when the queue is full, in tasks or compute
   // units (names the limit); INVALID_ARGUMENT for a null task or bad sizes (see BatchQueue::Enqueue).
   // `rejection` (optional) receives the reason of a RESOURCE_EXHAUSTED or UNAVAILABLE refusal.
-  absl::Status Submit(std::unique_ptr<Task>* task, AdmissionRejection* rejection = nullptr)
+  // `ticket` (optional) receives the ticket with which Cancel takes the task back.
+  absl::Status Submit(std::unique_ptr<Task>* task, AdmissionRejection* rejection = nullptr,
+                      uint64_t* ticket = nullptr)
       ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
     if (stopping_) {
@@ -350,22 +376,39 @@ class DynamicBatcher {
       return absl::UnavailableError("shutting down: no new work is accepted");
     }
     const int64_t compute_units = (task != nullptr && *task != nullptr) ? (*task)->compute_units() : 0;
-    absl::Status status = queue_.Enqueue(task, clock_->Now(), rejection);
+    absl::Status status = queue_.Enqueue(task, clock_->Now(), rejection, ticket);
     if (!status.ok()) return status;
     ReportDepthChange(1, compute_units);
     cv_.Signal();
     return absl::OkStatus();
   }
 
-  // Stops accepting work (Submit then fails with UNAVAILABLE), processes every queued task without waiting
-  // for batches to fill, and joins the batch threads. Blocks until done; idempotent and thread-safe.
-  // Must not be called from the processing callback.
-  void Shutdown() ABSL_LOCKS_EXCLUDED(mu_, join_mu_) {
-    {
-      absl::MutexLock lock(&mu_);
-      stopping_ = true;
-      cv_.SignalAll();
+  // Takes the task with `ticket` (from Submit) out of the queue, updating the queue depth at once, and
+  // returns it so that the caller completes it; nullptr when it is no longer queued (a batch thread took it
+  // and will process it). Thread-safe.
+  std::unique_ptr<Task> Cancel(uint64_t ticket) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    std::unique_ptr<Task> task = queue_.Remove(ticket);
+    if (task != nullptr) {
+      ReportDepthChange(-1, -task->compute_units());
+      // The next batch's deadline may have changed.
+      cv_.Signal();
     }
+    return task;
+  }
+
+  // Stops accepting work (Submit then fails with UNAVAILABLE) and makes the batch threads release what is
+  // queued without waiting for batches to fill; returns at once. Idempotent and thread-safe.
+  void BeginShutdown() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    cv_.SignalAll();
+  }
+
+  // BeginShutdown(), then waits until every queued task is processed and joins the batch threads. Blocks
+  // until done; idempotent and thread-safe. Must not be called from the processing callback.
+  void Shutdown() ABSL_LOCKS_EXCLUDED(mu_, join_mu_) {
+    BeginShutdown();
     absl::MutexLock join_lock(&join_mu_);
     for (std::thread& thread : threads_) {
       if (thread.joinable()) thread.join();

@@ -6,6 +6,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <exception>
 #include <utility>
@@ -57,6 +58,13 @@ absl::StatusOr<at::Tensor> DecodeAndPreprocess(const std::string& bytes, const m
   }
 }
 
+// DEADLINE_EXCEEDED for a request whose deadline passed after `queued` in the queue.
+absl::Status QueuedDeadlineExceeded(absl::Duration queued) {
+  return absl::DeadlineExceededError(
+      absl::StrCat("the deadline passed after ", Microseconds(queued),
+                   " us in the queue, before the request's batch started; it was not run"));
+}
+
 absl::Time DeadlineOf(const grpc::ServerContext& context) {
   const std::chrono::system_clock::time_point deadline = context.deadline();
   if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
@@ -84,8 +92,14 @@ struct ClassifyService::Task {
   int64_t compute_units() const { return compute_unit_count; }
 };
 
+// Who decides a queued task's fate: the batch thread moves it from kQueued to kStarted just before running
+// it; the handler moves it from kQueued to kAbandoned when its caller gives up (cancel, deadline) after a
+// batch thread took it out of the queue. One compare-and-swap each, so work never starts after a give-up.
+enum TaskState : int { kQueued = 0, kStarted = 1, kAbandoned = 2 };
+
 // What the batch thread hands back to the waiting handler.
 struct ClassifyService::TaskResult {
+  std::atomic<int> state{kQueued};
   absl::Status status;
   std::vector<std::pair<int64_t, float>> classes;       // (index, probability), best first
   std::vector<kernels::MitaItemStatistics> statistics;  // per layer; empty under full attention
@@ -338,6 +352,7 @@ absl::StatusOr<std::unique_ptr<ClassifyService>> ClassifyService::Create(const M
   }
   if (absl::Status status = ValidateBatcherOptions(options.batching); !status.ok()) return status;
   std::unique_ptr<ClassifyService> service(new ClassifyService(registry, metrics, std::move(options), clock));
+  service->watcher_ = std::thread([raw = service.get()] { raw->WatchCancellations(); });
   for (const models::ModelPackage* package : registry->packages()) {
     auto slot = std::make_unique<ModelSlot>();
     slot->package = package;
@@ -373,7 +388,33 @@ ClassifyService::ClassifyService(const ModelRegistry* registry, ServerMetrics* m
                                  const Clock* clock)
     : registry_(registry), metrics_(metrics), options_(std::move(options)), clock_(clock) {}
 
-ClassifyService::~ClassifyService() { Shutdown(); }
+ClassifyService::~ClassifyService() {
+  Shutdown();
+  {
+    absl::MutexLock lock(&watch_mu_);
+    stop_watching_ = true;
+    watch_cv_.Signal();
+  }
+  if (watcher_.joinable()) watcher_.join();
+}
+
+void ClassifyService::BeginDrain() {
+  draining_.store(true);
+  for (auto& [name, slot] : slots_) {
+    if (slot->batcher != nullptr) slot->batcher->BeginShutdown();
+  }
+}
+
+bool ClassifyService::WaitUntilIdle(absl::Time deadline) {
+  absl::MutexLock lock(&in_flight_mu_);
+  return in_flight_mu_.AwaitWithDeadline(absl::Condition(
+                                             +[](int64_t* in_flight) { return *in_flight == 0; }, &in_flight_),
+                                         deadline);
+}
+
+ClassifyService::AdmissionCounts ClassifyService::admission_counts() const {
+  return AdmissionCounts{admitted_.load(), admitted_ok_.load(), admitted_failed_.load()};
+}
 
 void ClassifyService::Shutdown() {
   for (auto& [name, slot] : slots_) {
@@ -394,6 +435,7 @@ absl::StatusOr<const ClassifyService::ModelSlot*> ClassifyService::FindSlot(cons
 
 grpc::Status ClassifyService::Classify(grpc::ServerContext* context, const v1::ClassifyRequest* request,
                                        v1::ClassifyResponse* response) {
+  if (absl::Status auth = Authenticate(*context, RpcMethod::kClassify); !auth.ok()) return ToGrpcStatus(auth);
   absl::StatusOr<v1::ClassifyResponse> result =
       HandleClassify(*request, DeadlineOf(*context), [context] { return context->IsCancelled(); });
   if (!result.ok()) return ToGrpcStatus(result.status());
@@ -405,6 +447,21 @@ absl::StatusOr<v1::ClassifyResponse> ClassifyService::HandleClassify(const v1::C
                                                                      absl::Time deadline,
                                                                      std::function<bool()> cancelled) {
   const absl::Time receipt = clock_->Now();
+  {
+    absl::MutexLock lock(&in_flight_mu_);
+    ++in_flight_;
+  }
+  struct InFlightGuard {
+    ClassifyService* self;
+    ~InFlightGuard() {
+      absl::MutexLock lock(&self->in_flight_mu_);
+      --self->in_flight_;
+    }
+  } in_flight_guard{this};
+  if (draining_.load()) {
+    metrics_->CountRequest(RpcMethod::kClassify, nullptr, absl::StatusCode::kUnavailable);
+    return absl::UnavailableError("the server is shutting down: no new requests are accepted");
+  }
   absl::StatusOr<const ModelSlot*> found = FindSlot(request.model(), RpcMethod::kClassify);
   if (!found.ok()) return found.status();
   const ModelSlot& slot = **found;
@@ -517,14 +574,18 @@ absl::StatusOr<v1::ClassifyResponse> ClassifyService::DoClassify(const ModelSlot
   if (!prepared.ok()) return prepared;
   task->compute_unit_count = ComputeUnits(task->token_count, task->budget);
   task->deadline = deadline;
-  task->cancelled = std::move(cancelled);
+  task->cancelled = cancelled;  // the watcher thread looks at the call too (WaitForResult)
   task->result = &result;
   const models::AttentionBudget applied_budget = task->budget;
   const int64_t token_count = task->token_count;
   const int64_t input_token_count = task->input_token_count;
-  if (absl::Status status = Admit(slot, &task); !status.ok()) return status;
-  result.done.WaitForNotification();
-  if (!result.status.ok()) return result.status;
+  uint64_t ticket = 0;
+  if (absl::Status status = Admit(slot, &task, &ticket); !status.ok()) return status;
+  const absl::Time submitted = absl::Now();
+  ++admitted_;
+  absl::Status waited = WaitForResult(slot, ticket, deadline, submitted, cancelled, result);
+  ++(waited.ok() ? admitted_ok_ : admitted_failed_);
+  if (!waited.ok()) return waited;
 
   v1::ClassifyResponse response;
   response.set_model(package.name);
@@ -564,12 +625,12 @@ absl::StatusOr<v1::ClassifyResponse> ClassifyService::DoClassify(const ModelSlot
   return response;
 }
 
-absl::Status ClassifyService::Admit(const ModelSlot& slot, std::unique_ptr<Task>* task) {
+absl::Status ClassifyService::Admit(const ModelSlot& slot, std::unique_ptr<Task>* task, uint64_t* ticket) {
   const Task& admitted = **task;
   const models::AttentionBudget budget = admitted.budget;
   const int64_t tokens = admitted.token_count;
   AdmissionRejection rejection = AdmissionRejection::kNone;
-  absl::Status status = slot.batcher->Submit(task, &rejection);
+  absl::Status status = slot.batcher->Submit(task, &rejection, ticket);
   if (!status.ok()) {
     slot.metrics->CountRejection(rejection);
     return status;
@@ -578,6 +639,90 @@ absl::Status ClassifyService::Admit(const ModelSlot& slot, std::unique_ptr<Task>
   slot.metrics->ObserveBudget(budget.full_attention, budget.expert_count, budget.expert_width);
   slot.metrics->ObserveRequestTokens(tokens);
   return absl::OkStatus();
+}
+
+absl::Status ClassifyService::Authenticate(const grpc::ServerContext& context, RpcMethod method) const {
+  if (options_.authenticator == nullptr) return absl::OkStatus();
+  absl::Status status = options_.authenticator->Check(context);
+  if (!status.ok()) metrics_->CountRequest(method, nullptr, status.code());
+  return status;
+}
+
+ClassifyService::GiveUpOutcome ClassifyService::GiveUp(const ModelSlot& slot, uint64_t ticket, TaskResult& result) {
+  // Still queued: take the task back, which frees its queue slot now (not at batch formation).
+  if (std::unique_ptr<Task> back = slot.batcher->Cancel(ticket); back != nullptr) return GiveUpOutcome::kTakenBack;
+  // A batch thread holds it. If it has not started it, it never will (it completes it at once).
+  int expected = kQueued;
+  if (result.state.compare_exchange_strong(expected, kAbandoned)) return GiveUpOutcome::kAbandoned;
+  return GiveUpOutcome::kDecided;  // started, or abandoned before: the batch thread answers
+}
+
+absl::Status ClassifyService::WaitForResult(const ModelSlot& slot, uint64_t ticket, absl::Time deadline,
+                                            absl::Time submitted, const std::function<bool()>& cancelled,
+                                            TaskResult& result) {
+  // The deadline is watched here, exactly; cancellation by the watcher thread (WatchCancellations).
+  Waiter waiter{&slot, ticket, &cancelled, &result, deadline, submitted};
+  {
+    absl::MutexLock lock(&watch_mu_);
+    waiters_.emplace(&result, &waiter);
+    if (waiters_.size() == 1) watch_cv_.Signal();
+  }
+  const bool done = result.done.WaitForNotificationWithDeadline(deadline);
+  {
+    absl::MutexLock lock(&watch_mu_);
+    waiters_.erase(&result);
+  }
+  if (!done && !result.done.HasBeenNotified()) {
+    const absl::Status why = QueuedDeadlineExceeded(absl::Now() - submitted);
+    switch (GiveUp(slot, ticket, result)) {
+      case GiveUpOutcome::kTakenBack:
+        return why;
+      case GiveUpOutcome::kAbandoned:
+        // The batch thread completes the task without running it; wait for that, since it points at `result`.
+        result.done.WaitForNotification();
+        return why;
+      case GiveUpOutcome::kDecided:
+        break;
+    }
+  }
+  result.done.WaitForNotification();
+  return result.status;
+}
+
+void ClassifyService::WatchCancellations() {
+  // gRPC's synchronous API has no cancellation callback: look at every waiting call each
+  // cancel_check_interval (one thread for all of them; it sleeps while nobody waits).
+  constexpr absl::Duration kDeadlineClockSlack = absl::Milliseconds(5);
+  absl::MutexLock lock(&watch_mu_);
+  while (!stop_watching_) {
+    if (waiters_.empty()) {
+      watch_cv_.Wait(&watch_mu_);
+      continue;
+    }
+    watch_cv_.WaitWithTimeout(&watch_mu_, options_.cancel_check_interval);
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      Waiter& waiter = *it->second;
+      if (!*waiter.cancelled || !(*waiter.cancelled)()) {
+        ++it;
+        continue;
+      }
+      // gRPC also cancels a call whose deadline passed, by its own clock, which can run slightly ahead of the
+      // wall-clock deadline seen here: a cancel that close to the deadline is the deadline.
+      const absl::Time now = absl::Now();
+      absl::Status why = now >= waiter.deadline - kDeadlineClockSlack
+                             ? QueuedDeadlineExceeded(now - waiter.submitted)
+                             : absl::CancelledError("the call was cancelled while queued; it was not run");
+      TaskResult& result = *waiter.result;
+      const GiveUpOutcome outcome = GiveUp(*waiter.slot, waiter.ticket, result);
+      it = waiters_.erase(it);
+      if (outcome == GiveUpOutcome::kTakenBack) {
+        // The task left the queue and is gone: answer the handler (it waits on `done`).
+        result.status = std::move(why);
+        result.done.Notify();
+      }
+      // Abandoned: the batch thread answers "the caller gave up". Started: its result stands.
+    }
+  }
 }
 
 void ClassifyService::ProcessBatch(const ModelSlot& slot, Batch<Task> batch) {
@@ -593,11 +738,12 @@ void ClassifyService::ProcessBatch(const ModelSlot& slot, Batch<Task> batch) {
     Task& task = *batch.tasks[i];
     // The deadline first: gRPC also marks a call whose deadline passed as cancelled.
     if (start >= task.deadline) {
-      complete(task, absl::DeadlineExceededError(
-                         absl::StrCat("the deadline passed after ", Microseconds(start - batch.enqueue_times[i]),
-                                      " us in the queue, before the request's batch started; it was not run")));
+      complete(task, QueuedDeadlineExceeded(start - batch.enqueue_times[i]));
     } else if (task.cancelled && task.cancelled()) {
       complete(task, absl::CancelledError("the call was cancelled before its batch started; it was not run"));
+    } else if (int expected = kQueued; !task.result->state.compare_exchange_strong(expected, kStarted)) {
+      // The handler gave up (cancel or deadline) after this batch was taken from the queue.
+      complete(task, absl::CancelledError("the caller gave up before the request's batch started; it was not run"));
     } else {
       task.result->queue_delay = start - batch.enqueue_times[i];
       runnable.push_back(&task);
@@ -618,6 +764,11 @@ void ClassifyService::ProcessBatch(const ModelSlot& slot, Batch<Task> batch) {
     for (Task* task : runnable) {
       budgets.push_back(task->budget);
       max_top_n = std::max(max_top_n, task->top_n);
+    }
+    // Guard of the drop-before-run guarantee: work started for a caller that had already given up. The
+    // state machine above makes this 0; the metric and the tests watch it.
+    for (Task* task : runnable) {
+      if (task->result->state.load() != kStarted) slot.metrics->CountExecutedAfterCancel();
     }
     absl::StatusOr<models::ClassifierOutput> output = absl::UnknownError("not run");
     if (package.kind == models::ModelKind::kDocument) {
@@ -687,8 +838,9 @@ void ClassifyService::ProcessBatch(const ModelSlot& slot, Batch<Task> batch) {
   }
 }
 
-grpc::Status ClassifyService::ListModels(grpc::ServerContext* /*context*/, const v1::ListModelsRequest* /*request*/,
+grpc::Status ClassifyService::ListModels(grpc::ServerContext* context, const v1::ListModelsRequest* /*request*/,
                                          v1::ListModelsResponse* response) {
+  if (absl::Status auth = Authenticate(*context, RpcMethod::kListModels); !auth.ok()) return ToGrpcStatus(auth);
   for (const auto& [name, slot] : slots_) *response->add_models() = slot->metadata;
   absl::Status status = options_.message_size != nullptr ? options_.message_size->CheckResponse(*response)
                                                          : absl::OkStatus();
@@ -696,8 +848,9 @@ grpc::Status ClassifyService::ListModels(grpc::ServerContext* /*context*/, const
   return ToGrpcStatus(status);
 }
 
-grpc::Status ClassifyService::GetModel(grpc::ServerContext* /*context*/, const v1::GetModelRequest* request,
+grpc::Status ClassifyService::GetModel(grpc::ServerContext* context, const v1::GetModelRequest* request,
                                        v1::ModelMetadata* response) {
+  if (absl::Status auth = Authenticate(*context, RpcMethod::kGetModel); !auth.ok()) return ToGrpcStatus(auth);
   absl::StatusOr<const ModelSlot*> found = FindSlot(request->name(), RpcMethod::kGetModel);
   if (!found.ok()) return ToGrpcStatus(found.status());
   *response = (*found)->metadata;

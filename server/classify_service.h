@@ -6,7 +6,10 @@
 //   naming the field) -> resolve the budget and top_n (INVALID_ARGUMENT with the allowed values) -> decode
 //   and preprocess the image (INVALID_ARGUMENT "field image: ...") -> submit a task to the model's
 //   DynamicBatcher (admission: RESOURCE_EXHAUSTED when the queue is full in requests or compute units,
-//   UNAVAILABLE while draining; counted in mita_rejected_requests_total by reason) -> wait.
+//   UNAVAILABLE while draining; counted in mita_rejected_requests_total by reason) -> wait for the
+//   result; when the deadline passes or the call is cancelled while the task is still queued, take it back
+//   out of the queue at once (its slot and the queue-depth gauge are freed then, not at batch formation)
+//   and answer DEADLINE_EXCEEDED / CANCELLED.
 //   Admission units (server/batcher.h): a task's tokens are the tokens it adds to the packed batch (image:
 //   patches + cls); its compute units are tokens x attention width (M + k for MiTA, N for full attention).
 //   batch thread: drop tasks whose call was cancelled (CANCELLED) or whose deadline has passed
@@ -19,15 +22,18 @@
 #include <grpcpp/server_context.h>
 #include <grpcpp/support/status.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "mita/v1/mita.grpc.pb.h"
 #include "mita/v1/mita.pb.h"
@@ -39,6 +45,7 @@
 #include "server/message_limits.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
+#include "server/security.h"
 
 namespace mita::server {
 
@@ -54,6 +61,13 @@ struct ServiceOptions {
   // When set, Classify requests and every response over its limits get RESOURCE_EXHAUSTED naming the limit
   // and its flag (server/message_limits.h).
   std::shared_ptr<const MessageSizeGuard> message_size;
+  // How often the service's watcher thread looks whether the calls of queued requests were cancelled (gRPC's
+  // synchronous API has no cancellation callback). A cancelled call's task leaves the queue within about
+  // this time; deadlines are watched exactly.
+  absl::Duration cancel_check_interval = absl::Milliseconds(2);
+  // When set (not owned, must outlive the service), every mita.v1 call must carry its bearer token
+  // (UNAUTHENTICATED otherwise, counted with model "unknown").
+  const BearerTokenAuthenticator* authenticator = nullptr;
 };
 
 // The budget a request resolves to, and the preset name to echo ("default" when the request had none, the
@@ -148,9 +162,31 @@ class ClassifyService final : public v1::MitaService::Service {
   grpc::Status GetModel(grpc::ServerContext* context, const v1::GetModelRequest* request,
                         v1::ModelMetadata* response) override;
 
+  // The bearer-token check of every front end on this service (mita.v1 here, the Open Inference Protocol in
+  // server/kserve_service.h): OK without an authenticator (ServiceOptions::authenticator); else its verdict on
+  // the call (UNAUTHENTICATED), counting a rejection under `method` with model "unknown".
+  absl::Status Authenticate(const grpc::ServerContext& context, RpcMethod method) const;
+
   // Stops accepting Classify work (UNAVAILABLE), runs everything already queued, and joins the batch
   // threads. Call after grpc::Server::Shutdown. Idempotent.
   void Shutdown();
+
+  // Starts draining: from now on Classify answers UNAVAILABLE ("the server is shutting down") before doing
+  // any work, and the batchers release what is queued without waiting for batches to fill. Admitted
+  // requests still finish. Returns at once; idempotent.
+  void BeginDrain();
+  // Waits until no Classify call is in the service (admitted ones answered) or `deadline` passes. Returns
+  // whether it became idle.
+  bool WaitUntilIdle(absl::Time deadline);
+
+  // Requests submitted to a batcher since start (admitted), and how many of them were answered OK or with
+  // an error (cancelled, deadline passed, model failure). admitted - ok - failed are still in flight.
+  struct AdmissionCounts {
+    int64_t admitted = 0;
+    int64_t ok = 0;
+    int64_t failed = 0;
+  };
+  AdmissionCounts admission_counts() const;
 
  private:
   struct Task;
@@ -178,9 +214,23 @@ class ClassifyService final : public v1::MitaService::Service {
                                 Task* task, std::string* preset) const;
   absl::Status PrepareDocumentTask(const ModelSlot& slot, const v1::ClassifyRequest& request, absl::Time deadline,
                                    Task* task, std::string* preset) const;
-  // Submits `*task` to the slot's batcher; on success observes its budget and tokens, on refusal counts the
+  // Submits `*task` to the slot's batcher (`*ticket`: its ticket for Cancel); on success observes its budget and tokens, on refusal counts the
   // rejection by reason. Errors: the batcher's (RESOURCE_EXHAUSTED, UNAVAILABLE, INVALID_ARGUMENT).
-  absl::Status Admit(const ModelSlot& slot, std::unique_ptr<Task>* task);
+  absl::Status Admit(const ModelSlot& slot, std::unique_ptr<Task>* task, uint64_t* ticket);
+  // Waits for the result of the task queued with `ticket` (submitted at `submitted`). When the deadline
+  // passes or the call is cancelled first (seen by WatchCancellations), takes the task out of the queue (or,
+  // if a batch thread already holds it, makes sure it is not started) and returns DEADLINE_EXCEEDED /
+  // CANCELLED; returns the batch thread's status otherwise.
+  absl::Status WaitForResult(const ModelSlot& slot, uint64_t ticket, absl::Time deadline, absl::Time submitted,
+                             const std::function<bool()>& cancelled, TaskResult& result);
+  // Gives up on the task with `ticket`: takes it back out of the queue (kTakenBack: nobody else will answer
+  // `result`), or marks it abandoned in a batch thread's hands so that it is never started (kAbandoned: the
+  // batch thread completes it); kDecided when a batch thread had already started it (its result stands).
+  enum class GiveUpOutcome { kTakenBack, kAbandoned, kDecided };
+  GiveUpOutcome GiveUp(const ModelSlot& slot, uint64_t ticket, TaskResult& result);
+  // The watcher thread: every cancel_check_interval, gives up on the queued requests whose call was
+  // cancelled, answering their handlers at once when their task left the queue.
+  void WatchCancellations();
   // Runs one batch on a batch thread.
   void ProcessBatch(const ModelSlot& slot, Batch<Task> batch);
 
@@ -189,6 +239,26 @@ class ClassifyService final : public v1::MitaService::Service {
   const ServiceOptions options_;
   const Clock* const clock_;
   std::map<std::string, std::unique_ptr<ModelSlot>> slots_;  // immutable after Create
+  std::atomic<bool> draining_{false};
+  absl::Mutex in_flight_mu_;
+  int64_t in_flight_ ABSL_GUARDED_BY(in_flight_mu_) = 0;  // Classify calls inside the service
+  // Handlers waiting for a queued request, watched for cancellation: keyed by their TaskResult.
+  struct Waiter {
+    const ModelSlot* slot;
+    uint64_t ticket;
+    const std::function<bool()>* cancelled;
+    TaskResult* result;
+    absl::Time deadline;
+    absl::Time submitted;
+  };
+  absl::Mutex watch_mu_;
+  absl::CondVar watch_cv_;
+  std::map<TaskResult*, Waiter*> waiters_ ABSL_GUARDED_BY(watch_mu_);
+  bool stop_watching_ ABSL_GUARDED_BY(watch_mu_) = false;
+  std::thread watcher_;
+  std::atomic<int64_t> admitted_{0};
+  std::atomic<int64_t> admitted_ok_{0};
+  std::atomic<int64_t> admitted_failed_{0};
 };
 
 }  // namespace mita::server

@@ -468,6 +468,9 @@ grpc::Status KserveService::ServerMetadata(grpc::ServerContext* /*context*/,
 
 grpc::Status KserveService::ModelMetadata(grpc::ServerContext* context, const inference::ModelMetadataRequest* request,
                                           inference::ModelMetadataResponse* response) {
+  if (absl::Status auth = classify_->Authenticate(*context, RpcMethod::kGetModel); !auth.ok()) {
+    return ToGrpcStatus(auth);
+  }
   absl::StatusOr<const v1::ModelMetadata*> model = FindModel(request->name(), request->version());
   if (!model.ok()) return ToGrpcStatus(model.status());
   *response = ToModelMetadataResponse(**model);
@@ -477,6 +480,9 @@ grpc::Status KserveService::ModelMetadata(grpc::ServerContext* context, const in
 
 grpc::Status KserveService::ModelInfer(grpc::ServerContext* context, const inference::ModelInferRequest* request,
                                        inference::ModelInferResponse* response) {
+  if (absl::Status auth = classify_->Authenticate(*context, RpcMethod::kClassify); !auth.ok()) {
+    return ToGrpcStatus(auth);
+  }
   absl::Time deadline = absl::InfiniteFuture();
   if (context->deadline() != std::chrono::system_clock::time_point::max()) {
     deadline = absl::FromChrono(context->deadline());

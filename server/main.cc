@@ -20,11 +20,19 @@
 //                                          larger gets RESOURCE_EXHAUSTED naming the limit and this flag
 //                                          (server/message_limits.h).
 //   --max_send_message_bytes=4194304       Largest response message (4 MiB); likewise.
-//   --drain_timeout_s=20                   On SIGTERM/SIGINT: how long in-flight RPCs may take to finish.
+//   --drain_timeout_s=20                   On SIGTERM/SIGINT: how long admitted requests may take to finish.
+//   --tls_cert_file, --tls_key_file        PEM certificate chain and key: serve gRPC over TLS (both or neither).
+//   --tls_client_ca_file                   PEM CA: require client certificates signed by it (mutual TLS).
+//   --auth_token_file                      File holding a bearer token: mita.v1 calls must send
+//                                          "authorization: Bearer <token>" (UNAUTHENTICATED otherwise);
+//                                          health and reflection stay open. Use with TLS.
 //
-// Shutdown: on SIGTERM or SIGINT the health status goes NOT_SERVING, the gRPC server stops accepting calls and
-// waits up to --drain_timeout_s for in-flight calls (then cancels them), the batchers run what is queued, and
-// the process exits 0.
+// Shutdown: on SIGTERM or SIGINT the health status goes NOT_SERVING (health checks keep being answered while
+// draining), new Classify calls get UNAVAILABLE, the batchers run what is queued without waiting for batches
+// to fill, and admitted requests get their answers; after at most --drain_timeout_s the gRPC server stops
+// (calls still running are cancelled; when the drain ended early, new calls keep getting UNAVAILABLE for
+// 250 ms more before it stops), and the process exits 0. The last log line counts the requests
+// admitted since start and how many were answered OK or with an error.
 #include <ATen/Parallel.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -58,6 +66,7 @@
 #include "server/message_limits.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
+#include "server/security.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC listening address, host:port.");
 ABSL_FLAG(std::string, model_repository, "models/repository",
@@ -79,9 +88,19 @@ ABSL_FLAG(int64_t, max_receive_message_bytes, mita::server::MessageSizeLimits::k
           "Largest request message, bytes (4 MiB); larger gets RESOURCE_EXHAUSTED naming this flag.");
 ABSL_FLAG(int64_t, max_send_message_bytes, mita::server::MessageSizeLimits::kDefaultBytes,
           "Largest response message, bytes (4 MiB); larger gets RESOURCE_EXHAUSTED naming this flag.");
-ABSL_FLAG(int32_t, drain_timeout_s, 20, "On SIGTERM/SIGINT, seconds in-flight RPCs may take to finish.");
+ABSL_FLAG(int32_t, drain_timeout_s, 20, "On SIGTERM/SIGINT, seconds admitted requests may take to finish.");
+ABSL_FLAG(std::string, tls_cert_file, "", "PEM certificate chain of the gRPC port; with --tls_key_file enables TLS.");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "PEM CA certificates; when set, clients must present a certificate signed by them (mutual TLS).");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File holding a bearer token that every mita.v1 call must send as 'authorization: Bearer <token>' "
+          "(health checks and reflection stay open); empty: no authentication.");
 
 namespace {
+
+// After the last admitted request is answered, how long new calls still get UNAVAILABLE before gRPC stops.
+constexpr absl::Duration kRefuseAfterDrain = absl::Milliseconds(250);
 
 void Log(const std::string& line) {
   std::fprintf(stderr, "%s mita-server: %s\n",
@@ -143,6 +162,18 @@ int main(int argc, char** argv) {
     return Fail(std::string(status.message()));
   }
 
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = mita::server::MakeServerCredentials(
+      {absl::GetFlag(FLAGS_tls_cert_file), absl::GetFlag(FLAGS_tls_key_file), absl::GetFlag(FLAGS_tls_client_ca_file)});
+  if (!credentials.ok()) return Fail(std::string(credentials.status().message()));
+  std::unique_ptr<mita::server::BearerTokenAuthenticator> authenticator;
+  if (const std::string token_file = absl::GetFlag(FLAGS_auth_token_file); !token_file.empty()) {
+    absl::StatusOr<std::unique_ptr<mita::server::BearerTokenAuthenticator>> loaded =
+        mita::server::BearerTokenAuthenticator::FromFile(token_file);
+    if (!loaded.ok()) return Fail(std::string(loaded.status().message()));
+    authenticator = *std::move(loaded);
+  }
+  options.authenticator = authenticator.get();
+
   const std::string repository = absl::GetFlag(FLAGS_model_repository);
   const absl::Time load_start = absl::Now();
   absl::StatusOr<std::unique_ptr<mita::server::ModelRegistry>> registry =
@@ -195,7 +226,7 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   const std::string listen = absl::GetFlag(FLAGS_listen);
   int selected_port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &selected_port);
+  builder.AddListeningPort(listen, *credentials, &selected_port);
   options.message_size->ConfigureServer(builder);
   builder.RegisterService(service->get());
   builder.RegisterService(&kserve);
@@ -214,9 +245,12 @@ int main(int argc, char** argv) {
   if (metrics_server != nullptr) {
     metrics_line = absl::StrCat("metrics on http://", metrics_listen, "/metrics (port ", metrics_server->port(), ")");
   }
-  Log(absl::StrCat("serving gRPC on ", listen, " (port ", selected_port, "; mita.v1.MitaService, grpc.health.v1, ",
-                   "inference.GRPCInferenceService, reflection), ", metrics_line,
-                   "; models: ", absl::StrJoin((*registry)->names(), ", "),
+  const bool tls = !absl::GetFlag(FLAGS_tls_cert_file).empty();
+  const bool client_certificates = !absl::GetFlag(FLAGS_tls_client_ca_file).empty();
+  Log(absl::StrCat("serving gRPC", tls ? " over TLS" : "", client_certificates ? " (client certificates required)" : "",
+                   authenticator != nullptr ? " with bearer-token authentication" : "", " on ", listen, " (port ",
+                   selected_port, "; mita.v1.MitaService, grpc.health.v1, ",
+                   "inference.GRPCInferenceService, reflection), ", metrics_line, "; models: ", absl::StrJoin((*registry)->names(), ", "),
                    "; max_batch_size=", options.batching.max_batch_size,
                    " max_queue_delay=", absl::FormatDuration(options.batching.max_queue_delay),
                    " max_batch_tokens=", options.batching.max_batch_tokens,
@@ -235,10 +269,24 @@ int main(int argc, char** argv) {
   }
   kserve.SetReady(false);
   const absl::Time drain_start = absl::Now();
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(drain_timeout_s));
+  const absl::Time drain_deadline = drain_start + absl::Seconds(drain_timeout_s);
+  // New Classify calls get UNAVAILABLE from now on; queued ones run at once; admitted ones finish.
+  (*service)->BeginDrain();
+  const bool idle = (*service)->WaitUntilIdle(drain_deadline);
+  // Keep refusing new calls with UNAVAILABLE a little longer: a call that reaches gRPC while it stops is
+  // cancelled instead, which tells its caller less (it cannot know whether the request ran).
+  if (idle) absl::SleepFor(std::min(kRefuseAfterDrain, std::max(absl::ZeroDuration(), drain_deadline - absl::Now())));
+  // Stop the gRPC server. When idle, what is left are quick calls and streams such as health watches: give
+  // them a second. Otherwise calls still running at the drain deadline are cancelled now (their handlers take
+  // queued work back and answer).
+  const absl::Time stop_deadline = idle ? std::min(drain_deadline, absl::Now() + absl::Seconds(1)) : absl::Now();
+  server->Shutdown(absl::ToChronoTime(stop_deadline));
   (*service)->Shutdown();
   server->Wait();
   if (metrics_server != nullptr) metrics_server->Stop();
-  Log(absl::StrCat("stopped after draining for ", absl::FormatDuration(absl::Now() - drain_start)));
+  const mita::server::ClassifyService::AdmissionCounts counts = (*service)->admission_counts();
+  Log(absl::StrCat("stopped after draining for ", absl::FormatDuration(absl::Now() - drain_start),
+                   idle ? "" : " (drain timeout: calls still running were cancelled)", "; requests admitted ",
+                   counts.admitted, ", answered ok ", counts.ok, ", answered with an error ", counts.failed));
   return 0;
 }

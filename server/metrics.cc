@@ -149,6 +149,12 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
                              .Name("mita_full_attention_requests_total")
                              .Help("Admitted requests that asked for full attention.")
                              .Register(*registry_);
+  auto& executed_after_cancel =
+      prometheus::BuildCounter()
+          .Name("mita_work_executed_after_cancel_total")
+          .Help("Requests whose batch ran although their caller had given up (cancelled, deadline passed) before "
+                "the batch started; 0 by design.")
+          .Register(*registry_);
   auto& load_imbalance =
       prometheus::BuildHistogram()
           .Name("mita_attention_expert_load_imbalance")
@@ -207,6 +213,7 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
     model->expert_count_ = &expert_count.Add(labels, count_buckets);
     model->expert_width_ = &expert_width.Add(labels, width_buckets);
     model->full_attention_ = &full_attention.Add(labels);
+    model->executed_after_cancel_ = &executed_after_cancel.Add(labels);
     for (int64_t layer = 0; layer < info.layers; ++layer) {
       const prometheus::Labels layer_labels = {{"model", info.name}, {"layer", std::to_string(layer)}};
       ModelMetrics::Layer series;

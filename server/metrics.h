@@ -37,6 +37,10 @@
 //                                                             + cls; document: after truncation).
 //   mita_batch_tokens{model}                        histogram Tokens per packed batch run (one observation per
 //                                                             batch).
+//   mita_work_executed_after_cancel_total{model}    counter   Requests whose batch ran although their caller
+//                                                             had given up (cancelled, deadline passed) before
+//                                                             the batch started. 0 by design: the guard of the
+//                                                             drop-before-run guarantee.
 //   mita_requested_expert_count{model}              histogram Expert count m of admitted MiTA requests.
 //   mita_requested_expert_width{model}              histogram Expert width k of admitted MiTA requests.
 //   mita_full_attention_requests_total{model}       counter   Admitted requests that asked for full attention.
@@ -86,6 +90,8 @@ class ModelMetrics {
   void ObserveQueueDelay(absl::Duration delay) { queue_delay_->Observe(absl::ToDoubleSeconds(delay)); }
   // Forward time of the batch that ran one request.
   void ObserveCompute(absl::Duration compute) { compute_->Observe(absl::ToDoubleSeconds(compute)); }
+  // One request run although its caller had given up before its batch started.
+  void CountExecutedAfterCancel() { executed_after_cancel_->Increment(); }
   // Requests in one batch run.
   void ObserveBatchSize(int64_t requests) { batch_size_->Observe(static_cast<double>(requests)); }
   // Tokens of one packed batch run.
@@ -124,6 +130,7 @@ class ModelMetrics {
   prometheus::Histogram* expert_count_ = nullptr;
   prometheus::Histogram* expert_width_ = nullptr;
   prometheus::Counter* full_attention_ = nullptr;
+  prometheus::Counter* executed_after_cancel_ = nullptr;
   std::vector<Layer> layers_;
 };
 

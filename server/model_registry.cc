@@ -8,8 +8,37 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/security.h"
 
 namespace mita::server {
+namespace {
+
+// OK when `directory` and every entry directly in it resolve to paths inside `repository`.
+// Errors: PERMISSION_DENIED naming the entry and where it resolves to.
+absl::Status CheckPackageInsideRepository(const std::string& repository, const std::string& directory) {
+  namespace fs = std::filesystem;
+  absl::StatusOr<std::string> resolved = ResolveInsideDirectory(repository, directory);
+  if (!resolved.ok()) {
+    return absl::Status(resolved.status().code(),
+                        absl::StrCat("model package '", directory, "': ", resolved.status().message(),
+                                     " (packages are read only from inside --model_repository)"));
+  }
+  std::error_code error;
+  for (fs::directory_iterator it(directory, error); !error && it != fs::directory_iterator(); it.increment(error)) {
+    absl::StatusOr<std::string> entry = ResolveInsideDirectory(repository, it->path().string());
+    if (!entry.ok()) {
+      return absl::Status(entry.status().code(),
+                          absl::StrCat("model package '", directory, "': ", entry.status().message(),
+                                       " (packages are read only from inside --model_repository)"));
+    }
+  }
+  if (error) {
+    return absl::NotFoundError(absl::StrCat("cannot read model package '", directory, "': ", error.message()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<ModelRegistry>> ModelRegistry::LoadFromDirectory(const std::string& repository) {
   namespace fs = std::filesystem;
@@ -41,6 +70,9 @@ absl::StatusOr<std::unique_ptr<ModelRegistry>> ModelRegistry::LoadFromDirectory(
   std::vector<models::ModelPackage> packages;
   for (const std::string& folder : folders) {
     const std::string directory = (fs::path(repository) / folder).string();
+    // Packages are read only from inside the repository: a package folder or file that is a symlink to
+    // somewhere else is refused (symlinks that stay inside are fine).
+    if (absl::Status inside = CheckPackageInsideRepository(repository, directory); !inside.ok()) return inside;
     absl::StatusOr<models::ModelPackage> package = models::LoadModelPackage(directory);
     if (!package.ok()) {
       return absl::Status(package.status().code(),

@@ -19,7 +19,9 @@ class ModelRegistry {
   // models::LoadModelPackage; the model name is the folder name. Loading is all or nothing: a package that
   // fails to load fails the whole registry.
   // Errors: NOT_FOUND when `repository` is not a readable directory or holds no package folder; the package's
-  // own error (NOT_FOUND or INVALID_ARGUMENT), prefixed with its folder, when one fails to load.
+  // own error (NOT_FOUND or INVALID_ARGUMENT), prefixed with its folder, when one fails to load;
+  // PERMISSION_DENIED when a package folder or a file directly in it is a symlink that resolves outside
+  // `repository` (packages are read only from inside it; symlinks that stay inside are followed).
   static absl::StatusOr<std::unique_ptr<ModelRegistry>> LoadFromDirectory(const std::string& repository);
 
   // Builds a registry from already loaded packages (tests). Errors: INVALID_ARGUMENT for an empty or

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <set>
 #include <thread>
 #include <vector>
@@ -347,6 +348,38 @@ TEST(BatchQueueTest, TokenAndComputeUnitAccounting) {
   EXPECT_EQ(queue.queued_compute_units(), 0);
 }
 
+TEST(BatchQueueTest, RemoveTakesAQueuedTaskBackAndFreesItsUnits) {
+  ManualClock clock;
+  // At most 3 queued tasks and 6 queued compute units.
+  BatcherOptions options = Options(4, absl::Milliseconds(10), 3);
+  options.queue_compute_units = 6;
+  BatchQueue<FakeTask> queue(options);
+  std::vector<uint64_t> tickets;
+  for (int i = 0; i < 3; ++i) {
+    std::unique_ptr<FakeTask> task = MakeTask(i, 2);
+    uint64_t ticket = 0;
+    ASSERT_TRUE(queue.Enqueue(&task, clock.Now(), nullptr, &ticket).ok());
+    tickets.push_back(ticket);
+  }
+  EXPECT_EQ(tickets.size(), std::set<uint64_t>(tickets.begin(), tickets.end()).size()) << "tickets must be unique";
+  // The queue is full (3 of 3 tasks, 6 of 6 compute units); removing the middle task frees its share of both.
+  std::unique_ptr<FakeTask> extra = MakeTask(9, 2);
+  EXPECT_EQ(queue.Enqueue(&extra, clock.Now()).code(), absl::StatusCode::kResourceExhausted);
+  std::unique_ptr<FakeTask> removed = queue.Remove(tickets[1]);
+  ASSERT_NE(removed, nullptr);
+  EXPECT_EQ(removed->id, 1);
+  EXPECT_EQ(queue.queued_tokens(), 4);
+  EXPECT_EQ(queue.queued_compute_units(), 4);
+  EXPECT_EQ(queue.num_queued_tasks(), 2);
+  EXPECT_EQ(queue.Remove(tickets[1]), nullptr) << "a ticket is removed once";
+  ASSERT_TRUE(queue.Enqueue(&extra, clock.Now()).ok());
+  // The batch skips the removed task: FIFO of what is left.
+  std::optional<Batch<FakeTask>> batch = queue.TakeBatch(clock.Now());
+  ASSERT_TRUE(batch.has_value());
+  EXPECT_THAT(Ids(*batch), ElementsAre(0, 2, 9));
+  EXPECT_EQ(queue.Remove(tickets[0]), nullptr) << "a batched task cannot be removed";
+}
+
 TEST(BatcherOptionsTest, Validation) {
   EXPECT_TRUE(ValidateBatcherOptions(BatcherOptions()).ok());
   BatcherOptions options;
@@ -504,6 +537,29 @@ TEST(DynamicBatcherTest, RejectsWhenQueueIsFull) {
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(status.message(), "queue is full: 2 of 2 queued requests (flag --queue_capacity)");
   release.Notify();
+}
+
+TEST(DynamicBatcherTest, CancelFreesTheQueueSlotAtOnceAndTheTaskIsNeverProcessed) {
+  std::atomic<int64_t> depth{0};
+  std::atomic<int> processed{0};
+  // A batch of 4 with an hour of queue delay: a single task would sit in the queue for an hour.
+  auto batcher = DynamicBatcher<FakeTask>::Create(
+      Options(4, absl::Hours(1), 100), [&](Batch<FakeTask> batch) { processed += batch.num_tasks(); },
+      RealClock::Get(), [&](const QueueDepthChange& change) { depth += change.tasks_delta; });
+  ASSERT_TRUE(batcher.ok()) << batcher.status();
+  std::unique_ptr<FakeTask> task = MakeTask(7);
+  uint64_t ticket = 0;
+  ASSERT_TRUE((*batcher)->Submit(&task, nullptr, &ticket).ok());
+  EXPECT_EQ(depth.load(), 1);
+  std::unique_ptr<FakeTask> back = (*batcher)->Cancel(ticket);
+  ASSERT_NE(back, nullptr);
+  EXPECT_EQ(back->id, 7);
+  // The depth listener saw the removal synchronously, not at batch formation.
+  EXPECT_EQ(depth.load(), 0);
+  EXPECT_EQ((*batcher)->num_queued_tasks(), 0);
+  EXPECT_EQ((*batcher)->Cancel(ticket), nullptr);
+  (*batcher)->Shutdown();
+  EXPECT_EQ(processed.load(), 0);
 }
 
 TEST(DynamicBatcherTest, CreateRejectsBadOptions) {

@@ -1,0 +1,415 @@
+// mita-bench: load and soak tool for a MiTA Serve server (mita.v1.MitaService/Classify).
+//
+//   mita-bench --server=HOST:PORT --manifest=inputs.csv --mode=closed --concurrency=16 --requests=5000
+//   mita-bench --server=HOST:PORT --manifest=inputs.csv --mode=open --rate=400 --duration_s=30
+//
+// Load: closed loop (--concurrency calls always in flight; a new one starts when one ends) or open loop
+// (calls start at --rate per second with exponential inter-arrival times, whatever the answers; at most
+// --max_in_flight at once, further arrivals are counted as "not sent"). Each call draws, with a seeded
+// generator, an input from the manifest, a budget from --budgets and a deadline from --deadlines_ms.
+//
+// Inputs (--manifest, CSV, paths relative to the manifest's folder, '#' comments and empty lines skipped):
+//   kind,path[,model]      kind is image (PNG/JPEG bytes) or document (UTF-8 text file); model overrides
+//                          --model for that line (e.g. a document model next to an image model)
+//   path,label_index       the manifest mita-export-images writes (images; the label is ignored)
+//
+// Report (stdout): throughput (answers/s and OK/s), client latency p50/p95/p99 of OK calls (and of all
+// calls), mean server batch size, counts per gRPC status code; with --server_pid, the server's resident
+// memory (VmRSS from /proc/PID/status) after the warm-up, at the end, its maximum, and the growth. The last
+// line is "RESULT key=value ..." for scripts. Exit status 0 when the run completed (errors are counted, not
+// fatal), 2 for bad flags or inputs.
+//
+// One thread drives everything through a gRPC CompletionQueue (the async API), so the tool itself uses
+// little CPU next to the server.
+#include <grpcpp/client_context.h>
+#include <grpcpp/completion_queue.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/connection_flags.h"
+#include "client/mita_client.h"
+
+ABSL_FLAG(std::string, model, "fashion-mnist-vit", "Model of manifest lines that name none.");
+ABSL_FLAG(std::string, manifest, "", "CSV of inputs: 'kind,path[,model]' or 'path,label_index' lines.");
+ABSL_FLAG(std::string, mode, "closed", "closed (fixed concurrency) or open (fixed arrival rate).");
+ABSL_FLAG(int32_t, concurrency, 16, "Closed loop: calls in flight at once.");
+ABSL_FLAG(double, rate, 100, "Open loop: call arrivals per second (Poisson).");
+ABSL_FLAG(int32_t, max_in_flight, 4096, "Open loop: most calls in flight; later arrivals are counted as not sent.");
+ABSL_FLAG(int64_t, requests, 2000, "Measured calls (after the warm-up); 0: use --duration_s.");
+ABSL_FLAG(double, duration_s, 0, "Measured time, seconds, when --requests=0.");
+ABSL_FLAG(int64_t, warmup_requests, 100, "Calls before measuring (same load, not counted).");
+ABSL_FLAG(std::string, budgets, "default",
+          "Comma list the budget of each call is drawn from: default, full, a preset name, or MxK (expert count "
+          "x expert width, e.g. 9x16). Repeat an entry to weight it.");
+ABSL_FLAG(std::string, deadlines_ms, "10000", "Comma list the deadline of each call is drawn from, ms (0: none).");
+ABSL_FLAG(uint64_t, seed, 1, "Seed of the input, budget, deadline and arrival draws.");
+ABSL_FLAG(int32_t, server_pid, 0, "Server process id: report its resident memory (VmRSS) over the run.");
+ABSL_FLAG(double, rss_interval_s, 1.0, "With --server_pid: seconds between resident-memory samples.");
+ABSL_FLAG(std::string, label, "", "Name of this run, printed in the report and the RESULT line.");
+
+namespace {
+
+namespace v1 = mita::v1;
+using mita::client::ConnectionOptions;
+
+struct Input {
+  std::string model;
+  std::string bytes;
+  bool document = false;
+};
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
+  std::ostringstream bytes;
+  bytes << file.rdbuf();
+  return bytes.str();
+}
+
+// Reads the manifest (formats in the file comment) and the files it names.
+absl::StatusOr<std::vector<Input>> ReadInputs(const std::string& manifest, const std::string& default_model) {
+  std::ifstream file(manifest);
+  if (!file) return absl::NotFoundError(absl::StrCat("cannot open manifest '", manifest, "'"));
+  const std::filesystem::path base = std::filesystem::path(manifest).parent_path();
+  std::vector<Input> inputs;
+  std::string line;
+  for (int number = 1; std::getline(file, line); ++number) {
+    absl::string_view text = absl::StripAsciiWhitespace(line);
+    if (text.empty() || text[0] == '#') continue;
+    std::vector<std::string> fields = absl::StrSplit(text, ',');
+    for (std::string& field : fields) field = std::string(absl::StripAsciiWhitespace(field));
+    Input input;
+    input.model = default_model;
+    std::string path;
+    if (fields[0] == "image" || fields[0] == "document") {
+      if (fields.size() < 2 || fields.size() > 3) {
+        return absl::InvalidArgumentError(absl::StrCat(manifest, ":", number, ": expected 'kind,path[,model]'"));
+      }
+      input.document = fields[0] == "document";
+      path = fields[1];
+      if (fields.size() == 3 && !fields[2].empty()) input.model = fields[2];
+    } else if (fields.size() == 2) {
+      int64_t label = 0;
+      if (!absl::SimpleAtoi(fields[1], &label)) {
+        if (number == 1) continue;  // a header line
+        return absl::InvalidArgumentError(absl::StrCat(manifest, ":", number, ": expected 'path,label_index'"));
+      }
+      path = fields[0];
+    } else {
+      if (number == 1) continue;  // a header line such as "kind,path,model"
+      return absl::InvalidArgumentError(
+          absl::StrCat(manifest, ":", number, ": expected 'kind,path[,model]' or 'path,label_index'"));
+    }
+    std::filesystem::path resolved(path);
+    if (resolved.is_relative()) resolved = base / resolved;
+    absl::StatusOr<std::string> bytes = ReadFile(resolved.string());
+    if (!bytes.ok()) return bytes.status();
+    input.bytes = *std::move(bytes);
+    inputs.push_back(std::move(input));
+  }
+  if (inputs.empty()) return absl::InvalidArgumentError(absl::StrCat("manifest '", manifest, "' lists no input"));
+  return inputs;
+}
+
+// Parses --budgets into request budgets (unset = default).
+absl::StatusOr<std::vector<v1::Budget>> ParseBudgets(const std::string& list) {
+  std::vector<v1::Budget> budgets;
+  for (absl::string_view entry : absl::StrSplit(list, ',', absl::SkipWhitespace())) {
+    entry = absl::StripAsciiWhitespace(entry);
+    v1::Budget budget;
+    std::vector<std::string> parts = absl::StrSplit(entry, 'x');
+    int64_t count = 0, width = 0;
+    if (entry == "default") {
+      // unset
+    } else if (entry == "full") {
+      budget.mutable_full_attention();
+    } else if (parts.size() == 2 && absl::SimpleAtoi(parts[0], &count) && absl::SimpleAtoi(parts[1], &width)) {
+      budget.mutable_experts()->set_expert_count(count);
+      budget.mutable_experts()->set_expert_width(width);
+    } else {
+      budget.set_preset(std::string(entry));
+    }
+    budgets.push_back(budget);
+  }
+  if (budgets.empty()) return absl::InvalidArgumentError("--budgets is empty");
+  return budgets;
+}
+
+absl::StatusOr<std::vector<int64_t>> ParseDeadlines(const std::string& list) {
+  std::vector<int64_t> deadlines;
+  for (absl::string_view entry : absl::StrSplit(list, ',', absl::SkipWhitespace())) {
+    int64_t ms = 0;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(entry), &ms) || ms < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--deadlines_ms: '", entry, "' is not a number of ms >= 0"));
+    }
+    deadlines.push_back(ms);
+  }
+  if (deadlines.empty()) return absl::InvalidArgumentError("--deadlines_ms is empty");
+  return deadlines;
+}
+
+// VmRSS of `pid` in KiB, or -1 when it cannot be read.
+int64_t ResidentKib(int pid) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (!absl::StartsWith(line, "VmRSS:")) continue;
+    int64_t kib = 0;
+    std::vector<std::string> parts = absl::StrSplit(line.substr(6), ' ', absl::SkipWhitespace());
+    if (!parts.empty() && absl::SimpleAtoi(parts[0], &kib)) return kib;
+  }
+  return -1;
+}
+
+double Percentile(std::vector<double>& values, double p) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  size_t rank = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(values.size())));
+  rank = std::clamp<size_t>(rank, 1, values.size());
+  return values[rank - 1];
+}
+
+struct Call {
+  grpc::ClientContext context;
+  v1::ClassifyResponse response;
+  grpc::Status status;
+  std::unique_ptr<grpc::ClientAsyncResponseReader<v1::ClassifyResponse>> reader;
+  absl::Time start;
+  bool measured = false;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Load and soak tool for MiTA Serve.\n"
+      "  mita-bench --server=HOST:PORT --manifest=FILE [--mode=closed --concurrency=N | --mode=open --rate=R]\n"
+      "             [--requests=N | --requests=0 --duration_s=S] [--budgets=...] [--deadlines_ms=...]");
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "/bench_main.cc") || absl::EndsWith(file, "/connection_flags.cc");
+  };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
+  absl::ParseCommandLine(argc, argv);
+
+  auto fail = [](const std::string& message) {
+    std::cerr << "mita-bench: " << message << "\n";
+    return 2;
+  };
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  if (mode != "closed" && mode != "open") return fail("--mode must be closed or open");
+  const bool open_loop = mode == "open";
+  const int concurrency = absl::GetFlag(FLAGS_concurrency);
+  const double rate = absl::GetFlag(FLAGS_rate);
+  const int max_in_flight = absl::GetFlag(FLAGS_max_in_flight);
+  if (!open_loop && concurrency < 1) return fail("--concurrency must be >= 1");
+  if (open_loop && !(rate > 0)) return fail("--rate must be > 0");
+  if (max_in_flight < 1) return fail("--max_in_flight must be >= 1");
+  const int64_t requests = absl::GetFlag(FLAGS_requests);
+  const double duration_s = absl::GetFlag(FLAGS_duration_s);
+  const int64_t warmup = absl::GetFlag(FLAGS_warmup_requests);
+  if (requests < 0 || warmup < 0) return fail("--requests and --warmup_requests must be >= 0");
+  if (requests == 0 && !(duration_s > 0)) return fail("set --requests > 0 or --duration_s > 0");
+  const std::string manifest = absl::GetFlag(FLAGS_manifest);
+  if (manifest.empty()) return fail("--manifest is required");
+  absl::StatusOr<std::vector<Input>> inputs = ReadInputs(manifest, absl::GetFlag(FLAGS_model));
+  if (!inputs.ok()) return fail(std::string(inputs.status().message()));
+  absl::StatusOr<std::vector<v1::Budget>> budgets = ParseBudgets(absl::GetFlag(FLAGS_budgets));
+  if (!budgets.ok()) return fail(std::string(budgets.status().message()));
+  absl::StatusOr<std::vector<int64_t>> deadlines = ParseDeadlines(absl::GetFlag(FLAGS_deadlines_ms));
+  if (!deadlines.ok()) return fail(std::string(deadlines.status().message()));
+  absl::StatusOr<ConnectionOptions> connection = mita::client::ConnectionOptionsFromFlags();
+  if (!connection.ok()) return fail(std::string(connection.status().message()));
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = mita::client::CreateChannel(*connection);
+  if (!channel.ok()) return fail(std::string(channel.status().message()));
+  std::unique_ptr<v1::MitaService::Stub> stub = v1::MitaService::NewStub(*channel);
+  const int server_pid = absl::GetFlag(FLAGS_server_pid);
+  const absl::Duration rss_interval = absl::Seconds(absl::GetFlag(FLAGS_rss_interval_s));
+
+  std::mt19937_64 random(absl::GetFlag(FLAGS_seed));
+  std::uniform_int_distribution<size_t> pick_input(0, inputs->size() - 1);
+  std::uniform_int_distribution<size_t> pick_budget(0, budgets->size() - 1);
+  std::uniform_int_distribution<size_t> pick_deadline(0, deadlines->size() - 1);
+  std::exponential_distribution<double> inter_arrival(open_loop ? rate : 1.0);
+
+  // Requests are built once per (input, budget) pair on demand and reused.
+  std::map<std::pair<size_t, size_t>, v1::ClassifyRequest> request_cache;
+  auto request_for = [&](size_t input, size_t budget) -> const v1::ClassifyRequest& {
+    auto [it, inserted] = request_cache.try_emplace({input, budget});
+    if (inserted) {
+      const Input& in = (*inputs)[input];
+      v1::ClassifyRequest& request = it->second;
+      request.set_model(in.model);
+      if (in.document) {
+        request.mutable_document()->set_text(in.bytes);
+      } else {
+        request.set_image(in.bytes);
+      }
+      *request.mutable_budget() = (*budgets)[budget];
+    }
+    return it->second;
+  };
+
+  grpc::CompletionQueue queue;
+  int64_t started = 0, in_flight = 0, not_sent = 0;
+  bool measuring = warmup == 0;
+  absl::Time measure_start = absl::Now();
+  absl::Time measure_end = absl::InfiniteFuture();
+  if (measuring && requests == 0) measure_end = measure_start + absl::Seconds(duration_s);
+  int64_t measured_started = 0;
+  std::map<grpc::StatusCode, int64_t> codes;
+  std::vector<double> ok_latencies_ms, all_latencies_ms;
+  double batch_size_sum = 0;
+  int64_t rss_start = -1, rss_max = -1, rss_end = -1;
+  absl::Time next_rss = absl::InfinitePast();
+  absl::Time next_arrival = absl::Now();
+
+  auto measured_done = [&] {
+    return measuring && (requests > 0 ? measured_started >= requests : absl::Now() >= measure_end);
+  };
+  auto start_call = [&] {
+    auto* call = new Call();
+    const size_t input = pick_input(random);
+    const size_t budget = pick_budget(random);
+    const int64_t deadline_ms = (*deadlines)[pick_deadline(random)];
+    if (deadline_ms > 0) {
+      call->context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(deadline_ms));
+    }
+    mita::client::AddBearerToken(connection->bearer_token, &call->context);
+    call->measured = measuring;
+    call->start = absl::Now();
+    call->reader = stub->AsyncClassify(&call->context, request_for(input, budget), &queue);
+    call->reader->Finish(&call->response, &call->status, call);
+    ++started;
+    ++in_flight;
+    if (measuring) ++measured_started;
+    if (!measuring && started >= warmup) {
+      // The warm-up calls are all sent: calls sent from now on are measured.
+      measuring = true;
+      measure_start = absl::Now();
+      if (requests == 0) measure_end = measure_start + absl::Seconds(duration_s);
+    }
+  };
+  auto sample_rss = [&](bool force) {
+    if (server_pid <= 0) return;
+    const absl::Time now = absl::Now();
+    if (!force && now < next_rss) return;
+    next_rss = now + rss_interval;
+    const int64_t kib = ResidentKib(server_pid);
+    if (kib < 0) return;
+    if (measuring && rss_start < 0) rss_start = kib;
+    rss_max = std::max(rss_max, kib);
+    rss_end = kib;
+  };
+
+  if (!open_loop) {
+    for (int i = 0; i < concurrency && !measured_done(); ++i) start_call();
+  }
+  while (true) {
+    const bool sending = !measured_done();
+    if (!sending && in_flight == 0) break;
+    absl::Time wake = absl::Now() + absl::Milliseconds(50);
+    if (open_loop && sending) wake = std::min(wake, next_arrival);
+    void* tag = nullptr;
+    bool ok = false;
+    const grpc::CompletionQueue::NextStatus next = queue.AsyncNext(&tag, &ok, absl::ToChronoTime(wake));
+    if (next == grpc::CompletionQueue::SHUTDOWN) break;
+    if (next == grpc::CompletionQueue::GOT_EVENT) {
+      std::unique_ptr<Call> call(static_cast<Call*>(tag));
+      --in_flight;
+      if (call->measured) {
+        const double latency_ms = absl::ToDoubleMilliseconds(absl::Now() - call->start);
+        ++codes[call->status.error_code()];
+        all_latencies_ms.push_back(latency_ms);
+        if (call->status.ok()) {
+          ok_latencies_ms.push_back(latency_ms);
+          batch_size_sum += call->response.timing().batch_size();
+        }
+      }
+      if (!open_loop && !measured_done()) start_call();
+    }
+    if (open_loop) {
+      for (absl::Time now = absl::Now(); !measured_done() && now >= next_arrival; now = absl::Now()) {
+        next_arrival += absl::Seconds(inter_arrival(random));
+        if (in_flight >= max_in_flight) {
+          if (measuring) ++not_sent, ++measured_started;
+          continue;
+        }
+        start_call();
+      }
+    }
+    sample_rss(false);
+  }
+  const absl::Duration wall = absl::Now() - measure_start;
+  sample_rss(true);
+
+  const std::string label = absl::GetFlag(FLAGS_label);
+  const double seconds = std::max(1e-9, absl::ToDoubleSeconds(wall));
+  const int64_t answered = static_cast<int64_t>(all_latencies_ms.size());
+  const int64_t ok_count = static_cast<int64_t>(ok_latencies_ms.size());
+  const double mean_batch = ok_count > 0 ? batch_size_sum / static_cast<double>(ok_count) : 0;
+  std::vector<double> ok_sorted = ok_latencies_ms, all_sorted = all_latencies_ms;
+  const double p50 = Percentile(ok_sorted, 50), p95 = Percentile(ok_sorted, 95), p99 = Percentile(ok_sorted, 99);
+  std::cout << absl::StrFormat(
+      "mita-bench%s: %s loop, %s, %d inputs, budgets %s, deadlines %s ms\n",
+      label.empty() ? "" : absl::StrCat(" [", label, "]"), mode,
+      open_loop ? absl::StrFormat("rate %.1f/s", rate) : absl::StrFormat("concurrency %d", concurrency), inputs->size(),
+      absl::GetFlag(FLAGS_budgets), absl::GetFlag(FLAGS_deadlines_ms));
+  std::cout << absl::StrFormat("answered %d calls in %.2f s (after %d warm-up calls): %.1f answers/s, %.1f OK/s\n",
+                               answered, seconds, warmup, static_cast<double>(answered) / seconds,
+                               static_cast<double>(ok_count) / seconds);
+  std::cout << absl::StrFormat("latency of OK calls: p50 %.2f ms, p95 %.2f ms, p99 %.2f ms; all calls: p99 %.2f ms\n",
+                               p50, p95, p99, Percentile(all_sorted, 99));
+  std::cout << absl::StrFormat("mean server batch size of OK calls: %.2f\n", mean_batch);
+  std::string code_text;
+  for (const auto& [code, count] : codes) {
+    absl::StrAppend(&code_text, code_text.empty() ? "" : ", ",
+                    absl::StatusCodeToString(static_cast<absl::StatusCode>(code)), " ", count);
+  }
+  if (not_sent > 0) absl::StrAppend(&code_text, ", not sent (over --max_in_flight) ", not_sent);
+  std::cout << "status codes: " << (code_text.empty() ? "none" : code_text) << "\n";
+  std::string rss_text;
+  if (server_pid > 0 && rss_start >= 0) {
+    std::cout << absl::StrFormat(
+        "server VmRSS (pid %d): %.1f MiB after warm-up, %.1f MiB at the end, max %.1f MiB; growth %+.1f MiB "
+        "(%+.2f%%)\n",
+        server_pid, rss_start / 1024.0, rss_end / 1024.0, rss_max / 1024.0, (rss_end - rss_start) / 1024.0,
+        100.0 * static_cast<double>(rss_end - rss_start) / static_cast<double>(rss_start));
+    rss_text = absl::StrFormat(" rss_start_kib=%d rss_end_kib=%d rss_max_kib=%d", rss_start, rss_end, rss_max);
+  }
+  std::cout << absl::StrFormat(
+      "RESULT label=%s answered=%d ok=%d seconds=%.3f throughput=%.2f ok_throughput=%.2f "
+      "p50_ms=%.3f p95_ms=%.3f p99_ms=%.3f mean_batch=%.3f%s\n",
+      label.empty() ? "-" : label, answered, ok_count, seconds, static_cast<double>(answered) / seconds,
+      static_cast<double>(ok_count) / seconds, p50, p95, p99, mean_batch, rss_text);
+  return 0;
+}

@@ -1,0 +1,310 @@
+// Deadlines and cancellation end to end over loopback (the real model package and real Fashion-MNIST PNGs):
+// a request whose deadline passes while queued is answered DEADLINE_EXCEEDED at its deadline and never run;
+// a cancelled call leaves the queue at once (the queue-depth gauge drops before any batch forms) and is never
+// run; a storm of 1000 calls cancelled at random moments (0-400 ms after they start) leaves the queue-depth gauge at 0
+// and no work run after a cancel (mita_work_executed_after_cancel_total stays 0).
+//
+// Waits poll the in-process metrics registry with a generous bound (10 s) instead of asserting durations:
+// the servers here batch with a 60 s max queue delay, so without taking work back at once the bound is
+// missed by far.
+#include <grpcpp/client_context.h>
+#include <grpcpp/completion_queue.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/mita_client.h"
+#include "gtest/gtest.h"
+#include "prometheus/metric_family.h"
+#include "server/classify_service.h"
+#include "server/metrics.h"
+#include "server/model_registry.h"
+#include "tools/fashion_mnist.h"
+
+namespace mita::server {
+namespace {
+
+constexpr char kModel[] = "fashion-mnist-vit";
+
+std::string RepositoryPath() {
+  if (const char* repository = std::getenv("MITA_MODEL_REPOSITORY"); repository != nullptr && *repository) {
+    return repository;
+  }
+  const char* source = std::getenv("MITA_SOURCE_DIR");
+  return absl::StrCat(source != nullptr ? source : ".", "/models/repository");
+}
+
+// Sum over the samples of family `name` (counter, gauge or histogram sample count) whose labels include
+// `labels`.
+double MetricValue(const prometheus::Registry& registry, const std::string& name,
+                   const std::map<std::string, std::string>& labels = {}) {
+  double total = 0;
+  for (const prometheus::MetricFamily& family : registry.Collect()) {
+    if (family.name != name) continue;
+    for (const prometheus::ClientMetric& metric : family.metric) {
+      bool match = true;
+      for (const auto& [key, value] : labels) {
+        bool found = false;
+        for (const prometheus::ClientMetric::Label& label : metric.label) {
+          found = found || (label.name == key && label.value == value);
+        }
+        match = match && found;
+      }
+      if (!match) continue;
+      switch (family.type) {
+        case prometheus::MetricType::Counter:
+          total += metric.counter.value;
+          break;
+        case prometheus::MetricType::Gauge:
+          total += metric.gauge.value;
+          break;
+        case prometheus::MetricType::Histogram:
+          total += static_cast<double>(metric.histogram.sample_count);
+          break;
+        default:
+          break;
+      }
+    }
+  }
+  return total;
+}
+
+// Polls `condition` every 2 ms until it holds or `bound` passes; returns whether it held.
+bool WaitFor(const std::function<bool()>& condition, absl::Duration bound = absl::Seconds(10)) {
+  const absl::Time give_up = absl::Now() + bound;
+  while (!condition()) {
+    if (absl::Now() >= give_up) return false;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  return true;
+}
+
+// One in-process server (service, metrics, gRPC on 127.0.0.1:0) with the given batching policy.
+struct TestServer {
+  std::unique_ptr<ServerMetrics> metrics;
+  std::unique_ptr<ClassifyService> service;
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<v1::MitaService::Stub> stub;
+
+  ~TestServer() {
+    if (server != nullptr) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    if (service != nullptr) service->Shutdown();
+  }
+  const prometheus::Registry& registry() const { return *metrics->registry(); }
+  double QueueDepth() const { return MetricValue(registry(), "mita_queue_depth"); }
+  double Batches() const { return MetricValue(registry(), "mita_batch_size", {{"model", kModel}}); }
+  double Answered(const std::string& code) const {
+    return MetricValue(registry(), "mita_requests_total", {{"method", "Classify"}, {"model", kModel}, {"code", code}});
+  }
+  double ExecutedAfterCancel() const {
+    return MetricValue(registry(), "mita_work_executed_after_cancel_total", {{"model", kModel}});
+  }
+};
+
+class CancellationTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    absl::StatusOr<std::unique_ptr<ModelRegistry>> registry = ModelRegistry::LoadFromDirectory(RepositoryPath());
+    ASSERT_TRUE(registry.ok()) << registry.status();
+    registry_ = registry->release();
+    absl::StatusOr<datasets::FashionMnist> test_set = datasets::ReadFashionMnist("t10k");
+    ASSERT_TRUE(test_set.ok()) << test_set.status();
+    const int64_t pixels = test_set->rows * test_set->columns;
+    for (int i = 0; i < 16; ++i) {
+      std::vector<uint8_t> image(test_set->pixels.begin() + i * pixels, test_set->pixels.begin() + (i + 1) * pixels);
+      absl::StatusOr<std::string> png = datasets::EncodePng(image, test_set->columns, test_set->rows, 1);
+      ASSERT_TRUE(png.ok()) << png.status();
+      images_.push_back(*png);
+    }
+  }
+  static void TearDownTestSuite() {
+    delete registry_;
+    registry_ = nullptr;
+  }
+  void SetUp() override { ASSERT_NE(registry_, nullptr) << "suite set-up failed"; }
+
+  static std::unique_ptr<TestServer> Start(int64_t max_batch_size, absl::Duration max_queue_delay) {
+    auto server = std::make_unique<TestServer>();
+    std::vector<ServerMetrics::ModelInfo> infos;
+    for (const models::ModelPackage* p : registry_->packages()) infos.push_back({p->name, p->config.depth});
+    server->metrics = std::make_unique<ServerMetrics>(infos);
+    ServiceOptions options;
+    options.batching.max_batch_size = max_batch_size;
+    options.batching.max_queue_delay = max_queue_delay;
+    options.batching.queue_capacity = 4096;
+    absl::StatusOr<std::unique_ptr<ClassifyService>> service =
+        ClassifyService::Create(registry_, server->metrics.get(), options);
+    EXPECT_TRUE(service.ok()) << service.status();
+    if (!service.ok()) return nullptr;
+    server->service = *std::move(service);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(server->service.get());
+    server->server = builder.BuildAndStart();
+    EXPECT_NE(port, 0);
+    server->stub = v1::MitaService::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+    return server;
+  }
+
+  static v1::ClassifyRequest Request(int image) {
+    client::ClassifyOptions options;
+    options.model = kModel;
+    return *client::BuildClassifyRequest(images_[static_cast<size_t>(image) % images_.size()], options);
+  }
+
+  static ModelRegistry* registry_;
+  static std::vector<std::string> images_;
+};
+
+ModelRegistry* CancellationTest::registry_ = nullptr;
+std::vector<std::string> CancellationTest::images_;
+
+TEST_F(CancellationTest, CancelledCallLeavesTheQueueAtOnceAndIsNeverRun) {
+  // Batches of 16 with a 60 s max queue delay: a lone request would wait 60 s for its batch.
+  std::unique_ptr<TestServer> server = Start(16, absl::Seconds(60));
+  ASSERT_NE(server, nullptr);
+  grpc::ClientContext context;
+  v1::ClassifyResponse response;
+  grpc::Status status;
+  std::thread caller([&] { status = server->stub->Classify(&context, Request(0), &response); });
+  ASSERT_TRUE(WaitFor([&] { return server->QueueDepth() == 1; })) << "the request never got queued";
+  context.TryCancel();
+  caller.join();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED);
+  // The server takes the task back: the gauge drops and the server answers CANCELLED, with no batch run.
+  EXPECT_TRUE(WaitFor([&] { return server->QueueDepth() == 0; })) << "queue depth " << server->QueueDepth();
+  EXPECT_TRUE(WaitFor([&] { return server->Answered("CANCELLED") == 1; }));
+  EXPECT_EQ(server->service->admission_counts().failed, 1);
+  EXPECT_EQ(server->Batches(), 0);
+  EXPECT_EQ(server->ExecutedAfterCancel(), 0);
+  // The freed slot is usable: 16 requests make a full batch, released at once.
+  std::vector<std::thread> callers;
+  std::vector<grpc::Status> statuses(16);
+  for (int i = 0; i < 16; ++i) {
+    callers.emplace_back([&, i] {
+      grpc::ClientContext call;
+      call.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+      v1::ClassifyResponse reply;
+      statuses[static_cast<size_t>(i)] = server->stub->Classify(&call, Request(i), &reply);
+    });
+  }
+  for (std::thread& thread : callers) thread.join();
+  for (const grpc::Status& s : statuses) EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(server->Batches(), 1);
+}
+
+TEST_F(CancellationTest, DeadlinePassedWhileQueuedIsAnsweredAtTheDeadlineAndNeverRun) {
+  std::unique_ptr<TestServer> server = Start(16, absl::Seconds(60));
+  ASSERT_NE(server, nullptr);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+  v1::ClassifyResponse response;
+  grpc::Status status = server->stub->Classify(&context, Request(1), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  // The server itself answers DEADLINE_EXCEEDED at the deadline (not when a batch forms 60 s later).
+  EXPECT_TRUE(WaitFor([&] { return server->Answered("DEADLINE_EXCEEDED") == 1; }))
+      << "CANCELLED " << server->Answered("CANCELLED") << " OK " << server->Answered("OK");
+  EXPECT_EQ(server->QueueDepth(), 0);
+  EXPECT_EQ(server->Batches(), 0);
+  EXPECT_EQ(server->ExecutedAfterCancel(), 0);
+}
+
+TEST_F(CancellationTest, CancelStormLeavesAnEmptyQueueAndNoWorkAfterCancel) {
+  constexpr int kCalls = 1000;
+  constexpr int kInFlight = 64;
+  std::unique_ptr<TestServer> server = Start(16, absl::Milliseconds(5));
+  ASSERT_NE(server, nullptr);
+  struct Call {
+    grpc::ClientContext context;
+    v1::ClassifyResponse response;
+    grpc::Status status;
+    std::unique_ptr<grpc::ClientAsyncResponseReader<v1::ClassifyResponse>> reader;
+    absl::Time cancel_at;
+    bool cancel_sent = false;
+    bool done = false;
+  };
+  std::vector<std::unique_ptr<Call>> calls;
+  calls.reserve(kCalls);
+  std::mt19937 random(20261129);  // seeded: the same cancel moments every run
+  std::uniform_int_distribution<int> cancel_after_us(0, 400000);
+  grpc::CompletionQueue queue;
+  int started = 0, finished = 0, in_flight = 0;
+  while (finished < kCalls) {
+    while (started < kCalls && in_flight < kInFlight) {
+      auto call = std::make_unique<Call>();
+      call->context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+      call->cancel_at = absl::Now() + absl::Microseconds(cancel_after_us(random));
+      call->reader = server->stub->AsyncClassify(&call->context, Request(started), &queue);
+      call->reader->Finish(&call->response, &call->status, reinterpret_cast<void*>(static_cast<intptr_t>(started)));
+      calls.push_back(std::move(call));
+      ++started;
+      ++in_flight;
+    }
+    void* tag = nullptr;
+    bool ok = false;
+    const grpc::CompletionQueue::NextStatus next =
+        queue.AsyncNext(&tag, &ok, std::chrono::system_clock::now() + std::chrono::microseconds(500));
+    if (next == grpc::CompletionQueue::GOT_EVENT) {
+      Call& call = *calls[static_cast<size_t>(reinterpret_cast<intptr_t>(tag))];
+      ASSERT_FALSE(call.done) << "a call was answered twice";
+      call.done = true;
+      ++finished;
+      --in_flight;
+    }
+    const absl::Time now = absl::Now();
+    for (auto& call : calls) {
+      if (!call->done && !call->cancel_sent && now >= call->cancel_at) {
+        call->context.TryCancel();
+        call->cancel_sent = true;
+      }
+    }
+  }
+  int ok = 0, cancelled = 0;
+  for (const auto& call : calls) {
+    ASSERT_TRUE(call->done);
+    if (call->status.ok()) {
+      ++ok;
+    } else {
+      EXPECT_EQ(call->status.error_code(), grpc::StatusCode::CANCELLED) << call->status.error_message();
+      ++cancelled;
+    }
+  }
+  // The server answers every call exactly once (a client-side cancel returns before the server notices).
+  EXPECT_TRUE(WaitFor([&] {
+    return server->service->admission_counts().admitted ==
+           server->service->admission_counts().ok + server->service->admission_counts().failed;
+  }));
+  EXPECT_TRUE(WaitFor([&] { return server->QueueDepth() == 0; })) << "queue depth " << server->QueueDepth();
+  EXPECT_EQ(server->ExecutedAfterCancel(), 0);
+  const ClassifyService::AdmissionCounts counts = server->service->admission_counts();
+  std::printf(
+      "cancel storm: %d calls, client saw %d OK and %d CANCELLED; server admitted %lld, answered OK %lld, "
+      "gave up on %lld; queue depth after: %.0f; work executed after cancel: %.0f\n",
+      kCalls, ok, cancelled, static_cast<long long>(counts.admitted), static_cast<long long>(counts.ok),
+      static_cast<long long>(counts.failed), server->QueueDepth(), server->ExecutedAfterCancel());
+  // The storm exercised both outcomes.
+  EXPECT_GT(counts.ok, 0) << "no call finished before its cancel";
+  EXPECT_GT(cancelled, 0);
+  EXPECT_GT(counts.failed, 0) << "no call was cancelled inside the server";
+}
+
+}  // namespace
+}  // namespace mita::server

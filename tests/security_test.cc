@@ -1,0 +1,409 @@
+// Security of the server: TLS on the gRPC port (self-signed certificates made here with the openssl CLI),
+// mutual TLS, bearer-token authentication (health checks stay open), the metrics endpoint bound to
+// loopback (checked in /proc/net/tcp), and model packages read only from inside the model repository (no
+// path traversal through a model name, symlinks out of the repository refused).
+#include "server/security.h"
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
+#include "client/mita_client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "prometheus/metric_family.h"
+#include "server/classify_service.h"
+#include "server/metrics.h"
+#include "server/model_registry.h"
+#include "tools/fashion_mnist.h"
+
+namespace mita::server {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+constexpr char kModel[] = "fashion-mnist-vit";
+
+std::string RepositoryPath() {
+  if (const char* repository = std::getenv("MITA_MODEL_REPOSITORY"); repository != nullptr && *repository) {
+    return repository;
+  }
+  const char* source = std::getenv("MITA_SOURCE_DIR");
+  return absl::StrCat(source != nullptr ? source : ".", "/models/repository");
+}
+
+void WriteText(const fs::path& path, const std::string& text) {
+  std::ofstream file(path, std::ios::binary);
+  file << text;
+}
+
+// A fresh empty folder under the test temp dir.
+fs::path FreshDirectory(const std::string& name) {
+  const fs::path path = fs::path(::testing::TempDir()) / absl::StrCat("security_test_", getpid(), "_", name);
+  fs::remove_all(path);
+  fs::create_directories(path);
+  return path;
+}
+
+// A self-signed P-256 certificate for CN=localhost (SAN localhost, 127.0.0.1) made with the openssl CLI:
+// returns {cert.pem, key.pem} in `directory`.
+std::pair<std::string, std::string> MakeSelfSignedCertificate(const fs::path& directory, const std::string& name) {
+  const std::string cert = (directory / (name + "_cert.pem")).string();
+  const std::string key = (directory / (name + "_key.pem")).string();
+  const std::string command = absl::StrCat(
+      "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 -subj /CN=localhost "
+      "-addext subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout '",
+      key, "' -out '", cert, "' 2>/dev/null");
+  EXPECT_EQ(std::system(command.c_str()), 0) << command;
+  return {cert, key};
+}
+
+// An in-process server on 127.0.0.1:0 with `credentials` and `authenticator`, serving the real model.
+struct TestServer {
+  std::unique_ptr<ModelRegistry> registry;
+  std::unique_ptr<ServerMetrics> metrics;
+  std::unique_ptr<ClassifyService> service;
+  std::unique_ptr<grpc::Server> server;
+  std::string target;
+
+  static std::unique_ptr<TestServer> Start(std::shared_ptr<grpc::ServerCredentials> credentials,
+                                           const BearerTokenAuthenticator* authenticator = nullptr) {
+    auto test = std::make_unique<TestServer>();
+    absl::StatusOr<std::unique_ptr<ModelRegistry>> registry = ModelRegistry::LoadFromDirectory(RepositoryPath());
+    EXPECT_TRUE(registry.ok()) << registry.status();
+    if (!registry.ok()) return nullptr;
+    test->registry = *std::move(registry);
+    std::vector<ServerMetrics::ModelInfo> infos;
+    for (const models::ModelPackage* p : test->registry->packages()) infos.push_back({p->name, p->config.depth});
+    test->metrics = std::make_unique<ServerMetrics>(infos);
+    ServiceOptions options;
+    options.authenticator = authenticator;
+    absl::StatusOr<std::unique_ptr<ClassifyService>> service =
+        ClassifyService::Create(test->registry.get(), test->metrics.get(), options);
+    EXPECT_TRUE(service.ok()) << service.status();
+    if (!service.ok()) return nullptr;
+    test->service = *std::move(service);
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", std::move(credentials), &port);
+    builder.RegisterService(test->service.get());
+    test->server = builder.BuildAndStart();
+    EXPECT_NE(port, 0);
+    if (test->server == nullptr || port == 0) return nullptr;
+    test->server->GetHealthCheckService()->SetServingStatus(true);
+    test->target = absl::StrCat("127.0.0.1:", port);
+    return test;
+  }
+
+  ~TestServer() {
+    if (server != nullptr) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    if (service != nullptr) service->Shutdown();
+  }
+};
+
+absl::StatusCode ListModelsCode(const client::ConnectionOptions& options) {
+  absl::StatusOr<std::unique_ptr<client::MitaClient>> client = client::MitaClient::Connect(options);
+  if (!client.ok()) return client.status().code();
+  return (*client)->ListModels(absl::Seconds(20)).status().code();
+}
+
+TEST(TlsTest, ServesOverTlsWithASelfSignedCertificate) {
+  const fs::path directory = FreshDirectory("tls");
+  const auto [cert, key] = MakeSelfSignedCertificate(directory, "server");
+  const auto [other_cert, other_key] = MakeSelfSignedCertificate(directory, "other");
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = MakeServerCredentials({cert, key, ""});
+  ASSERT_TRUE(credentials.ok()) << credentials.status();
+  std::unique_ptr<TestServer> server = TestServer::Start(*credentials);
+  ASSERT_NE(server, nullptr);
+
+  client::ConnectionOptions trusted;
+  trusted.target = server->target;
+  trusted.tls_ca_file = cert;
+  trusted.tls_server_name = "localhost";
+  absl::StatusOr<std::unique_ptr<client::MitaClient>> client = client::MitaClient::Connect(trusted);
+  ASSERT_TRUE(client.ok()) << client.status();
+  absl::StatusOr<v1::ListModelsResponse> models = (*client)->ListModels(absl::Seconds(20));
+  ASSERT_TRUE(models.ok()) << models.status();
+  ASSERT_EQ(models->models_size(), 1);
+  EXPECT_EQ(models->models(0).name(), kModel);
+  // A real classification over TLS.
+  absl::StatusOr<datasets::FashionMnist> test_set = datasets::ReadFashionMnist("t10k");
+  ASSERT_TRUE(test_set.ok()) << test_set.status();
+  std::vector<uint8_t> pixels(test_set->pixels.begin(), test_set->pixels.begin() + 28 * 28);
+  absl::StatusOr<std::string> png = datasets::EncodePng(pixels, 28, 28, 1);
+  ASSERT_TRUE(png.ok());
+  client::ClassifyOptions options;
+  options.model = kModel;
+  options.deadline = absl::Seconds(20);
+  absl::StatusOr<v1::ClassifyResponse> response = (*client)->Classify(*png, options);
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->classes(0).index(), test_set->labels[0]);
+
+  // A plaintext client, or one that trusts another certificate, cannot talk to the TLS port.
+  client::ConnectionOptions plaintext;
+  plaintext.target = server->target;
+  EXPECT_EQ(ListModelsCode(plaintext), absl::StatusCode::kUnavailable);
+  client::ConnectionOptions wrong_ca = trusted;
+  wrong_ca.tls_ca_file = other_cert;
+  EXPECT_EQ(ListModelsCode(wrong_ca), absl::StatusCode::kUnavailable);
+  // The certificate is for "localhost": another expected name fails verification.
+  client::ConnectionOptions wrong_name = trusted;
+  wrong_name.tls_server_name = "example.org";
+  EXPECT_EQ(ListModelsCode(wrong_name), absl::StatusCode::kUnavailable);
+}
+
+TEST(TlsTest, MutualTlsRequiresAClientCertificateSignedByTheClientCa) {
+  const fs::path directory = FreshDirectory("mtls");
+  const auto [cert, key] = MakeSelfSignedCertificate(directory, "server");
+  const auto [client_cert, client_key] = MakeSelfSignedCertificate(directory, "client");
+  const auto [stranger_cert, stranger_key] = MakeSelfSignedCertificate(directory, "stranger");
+  // The self-signed client certificate is its own CA.
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials({cert, key, client_cert});
+  ASSERT_TRUE(credentials.ok()) << credentials.status();
+  std::unique_ptr<TestServer> server = TestServer::Start(*credentials);
+  ASSERT_NE(server, nullptr);
+  client::ConnectionOptions options;
+  options.target = server->target;
+  options.tls_ca_file = cert;
+  options.tls_server_name = "localhost";
+  EXPECT_EQ(ListModelsCode(options), absl::StatusCode::kUnavailable) << "no client certificate";
+  options.tls_cert_file = stranger_cert;
+  options.tls_key_file = stranger_key;
+  EXPECT_EQ(ListModelsCode(options), absl::StatusCode::kUnavailable) << "a client certificate of another CA";
+  options.tls_cert_file = client_cert;
+  options.tls_key_file = client_key;
+  EXPECT_EQ(ListModelsCode(options), absl::StatusCode::kOk);
+}
+
+TEST(TlsTest, BadCredentialFilesAreClearErrors) {
+  const fs::path directory = FreshDirectory("tls_errors");
+  const auto [cert, key] = MakeSelfSignedCertificate(directory, "server");
+  EXPECT_EQ(MakeServerCredentials({cert, "", ""}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MakeServerCredentials({"", "", cert}).status().code(), absl::StatusCode::kInvalidArgument);
+  absl::Status missing = MakeServerCredentials({cert, (directory / "absent.pem").string(), ""}).status();
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(missing.message()), HasSubstr("--tls_key_file"));
+  WriteText(directory / "garbage.pem", "not a certificate");
+  absl::Status garbage = MakeServerCredentials({(directory / "garbage.pem").string(), key, ""}).status();
+  EXPECT_EQ(garbage.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(garbage.message()), HasSubstr("no PEM data (--tls_cert_file)"));
+  EXPECT_TRUE(MakeServerCredentials({"", "", ""}).ok()) << "no files: plaintext";
+}
+
+// grpc.health.v1.Health/Check for the whole server, without any token.
+grpc::StatusCode HealthCheckCode(const std::string& target) {
+  grpc::GenericStub stub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  grpc::Slice slice(std::string{});
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  absl::Notification done;
+  grpc::Status status;
+  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                 [&](grpc::Status s) {
+                   status = std::move(s);
+                   done.Notify();
+                 });
+  done.WaitForNotification();
+  return status.error_code();
+}
+
+TEST(BearerTokenTest, CallsWithoutTheRightTokenAreUnauthenticated) {
+  const fs::path directory = FreshDirectory("token");
+  WriteText(directory / "token", "  s3cret-Token_42\n");
+  absl::StatusOr<std::unique_ptr<BearerTokenAuthenticator>> authenticator =
+      BearerTokenAuthenticator::FromFile((directory / "token").string());
+  ASSERT_TRUE(authenticator.ok()) << authenticator.status();
+  std::unique_ptr<TestServer> server = TestServer::Start(grpc::InsecureServerCredentials(), authenticator->get());
+  ASSERT_NE(server, nullptr);
+
+  client::ConnectionOptions options;
+  options.target = server->target;
+  absl::StatusOr<std::unique_ptr<client::MitaClient>> anonymous = client::MitaClient::Connect(options);
+  ASSERT_TRUE(anonymous.ok());
+  absl::Status status = (*anonymous)->ListModels(absl::Seconds(20)).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("authorization: Bearer <token>"));
+  EXPECT_EQ((*anonymous)->GetModel(kModel, absl::Seconds(20)).status().code(), absl::StatusCode::kUnauthenticated);
+  client::ClassifyOptions classify;
+  classify.model = kModel;
+  classify.deadline = absl::Seconds(20);
+  EXPECT_EQ((*anonymous)->Classify("x", classify).status().code(), absl::StatusCode::kUnauthenticated);
+
+  for (const std::string& wrong : {"s3cret-Token_4", "s3cret-Token_421", "S3CRET-TOKEN_42", "x"}) {
+    options.bearer_token = wrong;
+    absl::StatusOr<std::unique_ptr<client::MitaClient>> client = client::MitaClient::Connect(options);
+    ASSERT_TRUE(client.ok());
+    absl::Status wrong_status = (*client)->ListModels(absl::Seconds(20)).status();
+    EXPECT_EQ(wrong_status.code(), absl::StatusCode::kUnauthenticated) << wrong;
+    EXPECT_EQ(wrong_status.message(), "invalid bearer token") << "the token is never echoed";
+  }
+  options.bearer_token = "s3cret-Token_42";
+  absl::StatusOr<std::unique_ptr<client::MitaClient>> client = client::MitaClient::Connect(options);
+  ASSERT_TRUE(client.ok());
+  EXPECT_TRUE((*client)->ListModels(absl::Seconds(20)).ok());
+  EXPECT_TRUE((*client)->GetModel(kModel, absl::Seconds(20)).ok());
+  // Authenticated, then validated: an empty image is the caller's mistake.
+  EXPECT_EQ((*client)->Classify("", classify).status().code(), absl::StatusCode::kInvalidArgument);
+  // No path traversal through a model name: names are only looked up.
+  for (const std::string& name :
+       {"../fashion-mnist-vit", "/etc/passwd", "fashion-mnist-vit/../fashion-mnist-vit", "./fashion-mnist-vit"}) {
+    classify.model = name;
+    EXPECT_EQ((*client)->Classify("x", classify).status().code(), absl::StatusCode::kNotFound) << name;
+  }
+  // Health checks stay open (load balancers probe without credentials).
+  EXPECT_EQ(HealthCheckCode(server->target), grpc::StatusCode::OK);
+  // Rejections are counted.
+  double unauthenticated = 0;
+  for (const prometheus::MetricFamily& family : server->metrics->registry()->Collect()) {
+    if (family.name != "mita_requests_total") continue;
+    for (const prometheus::ClientMetric& metric : family.metric) {
+      for (const prometheus::ClientMetric::Label& label : metric.label) {
+        if (label.name == "code" && label.value == "UNAUTHENTICATED") unauthenticated += metric.counter.value;
+      }
+    }
+  }
+  EXPECT_EQ(unauthenticated, 3 + 4);
+}
+
+TEST(BearerTokenTest, TokenFilesAndHeaders) {
+  const fs::path directory = FreshDirectory("token_files");
+  WriteText(directory / "empty", " \n");
+  EXPECT_EQ(BearerTokenAuthenticator::FromFile((directory / "empty").string()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  WriteText(directory / "spaced", "two words");
+  EXPECT_EQ(BearerTokenAuthenticator::FromFile((directory / "spaced").string()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BearerTokenAuthenticator::FromFile((directory / "absent").string()).status().code(),
+            absl::StatusCode::kNotFound);
+  absl::StatusOr<std::unique_ptr<BearerTokenAuthenticator>> authenticator =
+      BearerTokenAuthenticator::FromToken("abc123");
+  ASSERT_TRUE(authenticator.ok());
+  const std::string good = "Bearer abc123", lower = "bearer abc123", basic = "Basic abc123", bare = "abc123",
+                    prefix = "Bearer abc12", empty = "Bearer ";
+  EXPECT_TRUE((*authenticator)->CheckHeader(&good).ok());
+  EXPECT_TRUE((*authenticator)->CheckHeader(&lower).ok()) << "the scheme is case-insensitive";
+  for (const std::string* header : {&basic, &bare, &prefix, &empty}) {
+    EXPECT_EQ((*authenticator)->CheckHeader(header).code(), absl::StatusCode::kUnauthenticated) << *header;
+  }
+  EXPECT_EQ((*authenticator)->CheckHeader(nullptr).code(), absl::StatusCode::kUnauthenticated);
+}
+
+// The local address (hex, as in /proc/net/tcp or tcp6) of the socket listening on `port`, or "" if none.
+std::string ListeningAddress(int port) {
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream file(table);
+    std::string line;
+    std::getline(file, line);  // header
+    while (std::getline(file, line)) {
+      std::vector<std::string> fields = absl::StrSplit(line, ' ', absl::SkipWhitespace());
+      if (fields.size() < 4 || fields[3] != "0A") continue;  // 0A: LISTEN
+      const std::vector<std::string> local = absl::StrSplit(fields[1], ':');
+      if (local.size() == 2 && std::stoi(local[1], nullptr, 16) == port) return local[0];
+    }
+  }
+  return "";
+}
+
+TEST(MetricsListenTest, MetricsPortBindsToLoopbackWhenAsked) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  absl::StatusOr<std::unique_ptr<MetricsHttpServer>> loopback = MetricsHttpServer::Start("127.0.0.1:0", registry);
+  ASSERT_TRUE(loopback.ok()) << loopback.status();
+  EXPECT_EQ(ListeningAddress((*loopback)->port()), "0100007F") << "127.0.0.1 only";
+  absl::StatusOr<std::unique_ptr<MetricsHttpServer>> any = MetricsHttpServer::Start("0.0.0.0:0", registry);
+  ASSERT_TRUE(any.ok()) << any.status();
+  EXPECT_EQ(ListeningAddress((*any)->port()), "00000000") << "every interface";
+}
+
+class RepositoryContainmentTest : public ::testing::Test {
+ protected:
+  // A copy of the real package at `folder`.
+  static void CopyPackage(const fs::path& folder) {
+    fs::create_directories(folder);
+    for (const char* file : {"config.json", "model.safetensors", "labels.txt"}) {
+      fs::copy_file(fs::path(RepositoryPath()) / kModel / file, folder / file, fs::copy_options::overwrite_existing);
+    }
+  }
+};
+
+TEST_F(RepositoryContainmentTest, SymlinkedPackageFolderOutsideTheRepositoryIsRefused) {
+  const fs::path root = FreshDirectory("outside_folder");
+  CopyPackage(root / "elsewhere" / "pkg");
+  CopyPackage(root / "repository" / "good");
+  fs::create_directory_symlink(root / "elsewhere" / "pkg", root / "repository" / "evil");
+  absl::StatusOr<std::unique_ptr<ModelRegistry>> registry =
+      ModelRegistry::LoadFromDirectory((root / "repository").string());
+  EXPECT_EQ(registry.status().code(), absl::StatusCode::kPermissionDenied) << registry.status();
+  EXPECT_THAT(std::string(registry.status().message()), HasSubstr("evil"));
+  EXPECT_THAT(std::string(registry.status().message()), HasSubstr("outside"));
+}
+
+TEST_F(RepositoryContainmentTest, SymlinkedFileOutsideTheRepositoryIsRefused) {
+  const fs::path root = FreshDirectory("outside_file");
+  CopyPackage(root / "elsewhere");
+  CopyPackage(root / "repository" / "pkg");
+  fs::remove(root / "repository" / "pkg" / "model.safetensors");
+  fs::create_symlink(root / "elsewhere" / "model.safetensors", root / "repository" / "pkg" / "model.safetensors");
+  absl::StatusOr<std::unique_ptr<ModelRegistry>> registry =
+      ModelRegistry::LoadFromDirectory((root / "repository").string());
+  EXPECT_EQ(registry.status().code(), absl::StatusCode::kPermissionDenied) << registry.status();
+  EXPECT_THAT(std::string(registry.status().message()), HasSubstr("model.safetensors"));
+}
+
+TEST_F(RepositoryContainmentTest, SymlinksInsideTheRepositoryAndLookupsByName) {
+  const fs::path root = FreshDirectory("inside");
+  CopyPackage(root / "repository" / "good");
+  fs::create_directory_symlink(root / "repository" / "good", root / "repository" / "alias");
+  absl::StatusOr<std::unique_ptr<ModelRegistry>> registry =
+      ModelRegistry::LoadFromDirectory((root / "repository").string());
+  ASSERT_TRUE(registry.ok()) << registry.status();
+  EXPECT_THAT((*registry)->names(), ::testing::ElementsAre("alias", "good"));
+  const std::string absolute = (root / "repository" / "good").string();
+  for (const std::string& name : {std::string("../good"), std::string("good/../good"), std::string("./good"), absolute,
+                                  std::string("../../etc/passwd")}) {
+    EXPECT_EQ((*registry)->Lookup(name).status().code(), absl::StatusCode::kNotFound) << name;
+  }
+}
+
+TEST(ResolveInsideDirectoryTest, PrefixOfANameIsNotInside) {
+  const fs::path root = FreshDirectory("prefix");
+  fs::create_directories(root / "repo");
+  fs::create_directories(root / "repository-other");
+  EXPECT_TRUE(ResolveInsideDirectory((root / "repo").string(), (root / "repo").string()).ok());
+  EXPECT_EQ(ResolveInsideDirectory((root / "repo").string(), (root / "repository-other").string()).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(ResolveInsideDirectory((root / "repo").string(), (root / "repo" / ".." / "repository-other").string())
+                .status()
+                .code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(ResolveInsideDirectory((root / "repo").string(), (root / "repo" / "absent").string()).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace mita::server

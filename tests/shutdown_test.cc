@@ -1,0 +1,261 @@
+// Graceful shutdown of a real mita-server process: closed-loop traffic runs through SIGTERM; the test checks
+// that health turns NOT_SERVING (a grpc.health.v1 Watch stream opened before the signal), that calls after
+// the signal get UNAVAILABLE, that the process exits 0 within the drain timeout, and that no admitted request
+// is lost: every call the server admitted (its last log line counts them) was answered OK to the client.
+#include <fcntl.h>
+#include <grpcpp/client_context.h>
+#include <grpcpp/completion_queue.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <signal.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/mita_client.h"
+#include "gtest/gtest.h"
+#include "tools/fashion_mnist.h"
+
+#ifndef MITA_SERVER_PATH
+#error "MITA_SERVER_PATH (the mita-server binary) must be defined by the build"
+#endif
+
+namespace mita {
+namespace {
+
+constexpr char kModel[] = "fashion-mnist-vit";
+constexpr int kClients = 16;
+constexpr int kDrainTimeoutS = 20;
+
+std::string RepositoryPath() {
+  if (const char* repository = std::getenv("MITA_MODEL_REPOSITORY"); repository != nullptr && *repository) {
+    return repository;
+  }
+  const char* source = std::getenv("MITA_SOURCE_DIR");
+  return absl::StrCat(source != nullptr ? source : ".", "/models/repository");
+}
+
+std::string ReadText(const std::string& path) {
+  std::ifstream file(path);
+  std::ostringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+// Starts mita-server with `arguments`, its stderr (the log) going to `log_path`. Returns the pid.
+pid_t StartServer(const std::vector<std::string>& arguments, const std::string& log_path) {
+  std::string binary = MITA_SERVER_PATH;
+  std::vector<std::string> copies = arguments;
+  std::vector<char*> argv;
+  argv.push_back(binary.data());
+  for (std::string& argument : copies) argv.push_back(argument.data());
+  argv.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    // Only async-signal-safe calls between fork and exec (the test process has threads).
+    const int log = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (log >= 0) dup2(log, STDERR_FILENO);
+    execv(binary.c_str(), argv.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+// Waits for the log line "serving gRPC ... (port N;" and returns N, or 0 after `bound`.
+int WaitForPort(const std::string& log_path, absl::Duration bound) {
+  const std::regex port_pattern(R"(serving gRPC.* \(port (\d+);)");
+  const absl::Time give_up = absl::Now() + bound;
+  while (absl::Now() < give_up) {
+    std::smatch match;
+    const std::string log = ReadText(log_path);
+    if (std::regex_search(log, match, port_pattern)) return std::stoi(match[1].str());
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return 0;
+}
+
+// Waits for `pid` to exit within `bound`; returns its wait status, or -1 (after killing it) on timeout.
+int WaitForExit(pid_t pid, absl::Duration bound) {
+  const absl::Time give_up = absl::Now() + bound;
+  while (absl::Now() < give_up) {
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) return status;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  kill(pid, SIGKILL);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return -1;
+}
+
+struct Outcome {
+  grpc::StatusCode code = grpc::StatusCode::OK;
+  std::string message;
+  absl::Time finished;
+};
+
+TEST(ShutdownTest, SigtermDrainsAdmittedWorkRefusesNewCallsAndExitsZero) {
+  // Inputs: 16 real test images as PNG.
+  absl::StatusOr<datasets::FashionMnist> test_set = datasets::ReadFashionMnist("t10k");
+  ASSERT_TRUE(test_set.ok()) << test_set.status();
+  std::vector<std::string> images;
+  const int64_t pixels = test_set->rows * test_set->columns;
+  for (int i = 0; i < kClients; ++i) {
+    std::vector<uint8_t> image(test_set->pixels.begin() + i * pixels, test_set->pixels.begin() + (i + 1) * pixels);
+    absl::StatusOr<std::string> png = datasets::EncodePng(image, test_set->columns, test_set->rows, 1);
+    ASSERT_TRUE(png.ok()) << png.status();
+    images.push_back(*png);
+  }
+
+  const std::string log_path = absl::StrCat(::testing::TempDir(), "/shutdown_test_server_", getpid(), ".log");
+  // Batches of 4 that wait up to 20 ms to fill: with 16 clients there is always queued and running work.
+  const pid_t pid = StartServer(
+      {"--model_repository=" + RepositoryPath(), "--listen=127.0.0.1:0", "--metrics_listen=", "--max_batch_size=4",
+       "--max_queue_delay_ms=20", "--torch_threads=1", absl::StrCat("--drain_timeout_s=", kDrainTimeoutS)},
+      log_path);
+  ASSERT_GT(pid, 0);
+  const int port = WaitForPort(log_path, absl::Seconds(120));
+  if (port == 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+    FAIL() << "the server did not start; log:\n" << ReadText(log_path);
+  }
+  const std::string target = absl::StrCat("127.0.0.1:", port);
+
+  // A health Watch stream, opened before the signal: SERVING now, NOT_SERVING once draining.
+  grpc::GenericStub health_stub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext watch_context;
+  grpc::CompletionQueue watch_queue;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> watch =
+      health_stub.PrepareCall(&watch_context, "/grpc.health.v1.Health/Watch", &watch_queue);
+  auto await = [&watch_queue](intptr_t expected) {
+    void* tag = nullptr;
+    bool ok = false;
+    EXPECT_TRUE(watch_queue.Next(&tag, &ok));
+    EXPECT_EQ(reinterpret_cast<intptr_t>(tag), expected);
+    return ok;
+  };
+  auto read_status = [&](intptr_t tag) {
+    grpc::ByteBuffer reply;
+    watch->Read(&reply, reinterpret_cast<void*>(tag));
+    if (!await(tag)) return std::string("(stream ended)");
+    std::vector<grpc::Slice> slices;
+    std::string bytes;
+    if (reply.Dump(&slices).ok()) {
+      for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+    return bytes;
+  };
+  watch->StartCall(reinterpret_cast<void*>(1));
+  ASSERT_TRUE(await(1));
+  grpc::Slice empty_request(std::string{});  // HealthCheckRequest{service: ""}: the whole server
+  grpc::ByteBuffer request(&empty_request, 1);
+  watch->Write(request, reinterpret_cast<void*>(2));
+  ASSERT_TRUE(await(2));
+  EXPECT_EQ(read_status(3), std::string("\x08\x01", 2)) << "SERVING before the signal";
+
+  // Closed-loop traffic: each client sends until its first failure.
+  std::unique_ptr<client::MitaClient> client = client::MitaClient::Connect(target);
+  std::mutex outcomes_mu;
+  std::vector<Outcome> outcomes;
+  std::atomic<int> ok_before_signal{0};
+  std::atomic<bool> signalled{false};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kClients; ++c) {
+    clients.emplace_back([&, c] {
+      client::ClassifyOptions options;
+      options.model = kModel;
+      options.deadline = absl::Seconds(60);
+      while (true) {
+        absl::StatusOr<v1::ClassifyResponse> response = client->Classify(images[static_cast<size_t>(c)], options);
+        Outcome outcome{static_cast<grpc::StatusCode>(response.status().code()),
+                        std::string(response.status().message()), absl::Now()};
+        if (response.ok() && !signalled.load()) ++ok_before_signal;
+        {
+          std::lock_guard<std::mutex> lock(outcomes_mu);
+          outcomes.push_back(outcome);
+        }
+        if (!response.ok()) return;
+      }
+    });
+  }
+  // Let traffic flow, then signal.
+  const absl::Time warm_give_up = absl::Now() + absl::Seconds(60);
+  while (ok_before_signal.load() < 100 && absl::Now() < warm_give_up) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_GE(ok_before_signal.load(), 100) << "no traffic before the signal; log:\n" << ReadText(log_path);
+  const absl::Time signal_time = absl::Now();
+  signalled.store(true);
+  ASSERT_EQ(kill(pid, SIGTERM), 0);
+
+  EXPECT_EQ(read_status(4), std::string("\x08\x02", 2)) << "NOT_SERVING once draining";
+  watch_context.TryCancel();
+  grpc::Status watch_status;
+  watch->Finish(&watch_status, reinterpret_cast<void*>(5));
+  await(5);
+
+  for (std::thread& thread : clients) thread.join();
+  const int wait_status = WaitForExit(pid, absl::Seconds(kDrainTimeoutS + 30));
+  const absl::Duration exit_after = absl::Now() - signal_time;
+  const std::string log = ReadText(log_path);
+  ASSERT_NE(wait_status, -1) << "the server did not exit; log:\n" << log;
+  ASSERT_TRUE(WIFEXITED(wait_status)) << "log:\n" << log;
+  EXPECT_EQ(WEXITSTATUS(wait_status), 0) << "log:\n" << log;
+
+  // Client side: every call OK, except one UNAVAILABLE per client after the signal.
+  int ok = 0, ok_after_signal = 0, unavailable = 0;
+  for (const Outcome& outcome : outcomes) {
+    if (outcome.code == grpc::StatusCode::OK) {
+      ++ok;
+      if (outcome.finished > signal_time) ++ok_after_signal;
+      continue;
+    }
+    EXPECT_EQ(outcome.code, grpc::StatusCode::UNAVAILABLE) << outcome.message;
+    EXPECT_GE(outcome.finished, signal_time) << "a call failed before the signal: " << outcome.message;
+    ++unavailable;
+  }
+  EXPECT_EQ(unavailable, kClients);
+  // Work in flight at the signal finished during the drain.
+  EXPECT_GT(ok_after_signal, 0);
+
+  // Server side: the last log line counts what it admitted and answered.
+  std::smatch match;
+  const std::regex counts(R"(requests admitted (\d+), answered ok (\d+), answered with an error (\d+))");
+  ASSERT_TRUE(std::regex_search(log, match, counts)) << "log:\n" << log;
+  const int admitted = std::stoi(match[1].str());
+  const int answered_ok = std::stoi(match[2].str());
+  const int answered_error = std::stoi(match[3].str());
+  EXPECT_EQ(answered_error, 0);
+  EXPECT_EQ(answered_ok, admitted);
+  EXPECT_EQ(ok, admitted) << "an admitted request was not answered OK to its client";
+  std::printf(
+      "shutdown: %d calls OK (%d of them finished after SIGTERM), %d UNAVAILABLE after SIGTERM; server "
+      "admitted %d, answered %d OK and %d with an error; exit status %d after %.0f ms\n",
+      ok, ok_after_signal, unavailable, admitted, answered_ok, answered_error, WEXITSTATUS(wait_status),
+      absl::ToDoubleMilliseconds(exit_after));
+  EXPECT_LT(exit_after, absl::Seconds(kDrainTimeoutS)) << "the drain took longer than --drain_timeout_s";
+  watch_queue.Shutdown();
+  void* tag = nullptr;
+  bool ignored = false;
+  while (watch_queue.Next(&tag, &ignored)) {
+  }
+}
+
+}  // namespace
+}  // namespace mita
