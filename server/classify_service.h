@@ -162,6 +162,9 @@ class ClassifyService final : public v1::MitaService::Service {
   grpc::Status GetModel(grpc::ServerContext* context, const v1::GetModelRequest* request,
                         v1::ModelMetadata* response) override;
 
+  // The limits and batching policy the service was built with.
+  const ServiceOptions& options() const { return options_; }
+
   // The bearer-token check of every front end on this service (mita.v1 here, the Open Inference Protocol in
   // server/kserve_service.h): OK without an authenticator (ServiceOptions::authenticator); else its verdict on
   // the call (UNAUTHENTICATED), counting a rejection under `method` with model "unknown".

@@ -414,10 +414,10 @@ std::string KnobsJson(const v1::ModelMetadata& model) {
 }
 
 KserveService::KserveService(const ModelRegistry* registry, ClassifyService* classify, ServerMetrics* metrics,
-                             int64_t max_encoded_image_bytes, std::string server_version)
+                             std::string server_version)
     : registry_(registry), classify_(classify), metrics_(metrics), server_version_(std::move(server_version)) {
   for (const models::ModelPackage* package : registry_->packages()) {
-    models_.emplace(package->name, BuildModelMetadata(*package, max_encoded_image_bytes));
+    models_.emplace(package->name, BuildModelMetadata(*package, classify_->options()));
   }
 }
 

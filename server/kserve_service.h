@@ -97,10 +97,10 @@ class KserveService final : public inference::GRPCInferenceService::Service {
   // Serves the models of `registry` through `classify`, which was built with `metrics` (all three must
   // outlive the service); a ModelInfer rejected by the translation, before it reaches `classify`, is counted
   // in `metrics` as a Classify call like the ones `classify` rejects. Not ready until SetReady(true).
-  // `max_encoded_image_bytes` is the image limit ClassifyService was built with (declared in the metadata),
-  // `server_version` the ServerMetadata version.
+  // The metadata declares the limits `classify` was built with (ClassifyService::options()); `server_version`
+  // is the ServerMetadata version.
   KserveService(const ModelRegistry* registry, ClassifyService* classify, ServerMetrics* metrics,
-                int64_t max_encoded_image_bytes, std::string server_version);
+                std::string server_version);
 
   // Readiness of the server and its models (ServerReady, ModelReady). Thread-safe.
   void SetReady(bool ready) { ready_.store(ready); }

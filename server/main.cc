@@ -218,8 +218,7 @@ int main(int argc, char** argv) {
       mita::server::ClassifyService::Create(registry->get(), &metrics, options);
   if (!service.ok()) return Fail(service.status().ToString());
   // Open Inference Protocol (KServe V2) on the same port, translated onto the same ClassifyService.
-  mita::server::KserveService kserve(registry->get(), service->get(), &metrics, options.max_encoded_image_bytes,
-                                     "0.1.0");
+  mita::server::KserveService kserve(registry->get(), service->get(), &metrics, "0.1.0");
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -118,7 +118,7 @@ class KserveTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<ClassifyService>> service = ClassifyService::Create(registry_, metrics_, options);
     ASSERT_TRUE(service.ok()) << service.status();
     classify_ = service->release();
-    kserve_ = new KserveService(registry_, classify_, metrics_, kMaxImageBytes, "test");
+    kserve_ = new KserveService(registry_, classify_, metrics_, "test");
     kserve_->SetReady(true);
 
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();

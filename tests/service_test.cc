@@ -508,47 +508,9 @@ TEST_F(ServiceTest, BadRequestsGetTheRightCodeAndNameTheField) {
   ExpectWellFormed(*good, 5);
 }
 
-TEST_F(ServiceTest, DeadlinePassedInTheQueueIsNotRun) {
-  const prometheus::Registry& registry = *metrics_->registry();
-  const std::map<std::string, std::string> deadline_labels = {
-      {"method", "Classify"}, {"model", kModel}, {"code", "DEADLINE_EXCEEDED"}};
-  const double before = CounterValue(registry, "mita_requests_total", deadline_labels);
-  // Alone in the queue, the request waits the full 50 ms max queue delay; its deadline is 20 ms.
-  client::ClassifyOptions options = Options();
-  options.deadline = absl::Milliseconds(20);
-  EXPECT_EQ(client_->Classify(images_[4], options).status().code(), absl::StatusCode::kDeadlineExceeded);
-  // The server answers DEADLINE_EXCEEDED itself when the batch forms (counted by the handler).
-  const absl::Time give_up = absl::Now() + absl::Seconds(10);
-  while (CounterValue(registry, "mita_requests_total", deadline_labels) <= before && absl::Now() < give_up) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  EXPECT_GT(CounterValue(registry, "mita_requests_total", deadline_labels), before);
-}
-
-TEST_F(ServiceTest, CancelledCallIsNotRun) {
-  const prometheus::Registry& registry = *metrics_->registry();
-  const std::map<std::string, std::string> cancelled_labels = {
-      {"method", "Classify"}, {"model", kModel}, {"code", "CANCELLED"}};
-  const double before = CounterValue(registry, "mita_requests_total", cancelled_labels);
-  auto stub = v1::MitaService::NewStub(client_->channel());
-  grpc::ClientContext context;
-  absl::StatusOr<v1::ClassifyRequest> request = client::BuildClassifyRequest(images_[5], Options());
-  ASSERT_TRUE(request.ok());
-  // Cancel 25 ms into the 50 ms max queue delay.
-  std::thread canceller([&context] {
-    absl::SleepFor(absl::Milliseconds(25));
-    context.TryCancel();
-  });
-  v1::ClassifyResponse response;
-  grpc::Status status = stub->Classify(&context, *request, &response);
-  canceller.join();
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED);
-  const absl::Time give_up = absl::Now() + absl::Seconds(10);
-  while (CounterValue(registry, "mita_requests_total", cancelled_labels) <= before && absl::Now() < give_up) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  EXPECT_GT(CounterValue(registry, "mita_requests_total", cancelled_labels), before);
-}
+// Deadlines and cancellation while queued: tests/cancellation_test.cc (a 60 s max queue delay there, so the
+// outcome does not depend on how fast a loaded machine runs the call; the 20 ms windows used here before
+// failed under load).
 
 TEST_F(ServiceTest, GetModelDeclaresTheKnobs) {
   absl::StatusOr<v1::ModelMetadata> model = client_->GetModel(kModel);
