@@ -14,10 +14,11 @@
 //      logits from two GEMMs into one row buffer, one max-subtracted softmax, and the output from two GEMMs
 //      (weights x A, weights x V_expert), normalised by the softmax sum.
 // The GEMMs call the system BLAS (sgemm_/dgemm_) directly on the buffers (no copies); MatmulTransposed and
-// MatmulAccumulate are the single place to swap in a hand-written micro-kernel later. The float exponentials use FastExp in
-// vectorised row loops. Buffers live in a HeadWorkspace reused by all the (item, head) pairs of one thread.
-// Left for later: reusing the gate's q l^T for the compressed logits (now recomputed per expert chunk), AVX2
-// code paths (the build targets baseline x86-64), splitting one head over threads when B * H < threads.
+// MatmulAccumulate are the single place to swap in a hand-written micro-kernel later. The float exponentials
+// use FastExp in vectorised row loops. Buffers live in a HeadWorkspace reused by all the (item, head) pairs of
+// one thread. Left for later (docs/kernels.md has the measurements behind these): reusing the gate's q l^T for
+// the compressed logits (now recomputed per expert chunk), AVX2 code paths (the build targets baseline
+// x86-64), splitting one head over threads when B * H < threads.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

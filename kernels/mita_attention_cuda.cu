@@ -208,7 +208,9 @@ struct OnlineSoftmax {
 
 __device__ __forceinline__ float WarpMax(float value) {
 #pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) value = fmaxf(value, __shfl_xor_sync(0xFFFFFFFFu, value, offset));
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    value = fmaxf(value, __shfl_xor_sync(0xFFFFFFFFu, value, offset));
+  }
   return value;
 }
 

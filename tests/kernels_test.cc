@@ -880,7 +880,8 @@ TEST(Validation, MitaAttentionRejectsEveryInvalidArgument) {
   ExpectInvalid(forward(q, q, q, with_item(1, MitaItem{landmarks, 0})), "items[1].expert_width 0 is outside [1, 9]");
   ExpectInvalid(forward(q, q, q, with_item(0, MitaItem{landmarks, 10})), "items[0].expert_width 10 is outside");
   ExpectInvalid(forward(q, q, q, with_item(0, MitaItem{landmarks, -3})), "items[0].expert_width -3");
-  ExpectInvalid(forward(q, q, q, with_item(1, MitaItem{landmarks, 4, 10})), "items[1].token_count 10 is outside [0, 9]");
+  ExpectInvalid(forward(q, q, q, with_item(1, MitaItem{landmarks, 4, 10})),
+                "items[1].token_count 10 is outside [0, 9]");
   ExpectInvalid(forward(q, q, q, with_item(1, MitaItem{landmarks, 4, -1})), "items[1].token_count -1");
   ExpectInvalid(forward(q, q, q, with_item(0, MitaItem{landmarks, 5, 4})), "items[0].expert_width 5 is outside [1, 4]");
   ExpectInvalid(forward(q, q, q, with_item(1, MitaItem{at::Tensor(), 4})), "items[1].landmarks is undefined");

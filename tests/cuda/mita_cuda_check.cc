@@ -422,7 +422,9 @@ int main(int argc, char** argv) {
   bool all_ok = true;
   uint64_t seed = 1;
   for (const Case& test : cases) {
-    for (ElementType type : {ElementType::kFloat32, ElementType::kBFloat16}) all_ok = CheckCase(test, type, seed++) && all_ok;
+    for (ElementType type : {ElementType::kFloat32, ElementType::kBFloat16}) {
+      all_ok = CheckCase(test, type, seed++) && all_ok;
+    }
   }
   std::printf("correctness: %s\n", all_ok ? "PASS" : "FAIL");
 
