@@ -545,5 +545,44 @@ TEST_F(DocumentTwinTest, PackageFaultsAreNamed) {
   ExpectStatus(LoadModelPackage(package_directory_).status(), absl::StatusCode::kNotFound, "tokenizer.model");
 }
 
+// The trained package (tools/train_document.py): loads with its SentencePiece tokenizer, and its C++ logits equal
+// the twin's on real text at three budgets and full attention.
+TEST(TrainedDocumentPackageTest, LoadsAndMatchesPython) {
+  const std::string directory = SourceDirectory() + "/models/trained/linux-doc-mita";
+  if (!std::filesystem::exists(directory + "/model.safetensors")) {
+    GTEST_SKIP() << "no trained package at " << directory << " (train it with tools/train_document.py)";
+  }
+  absl::StatusOr<ModelPackage> package = LoadModelPackage(directory);
+  ASSERT_TRUE(package.ok()) << package.status();
+  EXPECT_EQ(package->kind, ModelKind::kDocument);
+  EXPECT_EQ(package->tokenizer->name(), "sentencepiece");
+  EXPECT_EQ(package->tokenizer->vocab_size(), package->document_config.vocab_size);
+  EXPECT_GE(package->document_config.max_tokens, 65536);
+  EXPECT_EQ(static_cast<int64_t>(package->labels.size()), package->document_config.num_classes);
+  const std::string text =
+      "The I2C bus driver registers an adapter; client drivers bind to devices found in the device tree.\n"
+      "Each transfer is a list of messages. The SMBus protocol is a subset of I2C.";
+  absl::StatusOr<std::vector<int64_t>> ids = package->tokenizer->Encode(text);
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  ASSERT_GT(ids->size(), 20u);
+  if (!PythonHasTorch()) GTEST_SKIP() << "python3-torch missing: the comparison with the twin is skipped";
+  const auto n = static_cast<int64_t>(ids->size());
+  std::vector<int64_t> all_ids, lengths;
+  std::vector<AttentionBudget> budgets;
+  for (const AttentionBudget budget : {AttentionBudget{false, 8, 32}, AttentionBudget{false, 16, 64},
+                                       AttentionBudget{false, 32, 128}, AttentionBudget{true, 0, 0}}) {
+    all_ids.insert(all_ids.end(), ids->begin(), ids->end());
+    lengths.push_back(n);
+    budgets.push_back(ApplyDocumentBudget(budget, n));
+  }
+  const at::Tensor tokens = at::tensor(all_ids, at::TensorOptions().dtype(at::kLong));
+  absl::StatusOr<ClassifierOutput> output = package->document_model->Forward(tokens, lengths, budgets, false);
+  ASSERT_TRUE(output.ok()) << output.status();
+  const std::string work = MakeTempDirectory("trained_document");
+  absl::StatusOr<at::Tensor> expected = PythonDocumentLogits(directory, tokens, lengths, budgets, work);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  EXPECT_LE(output->logits.sub(*expected).abs().max().item<double>(), 1e-4);
+}
+
 }  // namespace
 }  // namespace mita::models

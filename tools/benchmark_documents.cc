@@ -1,0 +1,267 @@
+// mita-bench-documents: latency and peak memory of ONE long document (4K to 64K tokens of real text) through a
+// document model, with MiTA at several budgets and with full attention on the same weights, in one run.
+//
+//   mita-bench-documents --model=models/trained/linux-doc-mita --corpus=build/linux-doc-corpus --threads=2
+// The text: the held-out documents of the corpus concatenated (blank line between them) and tokenized with the
+// package's tokenizer; a case of N tokens uses the first N ids. Each (N, budget) case runs in a fresh child
+// process (this program with --child), so its peak resident memory (getrusage ru_maxrss) is its own: the child
+// loads the package, records ru_maxrss (the baseline: libraries + weights), runs one warm-up forward on the
+// first 512 tokens, then --repeats timed forwards of the N-token document (--full_repeats for full attention at
+// N >= 32768, whose single forward takes tens of seconds here), and reports the median latency and ru_maxrss.
+// Latency is end to end in-process: Forward() from token ids to logits (embedding, position convolution, every
+// layer, pooling, head; tokenization excluded). The speedup column is full attention's median / the case's
+// median at the same N, measured in the same run.
+// Memory: with --keep_freed_memory (default) each child calls mallopt(M_MMAP_MAX, 0) and
+// mallopt(M_TRIM_THRESHOLD, max) so that multi-MiB buffers are reused from the heap instead of being mapped and
+// page-faulted in again at every layer (a fresh 64 MiB buffer costs ~220 ms of page faults on this machine);
+// the same setting applies to every case.
+#include <malloc.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/tensor.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "kernels/openmp_environment.h"
+#include "models/model_package.h"
+#include "tools/document_corpus.h"
+
+ABSL_FLAG(std::string, model, "models/trained/linux-doc-mita", "document model package folder");
+ABSL_FLAG(std::string, corpus, "build/linux-doc-corpus", "corpus folder (tools/build_document_corpus.py)");
+ABSL_FLAG(std::string, tokens, "4096,16384,32768,65536", "comma-separated document lengths, tokens");
+ABSL_FLAG(std::string, budgets, "8x32,16x64,32x128",
+          "comma-separated expert_count x expert_width budgets; full attention is always added");
+ABSL_FLAG(int, repeats, 3, "timed forwards per case (the median is reported)");
+ABSL_FLAG(int, full_repeats, 1, "timed forwards for full attention at N >= 32768");
+ABSL_FLAG(int, threads, 2, "LibTorch intra-op threads");
+ABSL_FLAG(bool, keep_freed_memory, true, "mallopt: keep freed memory in the heap for reuse (see the file comment)");
+// Internal: run one case and print one result line.
+ABSL_FLAG(bool, child, false, "internal: run one case (used by the parent process)");
+ABSL_FLAG(std::string, ids_file, "", "internal: token ids, raw int64");
+ABSL_FLAG(std::string, budget, "", "internal: the case's budget, 'MxK' or 'full'");
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t MaxRssKilobytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss;
+}
+
+absl::StatusOr<mita::models::AttentionBudget> ParseBudget(absl::string_view text) {
+  mita::models::AttentionBudget budget;
+  if (text == "full") {
+    budget.full_attention = true;
+    return budget;
+  }
+  std::vector<std::string> parts = absl::StrSplit(text, 'x');
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &budget.expert_count) ||
+      !absl::SimpleAtoi(parts[1], &budget.expert_width)) {
+    return absl::InvalidArgumentError(absl::StrCat("budget '", text, "' is not expert_count x expert_width"));
+  }
+  return budget;
+}
+
+// One case in this (child) process: prints "RESULT median_ms=... baseline_kb=... peak_kb=...".
+int RunChild() {
+  if (absl::GetFlag(FLAGS_keep_freed_memory)) {
+    mallopt(M_MMAP_MAX, 0);
+    mallopt(M_TRIM_THRESHOLD, INT_MAX);
+  }
+  at::set_num_threads(absl::GetFlag(FLAGS_threads));
+  auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));
+  if (!package.ok() || package->kind != mita::models::ModelKind::kDocument) {
+    std::fprintf(stderr, "child: %s\n", package.ok() ? "not a document model" : package.status().ToString().c_str());
+    return 1;
+  }
+  std::ifstream file(absl::GetFlag(FLAGS_ids_file), std::ios::binary);
+  std::vector<int64_t> ids;
+  int64_t id = 0;
+  while (file.read(reinterpret_cast<char*>(&id), sizeof(id))) ids.push_back(id);
+  auto budget = ParseBudget(absl::GetFlag(FLAGS_budget));
+  if (!budget.ok()) {
+    std::fprintf(stderr, "child: %s\n", budget.status().ToString().c_str());
+    return 1;
+  }
+  const auto tokens = static_cast<int64_t>(ids.size());
+  const at::Tensor document = at::tensor(ids, at::TensorOptions().dtype(at::kLong));
+  const int64_t baseline_kb = MaxRssKilobytes();
+  const auto& model = *package->document_model;
+  const int64_t warmup_tokens = std::min<int64_t>(512, tokens);
+  auto warmup = model.Forward(document.narrow(0, 0, warmup_tokens), {warmup_tokens},
+                              {mita::models::ApplyDocumentBudget(*budget, warmup_tokens)}, false);
+  if (!warmup.ok()) {
+    std::fprintf(stderr, "child: %s\n", warmup.status().ToString().c_str());
+    return 1;
+  }
+  const int repeats = budget->full_attention && tokens >= 32768 ? absl::GetFlag(FLAGS_full_repeats)
+                                                                : absl::GetFlag(FLAGS_repeats);
+  std::vector<double> milliseconds;
+  for (int r = 0; r < std::max(1, repeats); ++r) {
+    const auto start = Clock::now();
+    auto output = model.Forward(document, {tokens}, {mita::models::ApplyDocumentBudget(*budget, tokens)}, false);
+    milliseconds.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    if (!output.ok()) {
+      std::fprintf(stderr, "child: %s\n", output.status().ToString().c_str());
+      return 1;
+    }
+  }
+  std::sort(milliseconds.begin(), milliseconds.end());
+  std::printf("RESULT median_ms=%.3f min_ms=%.3f runs=%zu baseline_kb=%lld peak_kb=%lld\n",
+              milliseconds[milliseconds.size() / 2], milliseconds.front(), milliseconds.size(),
+              static_cast<long long>(baseline_kb), static_cast<long long>(MaxRssKilobytes()));
+  return 0;
+}
+
+struct CaseResult {
+  double median_ms = 0, min_ms = 0;
+  int runs = 0;
+  long long baseline_kb = 0, peak_kb = 0;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  mita::kernels::ReexecWithPassiveOpenMpWaitIfUnset(argv);
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "/benchmark_documents.cc");
+  };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
+  absl::SetProgramUsageMessage(
+      "mita-bench-documents: latency and peak memory of one 4K-64K-token document, MiTA vs full attention.");
+  absl::ParseCommandLine(argc, argv);
+  if (absl::GetFlag(FLAGS_child)) return RunChild();
+
+  auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));
+  if (!package.ok() || package->kind != mita::models::ModelKind::kDocument) {
+    std::fprintf(stderr, "%s\n", package.ok() ? "not a document model" : package.status().ToString().c_str());
+    return 1;
+  }
+  std::vector<int64_t> lengths;
+  for (absl::string_view entry : absl::StrSplit(absl::GetFlag(FLAGS_tokens), ',', absl::SkipEmpty())) {
+    int64_t length = 0;
+    if (!absl::SimpleAtoi(entry, &length) || length < 1 || length > package->document_config.max_tokens) {
+      std::fprintf(stderr, "--tokens: '%s' is not in [1, %lld]\n", std::string(entry).c_str(),
+                   static_cast<long long>(package->document_config.max_tokens));
+      return 1;
+    }
+    lengths.push_back(length);
+  }
+  std::vector<std::string> budgets;
+  for (absl::string_view entry : absl::StrSplit(absl::GetFlag(FLAGS_budgets), ',', absl::SkipEmpty())) {
+    auto budget = ParseBudget(entry);
+    if (!budget.ok() || !mita::models::ValidateDocumentBudget(package->document_config, *budget).ok()) {
+      std::fprintf(stderr, "--budgets: '%s' is not a valid budget of this model\n", std::string(entry).c_str());
+      return 1;
+    }
+    budgets.emplace_back(entry);
+  }
+  budgets.push_back("full");
+
+  // Real text: held-out documents concatenated until the longest case is covered.
+  const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+  auto documents = mita::datasets::ReadCorpusSplit(absl::GetFlag(FLAGS_corpus), "heldout");
+  if (!documents.ok()) {
+    std::fprintf(stderr, "%s\n", documents.status().ToString().c_str());
+    return 1;
+  }
+  std::string text;
+  std::vector<int64_t> ids;
+  size_t used = 0;
+  for (const auto& document : *documents) {
+    text += document.text;
+    text += "\n\n";
+    ++used;
+    if (static_cast<int64_t>(text.size()) / 8 < longest) continue;  // cheap lower bound before tokenizing
+    auto encoded = package->tokenizer->Encode(text);
+    if (!encoded.ok()) {
+      std::fprintf(stderr, "%s\n", encoded.status().ToString().c_str());
+      return 1;
+    }
+    ids = *std::move(encoded);
+    if (static_cast<int64_t>(ids.size()) >= longest) break;
+  }
+  if (static_cast<int64_t>(ids.size()) < longest) {
+    std::fprintf(stderr, "the held-out corpus gives only %zu tokens\n", ids.size());
+    return 1;
+  }
+  std::printf("model %s (%s tokenizer, embed dim %lld, %lld blocks, %lld heads); text: the first %zu held-out "
+              "documents concatenated (%zu bytes, %zu tokens); %d threads; one child process per case\n",
+              absl::GetFlag(FLAGS_model).c_str(), package->tokenizer->name().c_str(),
+              static_cast<long long>(package->document_config.embed_dim),
+              static_cast<long long>(package->document_config.depth),
+              static_cast<long long>(package->document_config.num_heads), used, text.size(), ids.size(),
+              absl::GetFlag(FLAGS_threads));
+  std::fflush(stdout);
+
+  const std::string ids_file = absl::StrCat("/tmp/mita_bench_documents_", getpid(), ".i64");
+  std::map<std::pair<int64_t, std::string>, CaseResult> results;
+  for (int64_t length : lengths) {
+    {
+      std::ofstream file(ids_file, std::ios::binary | std::ios::trunc);
+      file.write(reinterpret_cast<const char*>(ids.data()), static_cast<std::streamsize>(length * sizeof(int64_t)));
+    }
+    for (const std::string& budget : budgets) {
+      const std::string command = absl::StrCat(
+          "/proc/", getpid(), "/exe --child --model='", absl::GetFlag(FLAGS_model), "' --ids_file=", ids_file,
+          " --budget=", budget, " --threads=", absl::GetFlag(FLAGS_threads), " --repeats=", absl::GetFlag(FLAGS_repeats),
+          " --full_repeats=", absl::GetFlag(FLAGS_full_repeats),
+          " --keep_freed_memory=", absl::GetFlag(FLAGS_keep_freed_memory) ? "true" : "false");
+      FILE* pipe = popen(command.c_str(), "r");
+      CaseResult result;
+      char line[512];
+      bool found = false;
+      while (pipe != nullptr && std::fgets(line, sizeof(line), pipe) != nullptr) {
+        found |= std::sscanf(line, "RESULT median_ms=%lf min_ms=%lf runs=%d baseline_kb=%lld peak_kb=%lld",
+                             &result.median_ms, &result.min_ms, &result.runs, &result.baseline_kb,
+                             &result.peak_kb) == 5;
+      }
+      if (pipe == nullptr || pclose(pipe) != 0 || !found) {
+        std::fprintf(stderr, "case N=%lld budget %s failed\n", static_cast<long long>(length), budget.c_str());
+        std::remove(ids_file.c_str());
+        return 1;
+      }
+      results[{length, budget}] = result;
+      std::fprintf(stderr, "N=%lld %s: %.1f ms, peak %.1f MiB\n", static_cast<long long>(length), budget.c_str(),
+                   result.median_ms, result.peak_kb / 1024.0);
+    }
+  }
+  std::remove(ids_file.c_str());
+
+  std::printf("\n| tokens N | attention | latency median (ms) | runs | speedup vs full | peak RSS (MiB) | "
+              "peak RSS - baseline (MiB) |\n|---|---|---|---|---|---|---|\n");
+  for (int64_t length : lengths) {
+    const CaseResult& full = results[{length, "full"}];
+    for (const std::string& budget : budgets) {
+      const CaseResult& result = results[{length, budget}];
+      std::vector<std::string> parts = absl::StrSplit(budget, 'x');
+      const std::string name = budget == "full" ? "full attention" : absl::StrCat("MiTA m=", parts[0], " k=", parts[1]);
+      std::printf("| %lld | %s | %.1f | %d | %.1fx | %.1f | %.1f |\n", static_cast<long long>(length), name.c_str(),
+                  result.median_ms, result.runs, full.median_ms / result.median_ms, result.peak_kb / 1024.0,
+                  (result.peak_kb - result.baseline_kb) / 1024.0);
+    }
+  }
+  return 0;
+}
