@@ -61,7 +61,8 @@ echo "== documents, preset 'fast'"
 "${docs[@]}" --preset=fast
 
 # One long real document: the held-out documents of the class with the most held-out text, concatenated
-# until 160,000 bytes (SentencePiece: about 4 bytes per token).
+# until 72,000 bytes (the embedded SentencePiece tokenizer: about 3.7 bytes per token here, so ~19K tokens;
+# full attention on it takes ~40 s on 2 cores, MiTA a few seconds).
 /usr/bin/python3 - "$work/corpus" > "$work/long.label" <<'PYTHON'
 import collections, os, sys
 corpus = sys.argv[1]
@@ -72,7 +73,7 @@ for path, label, _ in rows:
 label = size.most_common(1)[0][0]
 parts, total = [], 0
 for path, row_label, _ in rows:
-    if row_label == label and total < 160000:
+    if row_label == label and total < 72000:
         text = open(os.path.join(corpus, path), encoding="utf-8").read()
         parts.append(text)
         total += len(text.encode("utf-8"))
