@@ -2,19 +2,24 @@
 // ListModels and GetModel. Synchronous gRPC API.
 //
 // Request path of Classify (one function, ClassifyService::HandleClassify, that other front ends reuse):
-//   handler thread: look up the model (NOT_FOUND) -> check the input kind and the image (INVALID_ARGUMENT
-//   naming the field) -> resolve the budget and top_n (INVALID_ARGUMENT with the allowed values) -> decode
-//   and preprocess the image (INVALID_ARGUMENT "field image: ...") -> submit a task to the model's
-//   DynamicBatcher (admission: RESOURCE_EXHAUSTED when the queue is full in requests or compute units,
-//   UNAVAILABLE while draining; counted in mita_rejected_requests_total by reason) -> wait for the
-//   result; when the deadline passes or the call is cancelled while the task is still queued, take it back
-//   out of the queue at once (its slot and the queue-depth gauge are freed then, not at batch formation)
-//   and answer DEADLINE_EXCEEDED / CANCELLED.
+//   handler thread: look up the model (NOT_FOUND) -> check the input kind (INVALID_ARGUMENT "field input:
+//   ..." for an image sent to a document model and vice versa) -> resolve the budget and top_n
+//   (INVALID_ARGUMENT with the allowed values) -> image models: decode and preprocess the image
+//   (INVALID_ARGUMENT "field image: ..."); document models: validate UTF-8 and tokenize the text, or
+//   range-check the token ids, apply the length limit or truncation (TokenizeDocument), and clamp the budget
+//   to the document (models::ApplyDocumentBudget) -> submit a task to the model's DynamicBatcher (admission:
+//   RESOURCE_EXHAUSTED when the queue is full in requests or compute units, UNAVAILABLE while draining;
+//   counted in mita_rejected_requests_total by reason) -> wait for the result; when the deadline passes or
+//   the call is cancelled while the task is still queued, take it back out of the queue at once (its slot
+//   and the queue-depth gauge are freed then, not at batch formation) and answer DEADLINE_EXCEEDED /
+//   CANCELLED.
 //   Admission units (server/batcher.h): a task's tokens are the tokens it adds to the packed batch (image:
-//   patches + cls); its compute units are tokens x attention width (M + k for MiTA, N for full attention).
+//   patches + cls; document: its tokens after truncation); its compute units are tokens x attention width
+//   (M + k for MiTA, N for full attention).
 //   batch thread: drop tasks whose call was cancelled (CANCELLED) or whose deadline has passed
-//   (DEADLINE_EXCEEDED, not run) -> stack the images [B, C, H, W] -> VitClassifier::Forward with per-item
-//   budgets and statistics -> softmax, top-N -> complete each task.
+//   (DEADLINE_EXCEEDED, not run) -> image models: stack the images [B, C, H, W] -> VitClassifier::Forward;
+//   document models: pack the token ids back to back [T] (no padding) -> DocumentClassifier::Forward with
+//   the B lengths; both with per-item budgets and statistics -> softmax, top-N -> complete each task.
 // Errors are absl::Status inside and converted once, by ToGrpcStatus, when a handler returns. A bad request
 // never yields INTERNAL; INTERNAL means a server fault (e.g. the model failed on validated input).
 #pragma once
