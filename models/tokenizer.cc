@@ -30,6 +30,22 @@ class BytesTokenizer final : public Tokenizer {
   std::string name() const override { return "bytes"; }
 };
 
+// RTLD_DEEPBIND keeps the module's own protobuf copy (inside Debian's libsentencepiece) bound to itself rather
+// than to LibTorch's and gRPC's. AddressSanitizer's runtime refuses RTLD_DEEPBIND (it aborts the process), so
+// sanitizer builds load the module without it; SentencePiece is then not covered by the sanitizer runs.
+#if defined(__SANITIZE_ADDRESS__)
+#define MITA_UNDER_ADDRESS_SANITIZER 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define MITA_UNDER_ADDRESS_SANITIZER 1
+#endif
+#endif
+#ifdef MITA_UNDER_ADDRESS_SANITIZER
+constexpr int kModuleOpenFlags = RTLD_NOW | RTLD_LOCAL;
+#else
+constexpr int kModuleOpenFlags = RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND;
+#endif
+
 // The SentencePiece module (sentencepiece_adapter.h), loaded once per process: $MITA_SENTENCEPIECE_MODULE, else
 // the path CMake compiled in (the build tree's module), else "libmita_sentencepiece.so" on the library path.
 absl::StatusOr<const MitaSentencePieceApi*> SentencePieceApi() {
@@ -42,7 +58,7 @@ absl::StatusOr<const MitaSentencePieceApi*> SentencePieceApi() {
     candidates.push_back("libmita_sentencepiece.so");
     std::string errors;
     for (const std::string& candidate : candidates) {
-      void* module = dlopen(candidate.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
+      void* module = dlopen(candidate.c_str(), kModuleOpenFlags);
       if (module == nullptr) {
         const char* message = dlerror();
         absl::StrAppend(&errors, errors.empty() ? "" : "; ", message != nullptr ? message : candidate);

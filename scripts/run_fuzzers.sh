@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${MITA_SANITIZER_BUILD_DIR:-build-asan}
 SECONDS_EACH=${MITA_FUZZ_SECONDS:-60}
-FUZZERS=(image_decoder_fuzzer safetensors_fuzzer model_config_fuzzer classify_request_fuzzer)
+FUZZERS=(image_decoder_fuzzer safetensors_fuzzer model_config_fuzzer tokenizer_fuzzer classify_request_fuzzer)
 if [ -n "${MITA_FUZZERS:-}" ]; then read -r -a FUZZERS <<<"$MITA_FUZZERS"; fi
 
 # Same sanitizer options as the test run (see scripts/run_sanitizers.sh).
@@ -18,13 +18,28 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export LSAN_OPTIONS="suppressions=$PWD/tests/sanitizers/lsan.supp:print_suppressions=0"
 export OMP_WAIT_POLICY=passive OMP_NUM_THREADS=1
 
+# Build the fuzzers (clang, ASan + UBSan, libFuzzer) unless scripts/run_sanitizers.sh already did: only the
+# fuzzer targets and the libraries they need.
+missing=0
+for fuzzer in "${FUZZERS[@]}"; do [ -x "$BUILD_DIR/tests/fuzz/$fuzzer" ] || missing=1; done
+if [ "$missing" = 1 ]; then
+  CC=clang CXX=clang++ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=None \
+    -DCMAKE_CXX_FLAGS="-O1 -gline-tables-only" -DCMAKE_C_FLAGS="-O1 -gline-tables-only" \
+    -DMITA_SANITIZE=address,undefined -DMITA_BUILD_FUZZERS=ON -DMITA_CUDA=OFF
+  cmake --build "$BUILD_DIR" -j "$(nproc)" --target "${FUZZERS[@]}"
+fi
+# classify_request_fuzzer serves the embedded image model only (a copy: the registry refuses symlinks that
+# leave the repository); the document model's SentencePiece module cannot load under ASan (models/tokenizer.cc).
+export MITA_MODEL_REPOSITORY="$PWD/$BUILD_DIR/fuzz-repository"
+rm -rf "$MITA_MODEL_REPOSITORY" && mkdir -p "$MITA_MODEL_REPOSITORY"
+cp -r models/repository/fashion-mnist-vit "$MITA_MODEL_REPOSITORY/"
+
 artifacts="$BUILD_DIR/fuzz-artifacts"
 mkdir -p "$artifacts"
 status=0
 for fuzzer in "${FUZZERS[@]}"; do
   binary="$BUILD_DIR/tests/fuzz/$fuzzer"
   seeds="tests/fuzz/corpus/${fuzzer%_fuzzer}"
-  if [ ! -x "$binary" ]; then echo "missing $binary: run scripts/run_sanitizers.sh first" >&2; exit 1; fi
   work="$BUILD_DIR/fuzz-corpus/${fuzzer%_fuzzer}"
   mkdir -p "$work"
   echo "== $fuzzer: ${SECONDS_EACH} s from $seeds"

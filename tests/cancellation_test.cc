@@ -142,7 +142,7 @@ class CancellationTest : public ::testing::Test {
   static std::unique_ptr<TestServer> Start(int64_t max_batch_size, absl::Duration max_queue_delay) {
     auto server = std::make_unique<TestServer>();
     std::vector<ServerMetrics::ModelInfo> infos;
-    for (const models::ModelPackage* p : registry_->packages()) infos.push_back({p->name, p->config.depth});
+    for (const models::ModelPackage* p : registry_->packages()) infos.push_back({p->name, AttentionLayers(*p)});
     server->metrics = std::make_unique<ServerMetrics>(infos);
     ServiceOptions options;
     options.batching.max_batch_size = max_batch_size;

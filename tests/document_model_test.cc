@@ -548,7 +548,7 @@ TEST_F(DocumentTwinTest, PackageFaultsAreNamed) {
 // The trained package (tools/train_document.py): loads with its SentencePiece tokenizer, and its C++ logits equal
 // the twin's on real text at three budgets and full attention.
 TEST(TrainedDocumentPackageTest, LoadsAndMatchesPython) {
-  const std::string directory = SourceDirectory() + "/models/trained/linux-doc-mita";
+  const std::string directory = SourceDirectory() + "/models/repository/linux-doc-mita";
   if (!std::filesystem::exists(directory + "/model.safetensors")) {
     GTEST_SKIP() << "no trained package at " << directory << " (train it with tools/train_document.py)";
   }

@@ -185,7 +185,7 @@ class LimitedServer {
  public:
   LimitedServer(const ModelRegistry* registry, MessageSizeLimits limits) {
     std::vector<ServerMetrics::ModelInfo> infos;
-    for (const models::ModelPackage* p : registry->packages()) infos.push_back({p->name, p->config.depth});
+    for (const models::ModelPackage* p : registry->packages()) infos.push_back({p->name, AttentionLayers(*p)});
     metrics_ = std::make_unique<ServerMetrics>(infos);
     ServiceOptions options;
     options.batching.max_queue_delay = absl::ZeroDuration();

@@ -108,7 +108,7 @@ class KserveTest : public ::testing::Test {
     ASSERT_TRUE(registry.ok()) << registry.status();
     registry_ = registry->release();
     std::vector<ServerMetrics::ModelInfo> infos;
-    for (const models::ModelPackage* p : registry_->packages()) infos.push_back({p->name, p->config.depth});
+    for (const models::ModelPackage* p : registry_->packages()) infos.push_back({p->name, AttentionLayers(*p)});
     metrics_ = new ServerMetrics(infos);
     ServiceOptions options;
     options.batching.max_batch_size = 8;

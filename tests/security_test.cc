@@ -96,7 +96,7 @@ struct TestServer {
     if (!registry.ok()) return nullptr;
     test->registry = *std::move(registry);
     std::vector<ServerMetrics::ModelInfo> infos;
-    for (const models::ModelPackage* p : test->registry->packages()) infos.push_back({p->name, p->config.depth});
+    for (const models::ModelPackage* p : test->registry->packages()) infos.push_back({p->name, AttentionLayers(*p)});
     test->metrics = std::make_unique<ServerMetrics>(infos);
     ServiceOptions options;
     options.authenticator = authenticator;

@@ -1363,21 +1363,12 @@ TEST_F(DocumentServiceTest, AdmissionCountsDocumentTokensAndComputeUnits) {
   EXPECT_EQ(layer_count, 1) << "the attention series work for document models";
 }
 
-// The embedded document model (linux-doc-mita, SentencePiece tokenizer; in models/repository or
-// models/trained) end to end over loopback: real text, its GetModel metadata, and a document longer than 16K
-// tokens.
+// The embedded document model (models/repository/linux-doc-mita, SentencePiece tokenizer) end to end over
+// loopback: real text, its GetModel metadata, and a document longer than 16K tokens.
 TEST(EmbeddedDocumentModelTest, ClassifiesRealTextOverLoopback) {
   constexpr char kEmbedded[] = "linux-doc-mita";
   const char* source = std::getenv("MITA_SOURCE_DIR");
-  std::string directory;
-  for (const char* folder : {"/models/repository/", "/models/trained/"}) {
-    const std::string candidate = absl::StrCat(source != nullptr ? source : ".", folder, kEmbedded);
-    if (std::ifstream(candidate + "/config.json").good()) {
-      directory = candidate;
-      break;
-    }
-  }
-  if (directory.empty()) GTEST_SKIP() << "no " << kEmbedded << " under models/repository or models/trained";
+  const std::string directory = absl::StrCat(source != nullptr ? source : ".", "/models/repository/", kEmbedded);
   absl::StatusOr<models::ModelPackage> package = models::LoadModelPackage(directory);
   ASSERT_TRUE(package.ok()) << package.status();
   package->name = kEmbedded;

@@ -1,7 +1,7 @@
 // mita-bench-documents: latency and peak memory of ONE long document (4K to 64K tokens of real text) through a
 // document model, with MiTA at several budgets and with full attention on the same weights, in one run.
 //
-//   mita-bench-documents --model=models/trained/linux-doc-mita --corpus=build/linux-doc-corpus --threads=2
+//   mita-bench-documents --model=models/repository/linux-doc-mita --corpus=build/linux-doc-corpus --threads=2
 // The text: the held-out documents of the corpus concatenated (blank line between them) and tokenized with the
 // package's tokenizer; a case of N tokens uses the first N ids. Each (N, budget) case runs in a fresh child
 // process (this program with --child), so its peak resident memory (getrusage ru_maxrss) is its own: the child
@@ -44,7 +44,7 @@
 #include "models/model_package.h"
 #include "tools/document_corpus.h"
 
-ABSL_FLAG(std::string, model, "models/trained/linux-doc-mita", "document model package folder");
+ABSL_FLAG(std::string, model, "models/repository/linux-doc-mita", "document model package folder");
 ABSL_FLAG(std::string, corpus, "build/linux-doc-corpus", "corpus folder (tools/build_document_corpus.py)");
 ABSL_FLAG(std::string, tokens, "4096,16384,32768,65536", "comma-separated document lengths, tokens");
 ABSL_FLAG(std::string, budgets, "8x32,16x64,32x128",

@@ -1,6 +1,6 @@
 // mita-eval-documents: held-out accuracy of a document model package at several budgets plus full attention.
 //
-//   mita-eval-documents --model=models/trained/linux-doc-mita --corpus=build/linux-doc-corpus \
+//   mita-eval-documents --model=models/repository/linux-doc-mita --corpus=build/linux-doc-corpus \
 //       --budgets=8x32,16x64,32x128 --threads=2
 // Reads the corpus split written by tools/build_document_corpus.py, validates and tokenizes every document with
 // the package's own tokenizer (as the server does), cuts it to the model's max_tokens, and classifies it with
@@ -29,7 +29,7 @@
 #include "models/model_package.h"
 #include "tools/document_corpus.h"
 
-ABSL_FLAG(std::string, model, "models/trained/linux-doc-mita", "document model package folder");
+ABSL_FLAG(std::string, model, "models/repository/linux-doc-mita", "document model package folder");
 ABSL_FLAG(std::string, corpus, "build/linux-doc-corpus", "corpus folder (tools/build_document_corpus.py)");
 ABSL_FLAG(std::string, split, "heldout", "corpus split to evaluate");
 ABSL_FLAG(std::string, budgets, "8x32,16x64,32x128",

@@ -47,7 +47,7 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
   fixture->registry = *std::move(registry);
   std::vector<mita::server::ServerMetrics::ModelInfo> infos;
   for (const mita::models::ModelPackage* package : fixture->registry->packages()) {
-    infos.push_back({package->name, package->config.depth});
+    infos.push_back({package->name, mita::server::AttentionLayers(*package)});
   }
   fixture->metrics = std::make_unique<mita::server::ServerMetrics>(infos);
   mita::server::ServiceOptions options;
