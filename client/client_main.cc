@@ -290,8 +290,11 @@ int main(int argc, char** argv) {
   }
 
   absl::StatusOr<mita::client::ConnectionOptions> connection = mita::client::ConnectionOptionsFromFlags();
-  absl::StatusOr<std::unique_ptr<MitaClient>> connected = connection.status();
-  if (connection.ok()) connected = MitaClient::Connect(*connection);
+  if (!connection.ok()) {
+    std::cerr << connection.status().message() << "\n";
+    return 2;
+  }
+  absl::StatusOr<std::unique_ptr<MitaClient>> connected = MitaClient::Connect(*connection);
   if (!connected.ok()) {
     std::cerr << connected.status().message() << "\n";
     return 2;
