@@ -158,6 +158,8 @@ absl::StatusOr<std::map<std::string, at::Tensor>> ParseChecked(std::string_view 
     header = Json::parse(header_text.begin(), header_text.end());
   } catch (const Json::parse_error& error) {
     return Invalid(absl::StrCat("header is not valid JSON (byte ", error.byte, "): ", error.what()));
+  } catch (const Json::exception& error) {  // e.g. out_of_range for a number such as 1e55555
+    return Invalid(absl::StrCat("header is not valid JSON: ", error.what()));
   }
   if (!header.is_object()) return Invalid("header must be a JSON object");
 

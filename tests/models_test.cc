@@ -245,6 +245,14 @@ TEST(ModelConfigTest, InvalidJsonIsInvalidArgument) {
                "config.json: invalid JSON");
   ExpectStatus(ParseVitConfig("[1, 2]").status(), absl::StatusCode::kInvalidArgument, "JSON object");
   ExpectStatus(ParseVitConfig("").status(), absl::StatusCode::kInvalidArgument, "invalid JSON");
+  // A number the JSON parser cannot represent (it throws out_of_range, not parse_error; found by
+  // tests/fuzz/model_config_fuzzer): every config kind.
+  ExpectStatus(ParseVitConfig(R"({"depth": 555555555555555555555555e55555})").status(),
+               absl::StatusCode::kInvalidArgument, "config.json: invalid JSON");
+  ExpectStatus(ParseDocumentConfig(R"({"depth": 1e55555})").status(), absl::StatusCode::kInvalidArgument,
+               "config.json: invalid JSON");
+  ExpectStatus(ParseModelKind(R"({"architecture": 1e55555})").status(), absl::StatusCode::kInvalidArgument,
+               "config.json: invalid JSON");
 }
 
 TEST(ModelConfigTest, ValidateBudgetAcceptsTheAllowedRanges) {
@@ -333,6 +341,8 @@ TEST(SafetensorsTest, HeaderLengthBeyondFile) {
 TEST(SafetensorsTest, InvalidJson) {
   ExpectStatus(ParseSafetensors(SafetensorsFile("{\"a\": [", "")).status(), absl::StatusCode::kInvalidArgument,
                "header is not valid JSON");
+  ExpectStatus(ParseSafetensors(SafetensorsFile(R"({"a": {"data_offsets": [0, 1e55555]}})", "")).status(),
+               absl::StatusCode::kInvalidArgument, "header is not valid JSON");
   ExpectStatus(ParseSafetensors(SafetensorsFile("[1]", "")).status(), absl::StatusCode::kInvalidArgument,
                "header must be a JSON object");
   ExpectStatus(ParseSafetensors(SafetensorsFile(R"({"a": 5})", "")).status(), absl::StatusCode::kInvalidArgument,
