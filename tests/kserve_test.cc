@@ -20,6 +20,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <string>
@@ -279,6 +281,73 @@ TEST_F(KserveTest, ClassifiesRealImagesWithAChosenBudget) {
   // The model's accuracy at (16, 32) on the 10,000 test images is 0.883 (README); 48 images give a noisy
   // estimate, so the bound only catches a broken translation (chance is 0.1).
   EXPECT_GE(correct, 36) << correct << " of " << kImages;
+}
+
+// A real document over the Open Inference Protocol, to the embedded document model (models/repository/
+// linux-doc-mita): as BYTES text and as INT64 token ids (the model's own tokenizer), each with scores equal to
+// mita.v1 Classify of the same text at the same budget, and the applied (length-clamped) budget echoed.
+TEST_F(KserveTest, ClassifiesARealDocumentAsTextAndAsTokenIds) {
+  constexpr char kDocumentModel[] = "linux-doc-mita";
+  const models::ModelPackage* package = nullptr;
+  for (const models::ModelPackage* candidate : registry_->packages()) {
+    if (candidate->name == kDocumentModel) package = candidate;
+  }
+  ASSERT_NE(package, nullptr) << kDocumentModel << " is not in the repository";
+  const char* source = std::getenv("MITA_SOURCE_DIR");
+  std::ifstream file(absl::StrCat(source != nullptr ? source : ".", "/docs/long_documents.md"));
+  ASSERT_TRUE(file.good());
+  const std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  absl::StatusOr<std::vector<int64_t>> ids = package->tokenizer->Encode(text);
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  const int64_t num_classes = static_cast<int64_t>(package->labels.size());
+
+  v1::ClassifyRequest reference_request;
+  reference_request.set_model(kDocumentModel);
+  reference_request.mutable_document()->set_text(text);
+  reference_request.mutable_budget()->mutable_experts()->set_expert_count(8);
+  reference_request.mutable_budget()->mutable_experts()->set_expert_width(32);
+  reference_request.set_top_n(num_classes);
+  v1::ClassifyResponse reference;
+  {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    const grpc::Status status = v1_stub_->Classify(&context, reference_request, &reference);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  EXPECT_EQ(reference.token_count(), static_cast<int64_t>(ids->size()));
+
+  for (const bool as_token_ids : {false, true}) {
+    inference::ModelInferRequest request;
+    request.set_model_name(kDocumentModel);
+    auto* input = request.add_inputs();
+    if (as_token_ids) {
+      input->set_name("token_ids");
+      input->set_datatype("INT64");
+      input->add_shape(1);
+      input->add_shape(static_cast<int64_t>(ids->size()));
+      for (int64_t id : *ids) input->mutable_contents()->add_int64_contents(id);
+    } else {
+      input->set_name("text");
+      input->set_datatype("BYTES");
+      input->add_shape(1);
+      input->mutable_contents()->add_bytes_contents(text);
+    }
+    SetInt(request, "mita_expert_count", 8);
+    SetInt(request, "mita_expert_width", 32);
+    inference::ModelInferResponse response;
+    const grpc::Status status = Infer(request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    const auto* scores = FindOutput(response, "scores");
+    ASSERT_NE(scores, nullptr);
+    ASSERT_EQ(scores->contents().fp32_contents_size(), num_classes);
+    for (const v1::ClassScore& score : reference.classes()) {
+      EXPECT_NEAR(scores->contents().fp32_contents(score.index()), score.score(), 1e-5)
+          << (as_token_ids ? "token ids" : "text");
+    }
+    EXPECT_EQ(response.parameters().at("mita_token_count").int64_param(), static_cast<int64_t>(ids->size()));
+    EXPECT_EQ(response.parameters().at("mita_expert_count").int64_param(), 8);
+    EXPECT_EQ(response.parameters().at("mita_expert_width").int64_param(), 32);
+  }
 }
 
 TEST_F(KserveTest, DefaultBudgetPresetAndFullAttentionAreEchoed) {
