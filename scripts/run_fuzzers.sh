@@ -37,6 +37,7 @@ cp -r models/repository/fashion-mnist-vit "$MITA_MODEL_REPOSITORY/"
 artifacts="$BUILD_DIR/fuzz-artifacts"
 mkdir -p "$artifacts"
 status=0
+failed=()
 for fuzzer in "${FUZZERS[@]}"; do
   binary="$BUILD_DIR/tests/fuzz/$fuzzer"
   seeds="tests/fuzz/corpus/${fuzzer%_fuzzer}"
@@ -49,9 +50,14 @@ for fuzzer in "${FUZZERS[@]}"; do
     grep -E "^stat::number_of_executed_units|^stat::new_units_added|^#[0-9]+.*DONE" "$artifacts/$fuzzer.log" || true
   else
     status=1
+    failed+=("$fuzzer")
     echo "FAILED: $fuzzer (log: $artifacts/$fuzzer.log)" >&2
     tail -n 60 "$artifacts/$fuzzer.log" >&2
   fi
 done
-if [ "$status" -eq 0 ]; then echo "all ${#FUZZERS[@]} fuzzers ran ${SECONDS_EACH} s each without a failure"; fi
+if [ "$status" -eq 0 ]; then
+  echo "all ${#FUZZERS[@]} fuzzers ran ${SECONDS_EACH} s each without a failure"
+else
+  echo "fuzzers FAILED: ${failed[*]} (crash inputs in $artifacts/)" >&2
+fi
 exit "$status"
