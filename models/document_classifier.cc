@@ -17,17 +17,11 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "models/classifier_weights.h"
 
 namespace mita::models {
 
-struct DocumentClassifier::Block {
-  at::Tensor norm1_weight, norm1_bias;
-  at::Tensor qkv_weight, qkv_bias;    // [3C, C], [3C]
-  at::Tensor proj_weight, proj_bias;  // [C, C], [C]
-  at::Tensor norm2_weight, norm2_bias;
-  at::Tensor fc1_weight, fc1_bias;  // [hidden, C], [hidden]
-  at::Tensor fc2_weight, fc2_bias;  // [C, hidden], [C]
-};
+struct DocumentClassifier::Block : internal::TransformerBlockWeights {};
 
 namespace {
 
@@ -36,30 +30,6 @@ namespace {
 absl::Status KernelFault(const absl::Status& status) {
   if (status.code() == absl::StatusCode::kResourceExhausted) return status;
   return absl::InternalError(absl::StrCat("attention kernel: ", status.message()));
-}
-
-std::string ShapeString(at::IntArrayRef shape) { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
-
-// Takes the tensor `name` out of `weights` after checking its shape; float32, contiguous, CPU.
-absl::Status TakeWeight(std::map<std::string, at::Tensor>& weights, const std::string& name,
-                        std::vector<int64_t> expected_shape, at::Tensor& target) {
-  auto it = weights.find(name);
-  if (it == weights.end()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("weights: missing tensor \"", name, "\" (expected shape ", ShapeString(expected_shape), ")"));
-  }
-  const at::Tensor& tensor = it->second;
-  if (!tensor.defined() || tensor.sizes() != at::IntArrayRef(expected_shape)) {
-    return absl::InvalidArgumentError(absl::StrCat("weights: tensor \"", name, "\" has shape ",
-                                                   tensor.defined() ? ShapeString(tensor.sizes()) : "(undefined)",
-                                                   ", expected ", ShapeString(expected_shape)));
-  }
-  if (tensor.scalar_type() != at::kFloat || !tensor.device().is_cpu()) {
-    return absl::InvalidArgumentError(absl::StrCat("weights: tensor \"", name, "\" must be float32 on the CPU"));
-  }
-  target = tensor.contiguous();
-  weights.erase(it);
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -77,41 +47,22 @@ absl::StatusOr<std::unique_ptr<DocumentClassifier>> DocumentClassifier::Create(
   const int64_t channels = config.embed_dim;
   const int64_t hidden = config.mlp_hidden_dim;
   std::unique_ptr<DocumentClassifier> model(new DocumentClassifier(config));
-  absl::Status status;
-  auto take = [&](const std::string& name, std::vector<int64_t> shape, at::Tensor& target) {
-    if (status.ok()) status = TakeWeight(weights, name, std::move(shape), target);
-  };
-  take("token_embedding.weight", {config.vocab_size, channels}, model->token_embedding_);
-  take("position_conv.weight", {channels, 1, config.position_kernel_size}, model->position_weight_);
-  take("position_conv.bias", {channels}, model->position_bias_);
+  internal::WeightTaker taker(weights);
+  taker.Take("token_embedding.weight", {config.vocab_size, channels}, model->token_embedding_);
+  taker.Take("position_conv.weight", {channels, 1, config.position_kernel_size}, model->position_weight_);
+  taker.Take("position_conv.bias", {channels}, model->position_bias_);
   model->blocks_.resize(config.depth);
   for (int64_t i = 0; i < config.depth; ++i) {
     Block& block = model->blocks_[i];
     const std::string prefix = absl::StrCat("blocks.", i, ".");
-    take(prefix + "norm1.weight", {channels}, block.norm1_weight);
-    take(prefix + "norm1.bias", {channels}, block.norm1_bias);
-    take(prefix + "attn.qkv.weight", {3 * channels, channels}, block.qkv_weight);
-    take(prefix + "attn.qkv.bias", {3 * channels}, block.qkv_bias);
-    take(prefix + "attn.proj.weight", {channels, channels}, block.proj_weight);
-    take(prefix + "attn.proj.bias", {channels}, block.proj_bias);
-    take(prefix + "norm2.weight", {channels}, block.norm2_weight);
-    take(prefix + "norm2.bias", {channels}, block.norm2_bias);
-    take(prefix + "mlp.fc1.weight", {hidden, channels}, block.fc1_weight);
-    take(prefix + "mlp.fc1.bias", {hidden}, block.fc1_bias);
-    take(prefix + "mlp.fc2.weight", {channels, hidden}, block.fc2_weight);
-    take(prefix + "mlp.fc2.bias", {channels}, block.fc2_bias);
+    internal::TakeAttentionWeights(taker, prefix, channels, block);
+    internal::TakeMlpWeights(taker, prefix, channels, hidden, block);
   }
-  take("norm.weight", {channels}, model->norm_weight_);
-  take("norm.bias", {channels}, model->norm_bias_);
-  take("head.weight", {config.num_classes, channels}, model->head_weight_);
-  take("head.bias", {config.num_classes}, model->head_bias_);
-  if (!status.ok()) return status;
-  if (!weights.empty()) {
-    std::vector<std::string> extra;
-    for (const auto& [name, tensor] : weights) extra.push_back(name);
-    return absl::InvalidArgumentError(absl::StrCat("weights: unexpected tensor", extra.size() > 1 ? "s " : " ", "\"",
-                                                   absl::StrJoin(extra, "\", \""), "\""));
-  }
+  taker.Take("norm.weight", {channels}, model->norm_weight_);
+  taker.Take("norm.bias", {channels}, model->norm_bias_);
+  taker.Take("head.weight", {config.num_classes, channels}, model->head_weight_);
+  taker.Take("head.bias", {config.num_classes}, model->head_bias_);
+  if (absl::Status status = taker.Finish(); !status.ok()) return status;
   return model;
 }
 
@@ -123,7 +74,7 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
       !token_ids.device().is_cpu()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "token_ids: must be a 1-D int64 tensor on the CPU, found ",
-        token_ids.defined() ? absl::StrCat(ShapeString(token_ids.sizes()), " ", c10::toString(token_ids.scalar_type()))
+        token_ids.defined() ? absl::StrCat(internal::ShapeString(token_ids.sizes()), " ", c10::toString(token_ids.scalar_type()))
                             : "(undefined)"));
   }
   const int64_t batch = static_cast<int64_t>(lengths.size());

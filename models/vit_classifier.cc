@@ -17,17 +17,12 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "models/classifier_weights.h"
 
 namespace mita::models {
 
-struct VitClassifier::Block {
-  at::Tensor norm1_weight, norm1_bias;
-  at::Tensor qkv_weight, qkv_bias;      // [3C, C], [3C]
-  at::Tensor proj_weight, proj_bias;    // [C, C], [C]
-  at::Tensor dwc_weight, dwc_bias;      // [C, 1, 3, 3], [C]; undefined without DWC
-  at::Tensor norm2_weight, norm2_bias;
-  at::Tensor fc1_weight, fc1_bias;      // [hidden, C], [hidden]
-  at::Tensor fc2_weight, fc2_bias;      // [C, hidden], [C]
+struct VitClassifier::Block : internal::TransformerBlockWeights {
+  at::Tensor dwc_weight, dwc_bias;  // [C, 1, 3, 3], [C]; undefined without DWC
 };
 
 namespace {
@@ -35,30 +30,6 @@ namespace {
 // A kernel rejecting inputs validated here is a fault of this code, not of the request.
 absl::Status KernelFault(const absl::Status& status) {
   return absl::InternalError(absl::StrCat("attention kernel: ", status.message()));
-}
-
-std::string ShapeString(at::IntArrayRef shape) { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
-
-// Takes the tensor `name` out of `weights` after checking its shape; float32, contiguous, CPU.
-absl::Status TakeWeight(std::map<std::string, at::Tensor>& weights, const std::string& name,
-                        std::vector<int64_t> expected_shape, at::Tensor& target) {
-  auto it = weights.find(name);
-  if (it == weights.end()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("weights: missing tensor \"", name, "\" (expected shape ", ShapeString(expected_shape), ")"));
-  }
-  const at::Tensor& tensor = it->second;
-  if (!tensor.defined() || tensor.sizes() != at::IntArrayRef(expected_shape)) {
-    return absl::InvalidArgumentError(absl::StrCat("weights: tensor \"", name, "\" has shape ",
-                                                   tensor.defined() ? ShapeString(tensor.sizes()) : "(undefined)",
-                                                   ", expected ", ShapeString(expected_shape)));
-  }
-  if (tensor.scalar_type() != at::kFloat || !tensor.device().is_cpu()) {
-    return absl::InvalidArgumentError(absl::StrCat("weights: tensor \"", name, "\" must be float32 on the CPU"));
-  }
-  target = tensor.contiguous();
-  weights.erase(it);
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -75,47 +46,32 @@ absl::StatusOr<std::unique_ptr<VitClassifier>> VitClassifier::Create(const VitCo
   const int64_t channels = config.embed_dim;
   const int64_t hidden = config.mlp_hidden_dim;
   std::unique_ptr<VitClassifier> model(new VitClassifier(config));
-  absl::Status status;
-  auto take = [&](const std::string& name, std::vector<int64_t> shape, at::Tensor& target) {
-    if (status.ok()) status = TakeWeight(weights, name, std::move(shape), target);
-  };
-  take("patch_embed.proj.weight", {channels, config.in_channels, config.patch_size, config.patch_size},
-       model->patch_weight_);
-  take("patch_embed.proj.bias", {channels}, model->patch_bias_);
-  take("cls_token", {1, 1, channels}, model->cls_token_);
-  take("pos_embed", {1, config.tokens(), channels}, model->pos_embed_);
+  internal::WeightTaker taker(weights);
+  taker.Take("patch_embed.proj.weight", {channels, config.in_channels, config.patch_size, config.patch_size},
+             model->patch_weight_);
+  taker.Take("patch_embed.proj.bias", {channels}, model->patch_bias_);
+  taker.Take("cls_token", {1, 1, channels}, model->cls_token_);
+  taker.Take("pos_embed", {1, config.tokens(), channels}, model->pos_embed_);
   model->blocks_.resize(config.depth);
   for (int64_t i = 0; i < config.depth; ++i) {
     Block& block = model->blocks_[i];
     const std::string prefix = absl::StrCat("blocks.", i, ".");
-    take(prefix + "norm1.weight", {channels}, block.norm1_weight);
-    take(prefix + "norm1.bias", {channels}, block.norm1_bias);
-    take(prefix + "attn.qkv.weight", {3 * channels, channels}, block.qkv_weight);
-    take(prefix + "attn.qkv.bias", {3 * channels}, block.qkv_bias);
-    take(prefix + "attn.proj.weight", {channels, channels}, block.proj_weight);
-    take(prefix + "attn.proj.bias", {channels}, block.proj_bias);
+    internal::TakeAttentionWeights(taker, prefix, channels, block);
     if (config.depthwise_conv) {
-      take(prefix + "attn.dwc.weight", {channels, 1, 3, 3}, block.dwc_weight);
-      take(prefix + "attn.dwc.bias", {channels}, block.dwc_bias);
+      taker.Take(prefix + "attn.dwc.weight", {channels, 1, 3, 3}, block.dwc_weight);
+      taker.Take(prefix + "attn.dwc.bias", {channels}, block.dwc_bias);
     }
-    take(prefix + "norm2.weight", {channels}, block.norm2_weight);
-    take(prefix + "norm2.bias", {channels}, block.norm2_bias);
-    take(prefix + "mlp.fc1.weight", {hidden, channels}, block.fc1_weight);
-    take(prefix + "mlp.fc1.bias", {hidden}, block.fc1_bias);
-    take(prefix + "mlp.fc2.weight", {channels, hidden}, block.fc2_weight);
-    take(prefix + "mlp.fc2.bias", {channels}, block.fc2_bias);
+    internal::TakeMlpWeights(taker, prefix, channels, hidden, block);
   }
-  take("norm.weight", {channels}, model->norm_weight_);
-  take("norm.bias", {channels}, model->norm_bias_);
-  take("head.weight", {config.num_classes, channels}, model->head_weight_);
-  take("head.bias", {config.num_classes}, model->head_bias_);
-  if (!status.ok()) return status;
-  if (!weights.empty()) {
-    std::vector<std::string> extra;
-    for (const auto& [name, tensor] : weights) extra.push_back(name);
-    return absl::InvalidArgumentError(absl::StrCat(
-        "weights: unexpected tensor", extra.size() > 1 ? "s " : " ", "\"", absl::StrJoin(extra, "\", \""), "\"",
-        config.depthwise_conv ? "" : " (attention.depthwise_conv is false: DWC weights are not expected)"));
+  taker.Take("norm.weight", {channels}, model->norm_weight_);
+  taker.Take("norm.bias", {channels}, model->norm_bias_);
+  taker.Take("head.weight", {config.num_classes, channels}, model->head_weight_);
+  taker.Take("head.bias", {config.num_classes}, model->head_bias_);
+  if (absl::Status status = taker.Finish(config.depthwise_conv
+                                             ? ""
+                                             : " (attention.depthwise_conv is false: DWC weights are not expected)");
+      !status.ok()) {
+    return status;
   }
   return model;
 }
@@ -127,7 +83,7 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
   if (!images.defined() || images.dim() != 4 || images.size(0) < 1 || images.size(1) != config_.in_channels ||
       images.size(2) != side || images.size(3) != side) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "images: shape ", images.defined() ? ShapeString(images.sizes()) : "(undefined)", ", expected [B >= 1, ",
+        "images: shape ", images.defined() ? internal::ShapeString(images.sizes()) : "(undefined)", ", expected [B >= 1, ",
         config_.in_channels, ", ", side, ", ", side, "]"));
   }
   if (images.scalar_type() != at::kFloat || !images.device().is_cpu()) {
