@@ -261,6 +261,25 @@ int64_t AttentionLayers(const models::ModelPackage& package) {
 
 namespace {
 
+// The knobs both model kinds share: the default budget, the named presets, and full attention (always
+// supported: the same weights run it).
+void SetDefaultBudgetAndPresets(const models::AttentionBudget& default_budget,
+                                const std::map<std::string, models::AttentionBudget>& presets, v1::Knobs* knobs) {
+  knobs->mutable_default_budget()->set_expert_count(default_budget.expert_count);
+  knobs->mutable_default_budget()->set_expert_width(default_budget.expert_width);
+  for (const auto& [name, preset] : presets) {
+    v1::NamedBudget* named = knobs->add_presets();
+    named->set_name(name);
+    if (preset.full_attention) {
+      named->set_full_attention(true);
+    } else {
+      named->mutable_budget()->set_expert_count(preset.expert_count);
+      named->mutable_budget()->set_expert_width(preset.expert_width);
+    }
+  }
+  knobs->set_full_attention_supported(true);
+}
+
 v1::ModelMetadata BuildDocumentMetadata(const models::ModelPackage& package, const ServiceOptions& options) {
   const models::DocumentConfig& config = package.document_config;
   v1::ModelMetadata metadata;
@@ -277,19 +296,7 @@ v1::ModelMetadata BuildDocumentMetadata(const models::ModelPackage& package, con
   knobs->set_max_expert_count(config.max_expert_count);
   knobs->set_min_expert_width(1);
   knobs->set_max_expert_width(config.max_expert_width);
-  knobs->mutable_default_budget()->set_expert_count(config.default_budget.expert_count);
-  knobs->mutable_default_budget()->set_expert_width(config.default_budget.expert_width);
-  for (const auto& [name, preset] : config.presets) {
-    v1::NamedBudget* named = knobs->add_presets();
-    named->set_name(name);
-    if (preset.full_attention) {
-      named->set_full_attention(true);
-    } else {
-      named->mutable_budget()->set_expert_count(preset.expert_count);
-      named->mutable_budget()->set_expert_width(preset.expert_width);
-    }
-  }
-  knobs->set_full_attention_supported(true);
+  SetDefaultBudgetAndPresets(config.default_budget, config.presets, knobs);
   metadata.set_layers(static_cast<int32_t>(config.depth));
   metadata.set_heads(static_cast<int32_t>(config.num_heads));
   metadata.set_embed_dim(static_cast<int32_t>(config.embed_dim));
@@ -324,19 +331,7 @@ v1::ModelMetadata BuildModelMetadata(const models::ModelPackage& package, const 
   }
   knobs->set_min_expert_width(1);
   knobs->set_max_expert_width(config.tokens());
-  knobs->mutable_default_budget()->set_expert_count(config.default_budget.expert_count);
-  knobs->mutable_default_budget()->set_expert_width(config.default_budget.expert_width);
-  for (const auto& [name, preset] : config.presets) {
-    v1::NamedBudget* named = knobs->add_presets();
-    named->set_name(name);
-    if (preset.full_attention) {
-      named->set_full_attention(true);
-    } else {
-      named->mutable_budget()->set_expert_count(preset.expert_count);
-      named->mutable_budget()->set_expert_width(preset.expert_width);
-    }
-  }
-  knobs->set_full_attention_supported(true);
+  SetDefaultBudgetAndPresets(config.default_budget, config.presets, knobs);
   metadata.set_layers(static_cast<int32_t>(config.depth));
   metadata.set_heads(static_cast<int32_t>(config.num_heads));
   metadata.set_embed_dim(static_cast<int32_t>(config.embed_dim));
