@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <utility>
 
@@ -122,6 +123,31 @@ absl::StatusOr<AttentionBudget> ReadBudget(const Json& value, const std::string&
 }
 
 // Checks a budget declared in config.json against the model's ranges; the message names the config field.
+// Reads attention.default_budget (required) and attention.presets (optional: an object of name -> budget),
+// each checked by `check(budget, field)` against the model's ranges. Errors: INVALID_ARGUMENT naming the field.
+absl::Status ReadDefaultBudgetAndPresets(
+    const Json& attention, const std::function<absl::Status(const AttentionBudget&, const std::string&)>& check,
+    AttentionBudget& default_budget, std::map<std::string, AttentionBudget>& presets) {
+  const Json* default_value = Find(attention, "default_budget");
+  if (default_value == nullptr) return Invalid("missing required field attention.default_budget");
+  absl::StatusOr<AttentionBudget> budget = ReadBudget(*default_value, "attention.default_budget");
+  if (!budget.ok()) return budget.status();
+  if (absl::Status status = check(*budget, "attention.default_budget"); !status.ok()) return status;
+  default_budget = *budget;
+  if (const Json* values = Find(attention, "presets"); values != nullptr) {
+    if (!values->is_object()) return Invalid("attention.presets must be an object of name -> budget");
+    for (const auto& [name, value] : values->items()) {
+      const std::string field = absl::StrCat("attention.presets.", name);
+      if (name.empty()) return Invalid("attention.presets has an empty preset name");
+      absl::StatusOr<AttentionBudget> preset = ReadBudget(value, field);
+      if (!preset.ok()) return preset.status();
+      if (absl::Status status = check(*preset, field); !status.ok()) return status;
+      presets.emplace(name, *preset);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckConfigBudget(const VitConfig& config, const AttentionBudget& budget, const std::string& field) {
   if (budget.full_attention) return absl::OkStatus();
   const std::vector<int64_t> counts = AllowedExpertCounts(config);
@@ -223,24 +249,13 @@ absl::StatusOr<VitConfig> ParseValidated(const Json& root) {
     }
     config.depthwise_conv = dwc->get<bool>();
   }
-  const Json* default_budget = Find(**attention, "default_budget");
-  if (default_budget == nullptr) return Invalid("missing required field attention.default_budget");
-  absl::StatusOr<AttentionBudget> budget = ReadBudget(*default_budget, "attention.default_budget");
-  if (!budget.ok()) return budget.status();
-  if (absl::Status status = CheckConfigBudget(config, *budget, "attention.default_budget"); !status.ok()) {
+  if (absl::Status status = ReadDefaultBudgetAndPresets(
+          **attention, [&config](const AttentionBudget& budget, const std::string& field) {
+            return CheckConfigBudget(config, budget, field);
+          },
+          config.default_budget, config.presets);
+      !status.ok()) {
     return status;
-  }
-  config.default_budget = *budget;
-  if (const Json* presets = Find(**attention, "presets"); presets != nullptr) {
-    if (!presets->is_object()) return Invalid("attention.presets must be an object of name -> budget");
-    for (const auto& [name, value] : presets->items()) {
-      const std::string field = absl::StrCat("attention.presets.", name);
-      if (name.empty()) return Invalid("attention.presets has an empty preset name");
-      absl::StatusOr<AttentionBudget> preset = ReadBudget(value, field);
-      if (!preset.ok()) return preset.status();
-      if (absl::Status status = CheckConfigBudget(config, *preset, field); !status.ok()) return status;
-      config.presets.emplace(name, *preset);
-    }
   }
 
   if (Find(root, "max_image_side") != nullptr) {
@@ -339,24 +354,13 @@ absl::StatusOr<DocumentConfig> ParseValidatedDocument(const Json& root) {
   absl::StatusOr<int64_t> max_width = ReadInteger(**attention, "attention", "max_expert_width", 1, config.max_tokens);
   if (!max_width.ok()) return max_width.status();
   config.max_expert_width = *max_width;
-  const Json* default_budget = Find(**attention, "default_budget");
-  if (default_budget == nullptr) return Invalid("missing required field attention.default_budget");
-  absl::StatusOr<AttentionBudget> budget = ReadBudget(*default_budget, "attention.default_budget");
-  if (!budget.ok()) return budget.status();
-  if (absl::Status status = CheckDocumentConfigBudget(config, *budget, "attention.default_budget"); !status.ok()) {
+  if (absl::Status status = ReadDefaultBudgetAndPresets(
+          **attention, [&config](const AttentionBudget& budget, const std::string& field) {
+            return CheckDocumentConfigBudget(config, budget, field);
+          },
+          config.default_budget, config.presets);
+      !status.ok()) {
     return status;
-  }
-  config.default_budget = *budget;
-  if (const Json* presets = Find(**attention, "presets"); presets != nullptr) {
-    if (!presets->is_object()) return Invalid("attention.presets must be an object of name -> budget");
-    for (const auto& [name, value] : presets->items()) {
-      const std::string field = absl::StrCat("attention.presets.", name);
-      if (name.empty()) return Invalid("attention.presets has an empty preset name");
-      absl::StatusOr<AttentionBudget> preset = ReadBudget(value, field);
-      if (!preset.ok()) return preset.status();
-      if (absl::Status status = CheckDocumentConfigBudget(config, *preset, field); !status.ok()) return status;
-      config.presets.emplace(name, *preset);
-    }
   }
   return config;
 }
