@@ -8,6 +8,9 @@
 #      PyTorch (torch.utils.cmake_prefix_path) and runs kernels_test, whose MitaCuda tests compare the CUDA
 #      dispatch of MitaAttentionForward with the CPU kernel on CUDA tensors. Skipped (said so) when torch,
 #      Abseil or GoogleTest is missing there.
+#   1b. compute-sanitizer memcheck over step 1's correctness cases (out-of-bounds and misaligned accesses);
+#   3. when python3 has torch: full attention (scaled_dot_product_attention) at step 1's timing sizes, the
+#      same-run baseline for the MiTA times (scripts/gpu_attention_baseline.py).
 # Usage: scripts/gpu_check.sh    (from the repository root; about 2-5 minutes on 16 cores)
 set -u
 cd "$(dirname "$0")/.."
@@ -28,12 +31,25 @@ BUILD=build-gpu-check
 mkdir -p "$BUILD"
 if "$NVCC" -std=c++17 -O3 -arch="sm_$ARCH" -I. kernels/mita_attention_cuda.cu tests/cuda/mita_cuda_check.cc \
      -o "$BUILD/mita_cuda_check" 2>&1 | tee "$OUT_DIR/nvcc.log"; then
-  "$BUILD/mita_cuda_check" 2>&1 | tee "$OUT_DIR/mita_cuda_check.txt"
+  timeout 300 "$BUILD/mita_cuda_check" 2>&1 | tee "$OUT_DIR/mita_cuda_check.txt"
   rc=${PIPESTATUS[0]}
   echo "mita_cuda_check exit status $rc"
   [ "$rc" -ne 0 ] && status=1
 else
   echo "nvcc build failed"; status=1
+fi
+
+echo "== 1b. compute-sanitizer memcheck of the correctness cases (no timing)"
+SANITIZER="$(command -v compute-sanitizer || true)"
+[ -z "$SANITIZER" ] && [ -x "$(dirname "$NVCC")/compute-sanitizer" ] && SANITIZER="$(dirname "$NVCC")/compute-sanitizer"
+if [ -n "$SANITIZER" ] && [ -x "$BUILD/mita_cuda_check" ]; then
+  timeout 240 "$SANITIZER" --tool memcheck --error-exitcode 3 "$BUILD/mita_cuda_check" --no_time 2>&1 \
+    | tee "$OUT_DIR/compute_sanitizer.txt" | tail -4
+  rc=${PIPESTATUS[0]}
+  echo "compute-sanitizer exit status $rc"
+  [ "$rc" -ne 0 ] && status=1
+else
+  echo "compute-sanitizer or the check binary missing: step 1b skipped"
 fi
 
 echo "== 2. kernels_test against this machine's PyTorch"
@@ -56,6 +72,13 @@ else
     echo "configure against PyTorch failed, step 2 skipped (last lines; Abseil/GoogleTest/BLAS missing?):"
     tail -8 "$OUT_DIR/cmake-configure.log"
   fi
+fi
+echo "== 3. full-attention baseline (PyTorch scaled_dot_product_attention, same sizes as step 1's timing)"
+if [ -n "$TORCH_PREFIX" ]; then
+  timeout 240 python3 scripts/gpu_attention_baseline.py 2>&1 | tee "$OUT_DIR/attention_baseline.txt"
+  echo "baseline exit status ${PIPESTATUS[0]}"
+else
+  echo "python3 has no torch: step 3 skipped"
 fi
 echo "== gpu_check status $status"
 exit $status
