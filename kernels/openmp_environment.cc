@@ -1,7 +1,10 @@
 #include "kernels/openmp_environment.h"
 
+#include <ATen/Parallel.h>
+#include <dlfcn.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -12,6 +15,19 @@ void ReexecWithPassiveOpenMpWaitIfUnset(char** argv) {
   if (setenv("OMP_WAIT_POLICY", "passive", /*overwrite=*/1) != 0) return;
   execv("/proc/self/exe", argv);
   std::perror("re-executing with OMP_WAIT_POLICY=passive failed; continuing with the default policy");
+}
+
+int SetIntraOpThreads(int threads) {
+  threads = std::max(1, threads);
+  at::set_num_threads(threads);
+  // OpenBLAS's C API (cblas.h): void openblas_set_num_threads(int); int openblas_get_num_threads(void).
+  using SetThreads = void (*)(int);
+  using GetThreads = int (*)();
+  auto set_threads = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  auto get_threads = reinterpret_cast<GetThreads>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  if (set_threads == nullptr || get_threads == nullptr) return 0;
+  set_threads(threads);
+  return get_threads();
 }
 
 }  // namespace mita::kernels

@@ -1,4 +1,5 @@
-// OpenMP wait policy for serving processes.
+// Threading environment of serving and benchmark processes: OpenMP's wait policy and the intra-op thread count
+// shared by LibTorch and the BLAS library.
 //
 // LibTorch's OpenMP runtime here (libgomp) makes idle worker threads spin before they sleep, and reads
 // OMP_WAIT_POLICY only once, when the library is loaded. With OpenBLAS's own threads also active, spinning
@@ -14,5 +15,16 @@ namespace mita::kernels {
 // thing in main(). Returns only when no re-execution was needed or it failed (then the process goes on with
 // libgomp's default policy).
 void ReexecWithPassiveOpenMpWaitIfUnset(char** argv);
+
+// Sets the intra-op thread count, `threads` >= 1, of LibTorch (at::set_num_threads) and of the BLAS library
+// when it is OpenBLAS (openblas_set_num_threads, looked up at run time, so that another BLAS works unchanged
+// and keeps its own setting). Returns the BLAS thread count now in effect, or 0 when the BLAS has no such call.
+//
+// Why both: LibTorch's setting does not reach OpenBLAS, whose pthread build (Debian's libopenblas0-pthread)
+// starts one worker per core and lets it spin in sched_yield after every multi-threaded GEMM. In mita-server
+// with --torch_threads=1 on the 2-core machine, that worker took 1.6 s of CPU in 2 s of closed-loop load, and
+// bounding OpenBLAS to the same count raised throughput at batch size 16 and at batch size 1
+// (docs/serving.md, "Threads").
+int SetIntraOpThreads(int threads);
 
 }  // namespace mita::kernels

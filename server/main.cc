@@ -14,8 +14,9 @@
 //   --queue_compute_units=4294967296       Compute units (tokens x attention width: M + k for MiTA, N for full
 //                                          attention) queued per model before RESOURCE_EXHAUSTED.
 //   --batch_threads=1                      Batch threads per model.
-//   --torch_threads=0                      LibTorch intra-op threads; 0: the hardware concurrency (LibTorch 1.13
-//                                          otherwise starts with half the cores).
+//   --torch_threads=0                      Intra-op threads of LibTorch and OpenBLAS; 0: the hardware concurrency
+//                                          (LibTorch 1.13 otherwise starts with half the cores).
+//   --grpc_max_pollers=64                  gRPC handler threads kept waiting for calls (gRPC's MAX_POLLERS).
 //   --max_receive_message_bytes=4194304    Largest request message (4 MiB), and so largest encoded image;
 //                                          larger gets RESOURCE_EXHAUSTED naming the limit and this flag
 //                                          (server/message_limits.h).
@@ -59,6 +60,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "server/classify_service.h"
@@ -83,7 +85,11 @@ ABSL_FLAG(int64_t, queue_compute_units, int64_t{1} << 32,
           "Compute units queued per model before new requests get RESOURCE_EXHAUSTED; a request costs tokens x "
           "attention width (expert_count + expert_width under MiTA, tokens under full attention).");
 ABSL_FLAG(int32_t, batch_threads, 1, "Threads forming and running batches, per model.");
-ABSL_FLAG(int32_t, torch_threads, 0, "LibTorch intra-op threads; 0: the hardware concurrency.");
+ABSL_FLAG(int32_t, torch_threads, 0,
+          "Intra-op threads of LibTorch and of the BLAS library (OpenBLAS); 0: the hardware concurrency.");
+ABSL_FLAG(int32_t, grpc_max_pollers, 64,
+          "gRPC handler threads kept waiting for new calls (gRPC's MAX_POLLERS); a thread that finishes a call "
+          "beyond this many ends, and the next call then starts a new one.");
 ABSL_FLAG(int64_t, max_receive_message_bytes, mita::server::MessageSizeLimits::kDefaultBytes,
           "Largest request message, bytes (4 MiB); larger gets RESOURCE_EXHAUSTED naming this flag.");
 ABSL_FLAG(int64_t, max_send_message_bytes, mita::server::MessageSizeLimits::kDefaultBytes,
@@ -146,7 +152,12 @@ int main(int argc, char** argv) {
   int32_t torch_threads = absl::GetFlag(FLAGS_torch_threads);
   if (torch_threads < 0) return Fail("--torch_threads must be >= 0");
   if (torch_threads == 0) torch_threads = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
-  at::set_num_threads(torch_threads);
+  const int blas_threads = mita::kernels::SetIntraOpThreads(torch_threads);
+  const int32_t grpc_max_pollers = absl::GetFlag(FLAGS_grpc_max_pollers);
+  if (grpc_max_pollers < 1) return Fail("--grpc_max_pollers must be >= 1");
+  // Debian's Abseil is built without NDEBUG, so absl::Mutex records every lock order in a global graph to detect
+  // deadlocks (GraphCycles showed in server profiles under load); a serving process does not pay for that.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 
   mita::server::ServiceOptions options;
   options.batching.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
@@ -227,6 +238,9 @@ int main(int argc, char** argv) {
   int selected_port = 0;
   builder.AddListeningPort(listen, *credentials, &selected_port);
   options.message_size->ConfigureServer(builder);
+  // Keep handler threads: each call waits in its handler thread for its batch, so with gRPC's default of 2
+  // pollers every call beyond two in flight created and then ended a thread (docs/serving.md, "Threads").
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, grpc_max_pollers);
   builder.RegisterService(service->get());
   builder.RegisterService(&kserve);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -255,7 +269,8 @@ int main(int argc, char** argv) {
                    " max_batch_tokens=", options.batching.max_batch_tokens,
                    " queue_capacity=", options.batching.queue_capacity,
                    " queue_compute_units=", options.batching.queue_compute_units,
-                   " batch_threads=", options.batching.num_batch_threads, " torch_threads=", at::get_num_threads()));
+                   " batch_threads=", options.batching.num_batch_threads, " torch_threads=", at::get_num_threads(),
+                   " blas_threads=", blas_threads, " grpc_max_pollers=", grpc_max_pollers));
 
   int signal_number = 0;
   sigwait(&shutdown_signals, &signal_number);

@@ -29,6 +29,7 @@
 #include "absl/status/status.h"
 #include "kernels/mita_attention.h"
 #include "kernels/mita_attention_internal.h"
+#include "kernels/openmp_environment.h"
 
 namespace mita::kernels {
 namespace {
@@ -344,6 +345,18 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<RandomCase>& info) { return info.param.name; });
 
 // Explicit random landmarks (not pooled from q) and M > N also work.
+// SetIntraOpThreads sets LibTorch's and OpenBLAS's thread counts together (OpenBLAS is the BLAS of the Debian
+// build, scripts/install_deps.sh); the returned count is read back from OpenBLAS itself.
+TEST(IntraOpThreads, LibTorchAndOpenBlasGetTheSameCount) {
+  const int before = at::get_num_threads();
+  for (int threads : {1, 2, 1}) {
+    EXPECT_EQ(SetIntraOpThreads(threads), threads) << "OpenBLAS thread count after setting " << threads;
+    EXPECT_EQ(at::get_num_threads(), threads);
+  }
+  EXPECT_EQ(SetIntraOpThreads(0), 1) << "counts below 1 are taken as 1";
+  SetIntraOpThreads(before);
+}
+
 TEST(MitaAttention, ArbitraryLandmarksMatchLoop) {
   const Dims dims{2, 2, 11, 4};
   const RandomProblem problem = MakeRandomProblem(dims, at::kDouble, 7);

@@ -2,6 +2,7 @@
 // that health turns NOT_SERVING (a grpc.health.v1 Watch stream opened before the signal), that calls after
 // the signal get UNAVAILABLE, that the process exits 0 within the drain timeout, and that no admitted request
 // is lost: every call the server admitted (its last log line counts them) was answered OK to the client.
+// Also the server's threading under load (ServerThreadsTest).
 #include <fcntl.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/completion_queue.h>
@@ -17,6 +18,8 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
+#include <set>
 #include <fstream>
 #include <memory>
 #include <mutex>
@@ -255,6 +258,89 @@ TEST(ShutdownTest, SigtermDrainsAdmittedWorkRefusesNewCallsAndExitsZero) {
   bool ignored = false;
   while (watch_queue.Next(&tag, &ignored)) {
   }
+}
+
+// Thread IDs of the running process `pid` (/proc/PID/task).
+std::set<int> ThreadIds(pid_t pid) {
+  std::set<int> ids;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(absl::StrCat("/proc/", pid, "/task"), error)) {
+    ids.insert(std::atoi(entry.path().filename().c_str()));
+  }
+  return ids;
+}
+
+// Threading of a loaded server (server/main.cc): OpenBLAS gets the --torch_threads count (its pthread build
+// otherwise starts a worker per core that spins after each GEMM), and gRPC keeps its handler threads
+// (--grpc_max_pollers) instead of creating and ending a thread per call once more than 2 calls are in flight.
+// With gRPC's default of 2 pollers the second wave below started 422 new threads for 640 calls; now none.
+TEST(ServerThreadsTest, OpenBlasFollowsTorchThreadsAndHandlerThreadsAreKeptUnderLoad) {
+  absl::StatusOr<datasets::FashionMnist> test_set = datasets::ReadFashionMnist("t10k");
+  ASSERT_TRUE(test_set.ok()) << test_set.status();
+  const int64_t pixels = test_set->rows * test_set->columns;
+  std::vector<uint8_t> first(test_set->pixels.begin(), test_set->pixels.begin() + pixels);
+  absl::StatusOr<std::string> png = datasets::EncodePng(first, test_set->columns, test_set->rows, 1);
+  ASSERT_TRUE(png.ok()) << png.status();
+
+  const std::string log_path = absl::StrCat(::testing::TempDir(), "/server_threads_test_", getpid(), ".log");
+  const pid_t pid = StartServer({"--model_repository=" + RepositoryPath(), "--listen=127.0.0.1:0",
+                                 "--metrics_listen=", "--max_batch_size=16", "--torch_threads=1"},
+                                log_path);
+  ASSERT_GT(pid, 0);
+  const int port = WaitForPort(log_path, absl::Seconds(120));
+  if (port == 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+    FAIL() << "the server did not start; log:\n" << ReadText(log_path);
+  }
+  EXPECT_NE(ReadText(log_path).find("torch_threads=1 blas_threads=1 "), std::string::npos)
+      << "OpenBLAS's thread count was not set to --torch_threads; log:\n" << ReadText(log_path);
+
+  std::unique_ptr<client::MitaClient> client = client::MitaClient::Connect(absl::StrCat("127.0.0.1:", port));
+  constexpr int kCallsPerClient = 40;
+  // One wave: kClients closed-loop clients, kCallsPerClient calls each; returns the number of failed calls.
+  auto wave = [&] {
+    std::atomic<int> failed{0};
+    std::vector<std::thread> clients;
+    for (int c = 0; c < kClients; ++c) {
+      clients.emplace_back([&] {
+        client::ClassifyOptions options;
+        options.model = kModel;
+        options.deadline = absl::Seconds(60);
+        for (int i = 0; i < kCallsPerClient; ++i) {
+          if (!client->Classify(*png, options).ok()) ++failed;
+        }
+      });
+    }
+    for (std::thread& thread : clients) thread.join();
+    return failed.load();
+  };
+  EXPECT_EQ(wave(), 0);
+  const std::set<int> after_first = ThreadIds(pid);
+  // During the second wave, list the server's threads every millisecond: a thread started and ended for one
+  // call lives for about that call (milliseconds), so the listings catch (most of) them.
+  std::atomic<bool> sampling{true};
+  std::set<int> seen;
+  std::thread sampler([&] {
+    while (sampling.load()) {
+      for (int id : ThreadIds(pid)) seen.insert(id);
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+  });
+  EXPECT_EQ(wave(), 0);
+  sampling.store(false);
+  sampler.join();
+  int started = 0;
+  for (int id : seen) started += after_first.count(id) == 0 ? 1 : 0;
+  std::printf("server threads: %zu after the first wave, %d started during the second (%d calls)\n",
+              after_first.size(), started, kClients * kCallsPerClient);
+  // A few threads may still come and go inside gRPC (timers, executor); a thread per call would be hundreds.
+  EXPECT_LE(started, 8) << "the server started a thread per call";
+
+  ASSERT_EQ(kill(pid, SIGTERM), 0);
+  const int wait_status = WaitForExit(pid, absl::Seconds(kDrainTimeoutS + 30));
+  ASSERT_NE(wait_status, -1) << "the server did not exit; log:\n" << ReadText(log_path);
+  EXPECT_TRUE(WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0) << "log:\n" << ReadText(log_path);
 }
 
 }  // namespace

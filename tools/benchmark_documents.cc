@@ -88,7 +88,7 @@ int RunChild() {
     mallopt(M_MMAP_MAX, 0);
     mallopt(M_TRIM_THRESHOLD, INT_MAX);
   }
-  at::set_num_threads(absl::GetFlag(FLAGS_threads));
+  mita::kernels::SetIntraOpThreads(absl::GetFlag(FLAGS_threads));
   auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));
   if (!package.ok() || package->kind != mita::models::ModelKind::kDocument) {
     std::fprintf(stderr, "child: %s\n", package.ok() ? "not a document model" : package.status().ToString().c_str());

@@ -53,7 +53,7 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(usage_config);
   absl::SetProgramUsageMessage("mita-eval: Fashion-MNIST test accuracy and latency of a model package per budget. Flags below.");
   absl::ParseCommandLine(argc, argv);
-  at::set_num_threads(absl::GetFlag(FLAGS_threads));
+  mita::kernels::SetIntraOpThreads(absl::GetFlag(FLAGS_threads));
   auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));
   if (!package.ok()) {
     std::fprintf(stderr, "%s\n", package.status().ToString().c_str());

@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(usage_config);
   absl::SetProgramUsageMessage("mita-eval-documents: held-out accuracy of a document model per budget. Flags below.");
   absl::ParseCommandLine(argc, argv);
-  at::set_num_threads(absl::GetFlag(FLAGS_threads));
+  mita::kernels::SetIntraOpThreads(absl::GetFlag(FLAGS_threads));
 
   auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));
   if (!package.ok()) {

@@ -165,7 +165,7 @@ int main(int argc, char** argv) {
 
   int threads = absl::GetFlag(FLAGS_threads);
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  at::set_num_threads(threads);
+  mita::kernels::SetIntraOpThreads(threads);
   at::NoGradGuard no_grad;
 
   std::vector<int64_t> token_counts = ParseIntegers(absl::GetFlag(FLAGS_tokens));
