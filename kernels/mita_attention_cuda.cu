@@ -10,10 +10,12 @@
 //                         largest are written in ascending key order by an ordered block compaction.
 //   3. SharedExpertKernel one block per (head, landmark): A_i = softmax(S[i, :] s) v, max then one pass that
 //                         sums exp and accumulates v rows (threads split keys into stripes x channels).
-//   4. QueryKernel        one warp per query: the gate l_i . q_n for 32 landmarks at a time (one per lane) gives
-//                         both e(n) (first maximum) and the compressed logits (times s^2), merged into an
-//                         online softmax with values A_i; then expert e(n)'s keys, 32 at a time, with values
-//                         v_j; one running max and sum over all M + k logits (the same single softmax).
+//   4. QueryKernel        one warp per query: the gate l_i . q_n for 32 landmarks at a time (each a coalesced row
+//                         read and a warp reduction) gives both e(n) (first maximum) and the compressed logits
+//                         (times s^2), merged into an online softmax with values A_i; then expert e(n)'s keys,
+//                         32 at a time, with values v_j; one running max and sum over all M + k logits (the
+//                         same single softmax). Until 2026-11-30 each lane read its own row (32 rows per
+//                         load): 28 ms at N = 64K, H 8, d 64, m = k = 64 on an H200 (docs/kernels.md).
 //   5. CountKernel        statistics only: keys selected by no expert / by two or more.
 // Simple and exact rather than tuned: no tensor cores, no grouping of queries by expert (gathered rows come
 // from L2). docs/kernels.md says what has been measured on hardware.
@@ -33,7 +35,7 @@ namespace {
 
 constexpr int kWarp = 32;
 constexpr int kChannelsPerLane = static_cast<int>(kMaxCudaHeadDim / kWarp);  // register tile of one query's output
-constexpr int kLandmarkGroup = 8;      // landmarks per ScoresKernel thread
+constexpr int kLandmarkGroup = 32;     // landmarks per ScoresKernel thread (each key row read once per group)
 constexpr int kScoreThreads = 128;
 constexpr int kRowThreads = 256;       // TopKKernel, SharedExpertKernel, CountKernel
 constexpr int kQueriesPerBlock = 4;    // QueryKernel: warps per block
@@ -62,7 +64,7 @@ __global__ void ScoresKernel(const T* __restrict__ keys, Strides key_strides, co
   const int64_t key = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (key >= tokens) return;
   const T* row = keys + head * key_strides.head + key * key_strides.token;
-  float sums[kLandmarkGroup] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float sums[kLandmarkGroup] = {};
   for (int64_t c = 0; c < head_dim; ++c) {
     const float value = ToFloat(row[c]);
 #pragma unroll
@@ -249,8 +251,23 @@ __device__ __forceinline__ void AddTile(OnlineSoftmax& state, float logit, bool 
   }
 }
 
-// 4. One warp per query. grid (ceil(N / kQueriesPerBlock), H), block kQueriesPerBlock * 32, dynamic shared
-// memory kQueriesPerBlock * d floats (each warp's query).
+// Dot product of `row` (d elements) with the query held across the warp (lane l owns channels l + 32 r), read
+// coalesced (32 consecutive elements per load); every lane gets the full sum (butterfly reduction).
+template <typename T>
+__device__ __forceinline__ float WarpDot(const T* row, const float (&query_part)[kChannelsPerLane],
+                                         int64_t head_dim) {
+  const int lane = threadIdx.x % kWarp;
+  float partial = 0;
+#pragma unroll
+  for (int r = 0; r < kChannelsPerLane; ++r) {
+    const int64_t channel = lane + r * kWarp;
+    if (channel < head_dim) partial = fmaf(ToFloat(row[channel]), query_part[r], partial);
+  }
+  return WarpSum(partial);
+}
+
+// 4. One warp per query. grid (ceil(N / kQueriesPerBlock), H), block kQueriesPerBlock * 32. Every dot product
+// (gate, routed logits) is one coalesced row read plus a warp reduction; lane e then keeps entry e of the tile.
 template <typename T>
 __global__ void QueryKernel(const T* __restrict__ queries, Strides query_strides, const T* __restrict__ keys,
                             Strides key_strides, const T* __restrict__ values, Strides value_strides,
@@ -258,15 +275,17 @@ __global__ void QueryKernel(const T* __restrict__ queries, Strides query_strides
                             const int32_t* __restrict__ expert_keys, T* __restrict__ output,
                             int32_t* __restrict__ load, int64_t tokens, int64_t output_tokens,
                             int64_t expert_count, int64_t width, int64_t head_dim, float scale) {
-  extern __shared__ float query_rows[];  // [kQueriesPerBlock, d]
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t head = blockIdx.y;
   const int64_t query = static_cast<int64_t>(blockIdx.x) * kQueriesPerBlock + warp;
   if (query >= tokens) return;  // whole warp leaves together
-  float* query_row = query_rows + warp * head_dim;
   const T* source = queries + head * query_strides.head + query * query_strides.token;
-  for (int64_t c = lane; c < head_dim; c += kWarp) query_row[c] = ToFloat(source[c]);
-  __syncwarp();
+  float query_part[kChannelsPerLane];
+#pragma unroll
+  for (int r = 0; r < kChannelsPerLane; ++r) {
+    const int64_t channel = lane + r * kWarp;
+    query_part[r] = channel < head_dim ? ToFloat(source[channel]) : 0.0f;
+  }
 
   const T* head_landmarks = landmarks + head * expert_count * head_dim;
   const float* head_shared = shared_output + head * expert_count * head_dim;
@@ -274,19 +293,20 @@ __global__ void QueryKernel(const T* __restrict__ queries, Strides query_strides
   OnlineSoftmax state;
   float best_gate = -INFINITY;
   int64_t best_expert = -1;
-  // Gate and compressed logits: landmark i0 + lane.
+  // Gate and compressed logits: lane e holds landmark first + e.
   for (int64_t first = 0; first < expert_count; first += kWarp) {
-    const int64_t landmark = first + lane;
-    const bool present = landmark < expert_count;
+    const int64_t count = min(static_cast<int64_t>(kWarp), expert_count - first);
     float gate = 0;
-    if (present) {
-      const T* row = head_landmarks + landmark * head_dim;
-      for (int64_t c = 0; c < head_dim; ++c) gate = fmaf(ToFloat(row[c]), query_row[c], gate);
-      // First maximum: this lane sees its landmarks in increasing order, so only a strictly larger gate wins.
-      if (best_expert < 0 || gate > best_gate) {
-        best_gate = gate;
-        best_expert = landmark;
-      }
+    for (int64_t e = 0; e < count; ++e) {
+      const float dot = WarpDot(head_landmarks + (first + e) * head_dim, query_part, head_dim);
+      if (lane == e) gate = dot;
+    }
+    const bool present = lane < count;
+    const int64_t landmark = first + lane;
+    // First maximum: this lane sees its landmarks in increasing order, so only a strictly larger gate wins.
+    if (present && (best_expert < 0 || gate > best_gate)) {
+      best_gate = gate;
+      best_expert = landmark;
     }
     AddTile(state, gate * compressed_scale, present, head_dim,
             [&](int entry) { return head_shared + (first + entry) * head_dim; });
@@ -307,18 +327,19 @@ __global__ void QueryKernel(const T* __restrict__ queries, Strides query_strides
   const int64_t expert = best_expert;
   if (load != nullptr && lane == 0) atomicAdd(&load[head * expert_count + expert], 1);
 
-  // Routed logits over expert e(n)'s keys, 32 at a time.
+  // Routed logits over expert e(n)'s keys, 32 at a time (lane e holds key first + e).
   const int32_t* expert_key_list = expert_keys + (head * expert_count + expert) * width;
   const T* head_keys = keys + head * key_strides.head;
   const T* head_values = values + head * value_strides.head;
   for (int64_t first = 0; first < width; first += kWarp) {
-    const bool present = first + lane < width;
+    const int64_t count = min(static_cast<int64_t>(kWarp), width - first);
+    const bool present = lane < count;
     const int64_t key = present ? expert_key_list[first + lane] : 0;
     float logit = 0;
-    if (present) {
-      const T* row = head_keys + key * key_strides.token;
-      for (int64_t c = 0; c < head_dim; ++c) logit = fmaf(ToFloat(row[c]), query_row[c], logit);
-      logit *= scale;
+    for (int64_t e = 0; e < count; ++e) {
+      const int64_t entry_key = __shfl_sync(0xFFFFFFFFu, key, static_cast<int>(e));
+      const float dot = WarpDot(head_keys + entry_key * key_strides.token, query_part, head_dim);
+      if (lane == e) logit = dot * scale;
     }
     AddTile(state, logit, present, head_dim, [&](int entry) {
       const int64_t entry_key = __shfl_sync(0xFFFFFFFFu, key, entry);
@@ -437,7 +458,7 @@ std::string Run(const CudaMitaProblem& problem, cudaStream_t stream) {
         scores, v, v_strides, shared_output, tokens, experts, head_dim, scale);
     const dim3 query_grid(static_cast<unsigned>((tokens + kQueriesPerBlock - 1) / kQueriesPerBlock),
                           static_cast<unsigned>(heads));
-    QueryKernel<T><<<query_grid, kQueriesPerBlock * kWarp, sizeof(float) * kQueriesPerBlock * head_dim, stream>>>(
+    QueryKernel<T><<<query_grid, kQueriesPerBlock * kWarp, 0, stream>>>(
         q, q_strides, k, k_strides, v, v_strides, landmarks, shared_output, expert_keys, output, load, tokens,
         problem.tokens, experts, width, head_dim, scale);
     if (cudaError_t error = cudaGetLastError(); error != cudaSuccess) {

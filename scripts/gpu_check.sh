@@ -9,6 +9,9 @@
 #      dispatch of MitaAttentionForward with the CPU kernel on CUDA tensors. Skipped (said so) when torch,
 #      Abseil or GoogleTest is missing there.
 #   1b. compute-sanitizer memcheck over step 1's correctness cases (out-of-bounds and misaligned accesses);
+#   1c. when ncu exists: per-kernel GPU times of one configuration (bfloat16, N 64K, m = k = 64);
+#   1d. when MITA_CUDA_BASELINE names another version of kernels/mita_attention_cuda.cu: the same check and
+#      timing built from it, for a before/after comparison in one run;
 #   3. when python3 has torch: full attention (scaled_dot_product_attention) at step 1's timing sizes, the
 #      same-run baseline for the MiTA times (scripts/gpu_attention_baseline.py).
 # Usage: scripts/gpu_check.sh    (from the repository root; about 2-5 minutes on 16 cores)
@@ -50,6 +53,41 @@ if [ -n "$SANITIZER" ] && [ -x "$BUILD/mita_cuda_check" ]; then
   [ "$rc" -ne 0 ] && status=1
 else
   echo "compute-sanitizer or the check binary missing: step 1b skipped"
+fi
+
+echo "== 1c. per-kernel times under ncu (bfloat16, N 64K, H 8, d 64, m = k = 64)"
+NCU="$(command -v ncu || true)"
+if [ -n "$NCU" ] && [ -x "$BUILD/mita_cuda_check" ]; then
+  timeout 240 "$NCU" --metrics gpu__time_duration.sum --print-units base --csv "$BUILD/mita_cuda_check" --profile \
+    > "$OUT_DIR/ncu_kernels.csv" 2> "$OUT_DIR/ncu_stderr.txt"
+  echo "ncu exit status $?"
+  python3 - "$OUT_DIR/ncu_kernels.csv" <<'PY'
+import collections, csv, re, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if not rows: sys.exit("no ncu rows")
+header, data = rows[0], rows[1:]
+name, value = header.index("Kernel Name"), header.index("Metric Value")
+times = collections.defaultdict(list)
+for r in data:
+    kernel = re.findall(r"\w+Kernel", r[name])
+    times[kernel[0] if kernel else r[name][:60]].append(float(r[value].replace(",", "")))
+print("| kernel | launches | median (us) |\n|---|---:|---:|")
+for kernel, values in times.items():
+    values.sort()
+    print(f"| {kernel} | {len(values)} | {values[len(values) // 2] / 1000:.1f} |")  # ns -> us
+PY
+else
+  echo "ncu or the check binary missing: step 1c skipped"
+fi
+
+if [ -n "${MITA_CUDA_BASELINE:-}" ]; then
+  echo "== 1d. baseline kernel $MITA_CUDA_BASELINE: the same check and timing, for a same-run comparison"
+  if "$NVCC" -std=c++17 -O3 -arch="sm_$ARCH" -I. "$MITA_CUDA_BASELINE" tests/cuda/mita_cuda_check.cc \
+       -o "$BUILD/mita_cuda_check_baseline" > "$OUT_DIR/nvcc_baseline.log" 2>&1; then
+    timeout 300 "$BUILD/mita_cuda_check_baseline" 2>&1 | tee "$OUT_DIR/baseline_check.txt" | grep -E "^\||correctness"
+  else
+    echo "baseline build failed"; tail -5 "$OUT_DIR/nvcc_baseline.log"
+  fi
 fi
 
 echo "== 2. kernels_test against this machine's PyTorch"

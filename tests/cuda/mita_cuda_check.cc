@@ -10,6 +10,7 @@
 // ties (small integers), strided q/k/v (a fused qkv layout).
 // Timing (--time, default on): N in {4K, 16K, 64K}, H = 8, d = 64, (m, k) in {(64, 64), (256, 256)}, median of
 // 10 runs with CUDA events; GFLOP/s with the formula of tools/kernel_bench.cc, 2 N d (4 m + 2 k) per head.
+// --profile: only the bfloat16 N = 64K, m = k = 64 timing (for a per-kernel breakdown under ncu).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -396,9 +397,10 @@ void Time(ElementType type, int64_t tokens, int64_t heads, int64_t head_dim, Bud
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool time = true;
+  bool time = true, profile = false;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--no_time") time = false;
+    if (std::string(argv[i]) == "--profile") profile = true;
   }
   if (mita::kernels::cuda::CudaDeviceCount() == 0) {
     std::printf("mita_cuda_check: no CUDA device (or no driver): skipped\n");
@@ -407,6 +409,10 @@ int main(int argc, char** argv) {
   cudaDeviceProp properties;
   CHECK_CUDA(cudaGetDeviceProperties(&properties, 0));
   std::printf("device 0: %s (sm_%d%d)\n", properties.name, properties.major, properties.minor);
+  if (profile) {  // one timing configuration only, for a profiler's per-kernel breakdown (scripts/gpu_check.sh)
+    Time(ElementType::kBFloat16, 65536, 8, 64, Budget{64, 64});
+    return 0;
+  }
 
   const std::vector<Case> cases = {
       {"odd N, N not divisible by m", 2, 3, 37, 8, {{5, 7}, {5, 7}}},
