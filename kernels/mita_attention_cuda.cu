@@ -1,15 +1,17 @@
 // CUDA MiTA forward (DESIGN.md section 2; arXiv 2602.01219). Interface and semantics: mita_attention_cuda.h.
 // No torch headers: raw device pointers only.
 //
-// Per batch item (items differ in M and k), all heads at once, five kernels on one stream:
+// Per batch item (items differ in M and k), all heads at once, seven kernels on one stream:
 //   1. ScoresKernel       S = l k^T, float32 [H, M, N] in scratch memory; each thread owns one key and a group
 //                         of landmarks (kept in shared memory), so each key row is read once per group.
 //   2. TopKKernel         one block per (head, landmark): exact top-k by an 8-pass radix select over 64-bit
 //                         keys (ordered score bits << 32 | (2^32 - 1 - key index)), which are all distinct and
 //                         order "higher score first, then lower key index"; the k keys at or above the k-th
 //                         largest are written in ascending key order by an ordered block compaction.
-//   3. SharedExpertKernel one block per (head, landmark): A_i = softmax(S[i, :] s) v, max then one pass that
-//                         sums exp and accumulates v rows (threads split keys into stripes x channels).
+//   3. Shared expert A_i = softmax(S[i, :] s) v in three kernels: RowMaxKernel (row maxima of S),
+//                         SharedPartialKernel (8 landmarks x one chunk of keys per block: weights once per
+//                         (landmark, key) in shared memory, each value row read once for the 8), and
+//                         SharedFinishKernel (partials summed over chunks in a fixed order, then divided).
 //   4. QueryKernel        one warp per query: the gate l_i . q_n for 32 landmarks at a time (each a coalesced row
 //                         read and a warp reduction) gives both e(n) (first maximum) and the compressed logits
 //                         (times s^2), merged into an online softmax with values A_i; then expert e(n)'s keys,
@@ -37,8 +39,10 @@ constexpr int kWarp = 32;
 constexpr int kChannelsPerLane = static_cast<int>(kMaxCudaHeadDim / kWarp);  // register tile of one query's output
 constexpr int kLandmarkGroup = 32;     // landmarks per ScoresKernel thread (each key row read once per group)
 constexpr int kScoreThreads = 128;
-constexpr int kRowThreads = 256;       // TopKKernel, SharedExpertKernel, CountKernel
+constexpr int kRowThreads = 256;       // TopKKernel, RowMaxKernel, SharedPartialKernel, CountKernel
 constexpr int kQueriesPerBlock = 4;    // QueryKernel: warps per block
+constexpr int kSharedGroup = 8;        // landmarks per SharedPartialKernel block
+constexpr int64_t kMaxSharedChunks = 64;  // SharedPartialKernel: N is split into at most this many chunks
 
 __device__ __forceinline__ float ToFloat(float x) { return x; }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -157,17 +161,14 @@ __global__ void TopKKernel(const float* __restrict__ scores, int32_t* __restrict
   }
 }
 
-// 3. A[h, i, :] = softmax(S[h, i, :] s) v. grid (M, H), block kRowThreads; dynamic shared memory
-// (stripes * d + stripes) floats.
-template <typename T>
-__global__ void SharedExpertKernel(const float* __restrict__ scores, const T* __restrict__ values,
-                                   Strides value_strides, float* __restrict__ shared_output, int64_t tokens,
-                                   int64_t expert_count, int64_t head_dim, float scale) {
-  extern __shared__ float partial[];  // [stripes, d] accumulators, then [stripes] sums
+// 3. A[h, i, :] = softmax(S[h, i, :] s) v, in three steps so that each value row is read once per group of
+// kSharedGroup landmarks and N is split over blocks (deterministic: partial sums are combined in a fixed order).
+// 3a. RowMaxKernel: maxima[h, i] = max_j S[h, i, j]. grid (M, H), block kRowThreads.
+__global__ void RowMaxKernel(const float* __restrict__ scores, float* __restrict__ maxima, int64_t tokens,
+                             int64_t expert_count) {
   __shared__ float reduce[kRowThreads];
   const int64_t head = blockIdx.y, landmark = blockIdx.x;
   const float* row = scores + (head * expert_count + landmark) * tokens;
-  // Row maximum of S s (s > 0: max(S) s).
   float local_max = -INFINITY;
   for (int64_t j = threadIdx.x; j < tokens; j += blockDim.x) local_max = fmaxf(local_max, row[j]);
   reduce[threadIdx.x] = local_max;
@@ -176,29 +177,91 @@ __global__ void SharedExpertKernel(const float* __restrict__ scores, const T* __
     if (threadIdx.x < width) reduce[threadIdx.x] = fmaxf(reduce[threadIdx.x], reduce[threadIdx.x + width]);
     __syncthreads();
   }
-  const float maximum = reduce[0] * scale;
+  if (threadIdx.x == 0) maxima[head * expert_count + landmark] = reduce[0];
+}
+
+// 3b. SharedPartialKernel: for landmarks i0 .. i0 + kSharedGroup - 1 and the keys of one chunk,
+// partial[chunk, h, i, :] = sum_j w_ij v_j and partial_sums[chunk, h, i] = sum_j w_ij with
+// w_ij = exp(S_ij s - max_i s). grid (ceil(M / kSharedGroup), H, chunks), block kRowThreads; keys in tiles of
+// kRowThreads: each thread computes the weights of one key for the whole group (shared memory), then thread
+// (stripe, channel) accumulates value rows of its stripe for every landmark of the group.
+template <typename T>
+__global__ void SharedPartialKernel(const float* __restrict__ scores, const float* __restrict__ maxima,
+                                    const T* __restrict__ values, Strides value_strides,
+                                    float* __restrict__ partial, float* __restrict__ partial_sums, int64_t tokens,
+                                    int64_t expert_count, int64_t head_dim, int64_t chunk_tokens, float scale) {
+  __shared__ float weights[kSharedGroup][kRowThreads];
+  extern __shared__ float stripe_totals[];  // [stripes, kSharedGroup, d], then [kSharedGroup, kRowThreads] sums
+  const int64_t head = blockIdx.y, chunk = blockIdx.z;
+  const int64_t first_landmark = static_cast<int64_t>(blockIdx.x) * kSharedGroup;
+  const int group = static_cast<int>(min(static_cast<int64_t>(kSharedGroup), expert_count - first_landmark));
+  const int64_t begin = chunk * chunk_tokens, end = min(tokens, begin + chunk_tokens);
   const int stripes = static_cast<int>(blockDim.x / head_dim);
   const int stripe = static_cast<int>(threadIdx.x / head_dim), channel = static_cast<int>(threadIdx.x % head_dim);
+  const float* head_scores = scores + (head * expert_count + first_landmark) * tokens;
   const T* head_values = values + head * value_strides.head;
-  float accumulator = 0, sum = 0;
+  float shifted_max[kSharedGroup];
+#pragma unroll
+  for (int g = 0; g < kSharedGroup; ++g) {
+    shifted_max[g] = g < group ? maxima[head * expert_count + first_landmark + g] * scale : 0.0f;
+  }
+  float accumulators[kSharedGroup] = {};
+  float sums[kSharedGroup] = {};
+  for (int64_t tile = begin; tile < end; tile += blockDim.x) {
+    const int64_t key = tile + threadIdx.x;
+#pragma unroll
+    for (int g = 0; g < kSharedGroup; ++g) {
+      const float weight = (g < group && key < end) ? expf(head_scores[g * tokens + key] * scale - shifted_max[g]) : 0.0f;
+      weights[g][threadIdx.x] = weight;
+      sums[g] += weight;
+    }
+    __syncthreads();
+    if (stripe < stripes) {
+      const int64_t tile_keys = min(static_cast<int64_t>(blockDim.x), end - tile);
+      for (int64_t t = stripe; t < tile_keys; t += stripes) {
+        const float value = ToFloat(head_values[(tile + t) * value_strides.token + channel]);
+#pragma unroll
+        for (int g = 0; g < kSharedGroup; ++g) accumulators[g] = fmaf(weights[g][t], value, accumulators[g]);
+      }
+    }
+    __syncthreads();
+  }
+  float* sum_slots = stripe_totals + stripes * kSharedGroup * head_dim;  // [kSharedGroup, blockDim.x]
   if (stripe < stripes) {
-    for (int64_t j = stripe; j < tokens; j += stripes) {
-      const float weight = expf(row[j] * scale - maximum);
-      sum += weight;
-      accumulator = fmaf(weight, ToFloat(head_values[j * value_strides.token + channel]), accumulator);
-    }
-    partial[stripe * head_dim + channel] = accumulator;
-    if (channel == 0) partial[stripes * head_dim + stripe] = sum;
+#pragma unroll
+    for (int g = 0; g < kSharedGroup; ++g) stripe_totals[(stripe * kSharedGroup + g) * head_dim + channel] = accumulators[g];
   }
+#pragma unroll
+  for (int g = 0; g < kSharedGroup; ++g) sum_slots[g * blockDim.x + threadIdx.x] = sums[g];
   __syncthreads();
-  if (threadIdx.x < head_dim) {
-    float total = 0, total_sum = 0;
-    for (int s = 0; s < stripes; ++s) {
-      total += partial[s * head_dim + threadIdx.x];
-      total_sum += partial[stripes * head_dim + s];
-    }
-    shared_output[(head * expert_count + landmark) * head_dim + threadIdx.x] = total / total_sum;
+  const int64_t slot = (chunk * gridDim.y + head) * expert_count + first_landmark;  // [chunk, h, i]
+  for (int64_t e = threadIdx.x; e < static_cast<int64_t>(group) * head_dim; e += blockDim.x) {
+    const int64_t g = e / head_dim, c = e % head_dim;
+    float total = 0;
+    for (int s = 0; s < stripes; ++s) total += stripe_totals[(s * kSharedGroup + g) * head_dim + c];
+    partial[(slot + g) * head_dim + c] = total;
   }
+  if (threadIdx.x < group) {
+    float total = 0;
+    for (int t = 0; t < static_cast<int>(blockDim.x); ++t) total += sum_slots[threadIdx.x * blockDim.x + t];
+    partial_sums[slot + threadIdx.x] = total;
+  }
+}
+
+// 3c. SharedFinishKernel: A[h, i, :] = sum over chunks of partial / sum over chunks of partial_sums, chunks in
+// increasing order. grid (M, H), block d threads.
+__global__ void SharedFinishKernel(const float* __restrict__ partial, const float* __restrict__ partial_sums,
+                                   float* __restrict__ shared_output, int64_t expert_count, int64_t head_dim,
+                                   int64_t chunks) {
+  const int64_t head = blockIdx.y, landmark = blockIdx.x, heads = gridDim.y;
+  const int64_t channel = threadIdx.x;
+  float total = 0, total_sum = 0;
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    const int64_t slot = (chunk * heads + head) * expert_count + landmark;
+    total += partial[slot * head_dim + channel];
+    total_sum += partial_sums[slot];
+  }
+  shared_output[(head * expert_count + landmark) * head_dim + channel] = total / total_sum;
 }
 
 // Running softmax state of one query (every lane holds the same max and sum, and its own output channels).
@@ -387,6 +450,13 @@ class DeviceGuard {
   bool has_previous_ = false;
 };
 
+// Keys per SharedPartialKernel chunk: a multiple of kRowThreads giving at most kMaxSharedChunks chunks (so small
+// N still uses several chunks, which the correctness check covers).
+int64_t SharedChunkTokens(int64_t tokens) {
+  const int64_t per_chunk_tiles = (tokens + kRowThreads * kMaxSharedChunks - 1) / (kRowThreads * kMaxSharedChunks);
+  return std::max<int64_t>(1, per_chunk_tiles) * kRowThreads;
+}
+
 template <typename T>
 std::string Run(const CudaMitaProblem& problem, cudaStream_t stream) {
   const int64_t heads = problem.heads, max_tokens = problem.tokens, head_dim = problem.head_dim;
@@ -397,16 +467,23 @@ std::string Run(const CudaMitaProblem& problem, cudaStream_t stream) {
     max_width = std::max(max_width, problem.items[b].expert_width);
   }
   // Scratch: scores [H, M, N] f32 | shared output [H, M, d] f32 | expert keys [H, M, k] i32 |
-  // selections [H, N] i32 | load [H, M] i32 | counts [H, 2] u64.
+  // selections [H, N] i32 | load [H, M] i32 | counts [H, 2] u64 | row maxima [H, M] f32 |
+  // shared-expert partials [chunks, H, M, d] f32 and their sums [chunks, H, M] f32.
   const size_t score_bytes = sizeof(float) * heads * max_experts * max_tokens;
   const size_t shared_bytes = sizeof(float) * heads * max_experts * head_dim;
   const size_t key_bytes = sizeof(int32_t) * heads * max_experts * max_width;
   const size_t selection_bytes = want_counts ? sizeof(int32_t) * heads * max_tokens : 0;
   const size_t load_bytes = want_counts ? sizeof(int32_t) * heads * max_experts : 0;
   const size_t count_bytes = want_counts ? sizeof(unsigned long long) * heads * 2 : 0;
+  // Every item's chunk count is at most min(kMaxSharedChunks, ceil(N / kRowThreads)) (SharedChunkTokens).
+  const int64_t max_chunks = std::min<int64_t>(kMaxSharedChunks, (max_tokens + kRowThreads - 1) / kRowThreads);
+  const size_t maxima_bytes = sizeof(float) * heads * max_experts;
+  const size_t partial_bytes = sizeof(float) * max_chunks * heads * max_experts * head_dim;
+  const size_t partial_sum_bytes = sizeof(float) * max_chunks * heads * max_experts;
   auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
   const size_t total = aligned(score_bytes) + aligned(shared_bytes) + aligned(key_bytes) +
-                       aligned(selection_bytes) + aligned(load_bytes) + aligned(count_bytes);
+                       aligned(selection_bytes) + aligned(load_bytes) + aligned(count_bytes) +
+                       aligned(maxima_bytes) + aligned(partial_bytes) + aligned(partial_sum_bytes);
   void* scratch = nullptr;
   if (cudaError_t error = cudaMallocAsync(&scratch, total, stream); error != cudaSuccess) {
     return CudaError(error, "cudaMallocAsync of the MiTA scratch memory");
@@ -423,6 +500,9 @@ std::string Run(const CudaMitaProblem& problem, cudaStream_t stream) {
   int32_t* selections = want_counts ? reinterpret_cast<int32_t*>(take(selection_bytes)) : nullptr;
   int32_t* load = want_counts ? reinterpret_cast<int32_t*>(take(load_bytes)) : nullptr;
   auto* counts = want_counts ? reinterpret_cast<unsigned long long*>(take(count_bytes)) : nullptr;
+  float* maxima = reinterpret_cast<float*>(take(maxima_bytes));
+  float* partial = reinterpret_cast<float*>(take(partial_bytes));
+  float* partial_sums = reinterpret_cast<float*>(take(partial_sum_bytes));
 
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const Strides q_strides{problem.q_strides[0], problem.q_strides[1], problem.q_strides[2]};
@@ -453,9 +533,18 @@ std::string Run(const CudaMitaProblem& problem, cudaStream_t stream) {
         k, k_strides, landmarks, scores, tokens, experts, head_dim);
     const dim3 row_grid(static_cast<unsigned>(experts), static_cast<unsigned>(heads));
     TopKKernel<<<row_grid, kRowThreads, 0, stream>>>(scores, expert_keys, selections, tokens, experts, width);
+    RowMaxKernel<<<row_grid, kRowThreads, 0, stream>>>(scores, maxima, tokens, experts);
+    const int64_t chunk_tokens = SharedChunkTokens(tokens), chunks = (tokens + chunk_tokens - 1) / chunk_tokens;
     const int64_t stripes = kRowThreads / head_dim;
-    SharedExpertKernel<T><<<row_grid, kRowThreads, sizeof(float) * (stripes * head_dim + stripes), stream>>>(
-        scores, v, v_strides, shared_output, tokens, experts, head_dim, scale);
+    const dim3 partial_grid(static_cast<unsigned>((experts + kSharedGroup - 1) / kSharedGroup),
+                            static_cast<unsigned>(heads), static_cast<unsigned>(chunks));
+    SharedPartialKernel<T><<<partial_grid, kRowThreads,
+                             sizeof(float) * (stripes * kSharedGroup * head_dim + kSharedGroup * kRowThreads),
+                             stream>>>(scores, maxima, v, v_strides, partial, partial_sums, tokens, experts,
+                                       head_dim, chunk_tokens, scale);
+    SharedFinishKernel<<<row_grid, static_cast<unsigned>(head_dim), 0, stream>>>(partial, partial_sums,
+                                                                                shared_output, experts, head_dim,
+                                                                                chunks);
     const dim3 query_grid(static_cast<unsigned>((tokens + kQueriesPerBlock - 1) / kQueriesPerBlock),
                           static_cast<unsigned>(heads));
     QueryKernel<T><<<query_grid, kQueriesPerBlock * kWarp, 0, stream>>>(
