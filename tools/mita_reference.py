@@ -108,10 +108,12 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim, heads, mlp_hidden, dwc, eps):
+    """Pre-norm Transformer block (timm names: norm1, attn, norm2, mlp.fc1, mlp.fc2) around `attention`."""
+
+    def __init__(self, dim, mlp_hidden, eps, attention):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=eps)
-        self.attn = Attention(dim, heads, dwc)
+        self.attn = attention
         self.norm2 = nn.LayerNorm(dim, eps=eps)
         self.mlp = nn.Sequential()
         self.mlp.add_module("fc1", nn.Linear(dim, mlp_hidden))
@@ -145,7 +147,7 @@ class MitaVit(nn.Module):
         eps = cfg["layer_norm_eps"]
         dwc = cfg["attention"]["depthwise_conv"]
         self.blocks = nn.ModuleList(
-            [Block(dim, cfg["num_heads"], hidden, dwc, eps) for _ in range(cfg["depth"])])
+            [Block(dim, hidden, eps, Attention(dim, cfg["num_heads"], dwc)) for _ in range(cfg["depth"])])
         self.norm = nn.LayerNorm(dim, eps=eps)
         self.head = nn.Linear(dim, cfg["num_classes"])
 
@@ -233,22 +235,6 @@ class DocumentAttention(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(b, n, c))
 
 
-class DocumentBlock(nn.Module):
-    def __init__(self, dim, heads, mlp_hidden, eps):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=eps)
-        self.attn = DocumentAttention(dim, heads)
-        self.norm2 = nn.LayerNorm(dim, eps=eps)
-        self.mlp = nn.Sequential()
-        self.mlp.add_module("fc1", nn.Linear(dim, mlp_hidden))
-        self.mlp.add_module("act", nn.GELU())
-        self.mlp.add_module("fc2", nn.Linear(mlp_hidden, dim))
-
-    def forward(self, x, budget):
-        x = x + self.attn(self.norm1(x), budget)
-        return x + self.mlp(self.norm2(x))
-
-
 class MitaDocument(nn.Module):
     """MiTA long-document classifier. forward(ids [B, N] int64, budget (m, k) or None for full) -> [B, classes]."""
 
@@ -261,7 +247,8 @@ class MitaDocument(nn.Module):
         self.position_conv = nn.Conv1d(dim, dim, kernel, padding=kernel // 2, groups=dim)
         eps = cfg["layer_norm_eps"]
         self.blocks = nn.ModuleList(
-            [DocumentBlock(dim, cfg["num_heads"], cfg["mlp_hidden_dim"], eps) for _ in range(cfg["depth"])])
+            [Block(dim, cfg["mlp_hidden_dim"], eps, DocumentAttention(dim, cfg["num_heads"]))
+             for _ in range(cfg["depth"])])
         self.norm = nn.LayerNorm(dim, eps=eps)
         self.head = nn.Linear(dim, cfg["num_classes"])
 

@@ -38,30 +38,48 @@ from mita_reference import (MitaDocument, MitaVit, document_config, fashion_mnis
                             load_safetensors, save_safetensors)
 
 
-def make_package(args):
-    torch.manual_seed(args.seed)
-    cfg = fashion_mnist_config()
-    cfg["attention"]["depthwise_conv"] = not args.no_dwc
-    model = MitaVit(cfg)
+def write_random_package(model, cfg, args, command, label_prefix):
+    """Adds Gaussian noise of scale args.noise to every parameter of `model` and writes the package
+    (model.safetensors, config.json, labels.txt "<label_prefix> i") into args.out."""
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(torch.randn_like(parameter) * args.noise)
     os.makedirs(args.out, exist_ok=True)
     save_safetensors(model.state_dict(), os.path.join(args.out, "model.safetensors"),
-                     {"format": "pt", "made_by": "tools/reference_logits.py make-package", "seed": args.seed})
+                     {"format": "pt", "made_by": f"tools/reference_logits.py {command}", "seed": args.seed})
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
         f.write("\n")
     with open(os.path.join(args.out, "labels.txt"), "w") as f:
-        f.write("\n".join(f"class {i}" for i in range(cfg["num_classes"])) + "\n")
+        f.write("\n".join(f"{label_prefix} {i}" for i in range(cfg["num_classes"])) + "\n")
+
+
+def load_package_model(package, model_class):
+    """(model in eval mode with the package's weights, its config dict) for a package folder."""
+    with open(os.path.join(package, "config.json")) as f:
+        cfg = json.load(f)
+    model = model_class(cfg)
+    model.load_state_dict(load_safetensors(os.path.join(package, "model.safetensors")), strict=True)
+    model.eval()
+    return model, cfg
+
+
+def write_logits(rows, path):
+    """Writes the list of [num_classes] logit rows as raw little-endian float32 [B, num_classes]."""
+    logits = torch.stack(rows).contiguous()
+    with open(path, "wb") as f:
+        f.write(logits.numpy().astype("<f4").tobytes())
+
+
+def make_package(args):
+    torch.manual_seed(args.seed)
+    cfg = fashion_mnist_config()
+    cfg["attention"]["depthwise_conv"] = not args.no_dwc
+    write_random_package(MitaVit(cfg), cfg, args, "make-package", "class")
 
 
 def compute_logits(args):
-    with open(os.path.join(args.package, "config.json")) as f:
-        cfg = json.load(f)
-    model = MitaVit(cfg)
-    model.load_state_dict(load_safetensors(os.path.join(args.package, "model.safetensors")), strict=True)
-    model.eval()
+    model, cfg = load_package_model(args.package, MitaVit)
     with open(args.budgets) as f:
         budgets = json.load(f)
     side, channels = cfg["image_size"], cfg["in_channels"]
@@ -80,36 +98,18 @@ def compute_logits(args):
                 assert pool_side * pool_side == budget["expert_count"]
                 item_budget = (pool_side, budget["expert_width"])
             rows.append(model(image.unsqueeze(0), item_budget)[0])
-    logits = torch.stack(rows).contiguous()
-    with open(args.out, "wb") as f:
-        f.write(logits.numpy().astype("<f4").tobytes())
+    write_logits(rows, args.out)
 
 
 def make_document_package(args):
     torch.manual_seed(args.seed)
     cfg = document_config(vocab_size=256, num_classes=args.num_classes, tokenizer=args.tokenizer, embed_dim=32,
                           depth=2, num_heads=2, mlp_hidden_dim=64, kernel_size=5, max_tokens=args.max_tokens)
-    model = MitaDocument(cfg)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn_like(parameter) * args.noise)
-    os.makedirs(args.out, exist_ok=True)
-    save_safetensors(model.state_dict(), os.path.join(args.out, "model.safetensors"),
-                     {"format": "pt", "made_by": "tools/reference_logits.py make-document-package",
-                      "seed": args.seed})
-    with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-        f.write("\n")
-    with open(os.path.join(args.out, "labels.txt"), "w") as f:
-        f.write("\n".join(f"topic {i}" for i in range(cfg["num_classes"])) + "\n")
+    write_random_package(MitaDocument(cfg), cfg, args, "make-document-package", "topic")
 
 
 def compute_document_logits(args):
-    with open(os.path.join(args.package, "config.json")) as f:
-        cfg = json.load(f)
-    model = MitaDocument(cfg)
-    model.load_state_dict(load_safetensors(os.path.join(args.package, "model.safetensors")), strict=True)
-    model.eval()
+    model, _ = load_package_model(args.package, MitaDocument)
     with open(args.lengths) as f:
         lengths = json.load(f)
     with open(args.budgets) as f:
@@ -125,9 +125,7 @@ def compute_document_logits(args):
             offset += length
             item_budget = None if budget.get("full_attention") else (budget["expert_count"], budget["expert_width"])
             rows.append(model(ids, item_budget)[0])
-    logits = torch.stack(rows).contiguous()
-    with open(args.out, "wb") as f:
-        f.write(logits.numpy().astype("<f4").tobytes())
+    write_logits(rows, args.out)
 
 
 def main():
