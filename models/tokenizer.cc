@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <new>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -86,15 +87,29 @@ class SentencePieceTokenizer final : public Tokenizer {
   ~SentencePieceTokenizer() override { api_->destroy(processor_); }
 
   absl::StatusOr<std::vector<int64_t>> Encode(std::string_view utf8_text) const override {
-    std::vector<int64_t> ids;
+    // The callback must not throw (sentencepiece_adapter.h): a failed copy is reported after the call.
+    struct Collected {
+      std::vector<int64_t> ids;
+      bool out_of_memory = false;
+    } collected;
     char error[512] = {0};
     const MitaSentencePieceIdsCallback collect = [](void* context, const int* values, size_t count) {
-      static_cast<std::vector<int64_t>*>(context)->assign(values, values + count);
+      auto* target = static_cast<Collected*>(context);
+      try {
+        target->ids.assign(values, values + count);
+      } catch (const std::bad_alloc&) {
+        target->out_of_memory = true;
+      }
     };
-    if (api_->encode(processor_, utf8_text.data(), utf8_text.size(), collect, &ids, error, sizeof(error)) != 0) {
+    if (api_->encode(processor_, utf8_text.data(), utf8_text.size(), collect, &collected, error, sizeof(error)) !=
+        0) {
       return absl::InternalError(absl::StrCat("sentencepiece: ", error));
     }
-    return ids;
+    if (collected.out_of_memory) {
+      return absl::InternalError(
+          absl::StrCat("sentencepiece: out of memory for the token ids of a ", utf8_text.size(), "-byte text"));
+    }
+    return std::move(collected.ids);
   }
   int64_t vocab_size() const override { return api_->vocab_size(processor_); }
   std::string name() const override { return "sentencepiece"; }
