@@ -3,8 +3,9 @@
 //
 // No C++ exception leaves an entry point: each catches everything and reports it as an error. The library can
 // throw (std::bad_alloc; protobuf's FatalException, e.g. from its version check when its bundled protobuf-lite
-// is bound to another protobuf), and an exception must not unwind through the C interface into the caller,
-// whose error handling is the returned status.
+// is bound to another protobuf), and an exception must not unwind through the C interface into the caller:
+// across a separate link-map namespace (sanitizer builds, models/tokenizer.cc) there is no common C++ runtime
+// to catch it, and in any build the caller's error handling is the returned status.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>

@@ -31,21 +31,26 @@ class BytesTokenizer final : public Tokenizer {
   std::string name() const override { return "bytes"; }
 };
 
-// RTLD_DEEPBIND keeps the module's own protobuf copy (inside Debian's libsentencepiece) bound to itself rather
-// than to LibTorch's and gRPC's. AddressSanitizer's runtime refuses RTLD_DEEPBIND (it aborts the process), so
-// sanitizer builds load the module without it; SentencePiece is then not covered by the sanitizer runs.
-#if defined(__SANITIZE_ADDRESS__)
-#define MITA_UNDER_ADDRESS_SANITIZER 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define MITA_UNDER_ADDRESS_SANITIZER 1
-#endif
-#endif
-#ifdef MITA_UNDER_ADDRESS_SANITIZER
-constexpr int kModuleOpenFlags = RTLD_NOW | RTLD_LOCAL;
+// How the module is loaded. Normally dlopen with RTLD_DEEPBIND, which keeps the module's own protobuf copy
+// (inside Debian's libsentencepiece) bound to itself rather than to LibTorch's and gRPC's libprotobuf.
+//
+// Sanitizer and fuzzer builds (MITA_SENTENCEPIECE_OWN_NAMESPACE, set by models/CMakeLists.txt) cannot: the
+// sanitizer runtime's dlopen refuses RTLD_DEEPBIND (it aborts the process), and without it libsentencepiece's
+// protobuf references bind to libprotobuf.so.32 (3.21) already in the global scope, whose version check
+// throws on the first model load ("compiled against version 3.14.0 ... not compatible with the installed
+// version (3.21.12)"). Those builds therefore build the module uninstrumented and load it with
+// dlmopen(LM_ID_NEWLM): a link-map namespace of its own, holding only the module, libsentencepiece and their
+// own copies of libstdc++ and libc, so nothing binds across (the C interface of sentencepiece_adapter.h
+// shares no heap and passes no exception). The module is uninstrumented there because the sanitizer and
+// coverage runtimes live in the executable, which that namespace does not see. The sanitizers then check our
+// side of the interface; libsentencepiece itself is a Debian build and never instrumented.
+void* OpenModule(const std::string& path) {
+#ifdef MITA_SENTENCEPIECE_OWN_NAMESPACE
+  return dlmopen(LM_ID_NEWLM, path.c_str(), RTLD_NOW | RTLD_LOCAL);
 #else
-constexpr int kModuleOpenFlags = RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND;
+  return dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
 #endif
+}
 
 // The SentencePiece module (sentencepiece_adapter.h), loaded once per process: $MITA_SENTENCEPIECE_MODULE, else
 // the path CMake compiled in (the build tree's module), else "libmita_sentencepiece.so" on the library path.
@@ -59,7 +64,7 @@ absl::StatusOr<const MitaSentencePieceApi*> SentencePieceApi() {
     candidates.push_back("libmita_sentencepiece.so");
     std::string errors;
     for (const std::string& candidate : candidates) {
-      void* module = dlopen(candidate.c_str(), kModuleOpenFlags);
+      void* module = OpenModule(candidate);
       if (module == nullptr) {
         const char* message = dlerror();
         absl::StrAppend(&errors, errors.empty() ? "" : "; ", message != nullptr ? message : candidate);
