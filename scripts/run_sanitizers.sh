@@ -24,6 +24,8 @@
 #   dlmopen(LM_ID_NEWLM), a link-map namespace of its own (models/tokenizer.cc, models/CMakeLists.txt), so the
 #   SentencePiece tests and every test serving the document model run here; the sanitizers check our side of
 #   the module's C interface, not libsentencepiece or the module's thin wrapper. Nothing is skipped.
+# runtime_libraries_check is not registered in this build (tests/CMakeLists.txt): it checks the shipped
+#   binaries' libraries against the container's package list, and these clang binaries are not shipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${MITA_SANITIZER_BUILD_DIR:-build-asan}
