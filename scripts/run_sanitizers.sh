@@ -50,5 +50,7 @@ echo "sanitizer build: $((built - start)) s"
 
 cd "$BUILD_DIR"
 EXCLUDE=${MITA_SANITIZER_CTEST_EXCLUDE-}
-ctest --output-on-failure --timeout 1800 ${EXCLUDE:+-E "$EXCLUDE"}
+status=0
+ctest --output-on-failure --timeout 1800 ${EXCLUDE:+-E "$EXCLUDE"} || status=$?
 echo "sanitizer tests: $(($(date +%s) - built)) s"
+exit $status
