@@ -6,9 +6,17 @@
 // ReflectionOps::FindInitializationErrors before main). So the library is never linked into our binaries:
 // sentencepiece_module.cc wraps it in a MODULE library that models/tokenizer.cc loads with
 // dlopen(RTLD_LOCAL | RTLD_DEEPBIND), which keeps sentencepiece's symbols out of the global scope and binds its
-// own references to its own copy. (The module also keeps sentencepiece_processor.h, whose
+// own references to its own copy. Sanitizer and fuzzer builds, whose runtime refuses RTLD_DEEPBIND, build the
+// module uninstrumented and load it with dlmopen(LM_ID_NEWLM) into a link-map namespace of its own (its own
+// libc and libstdc++ too; see models/tokenizer.cc). (The module also keeps sentencepiece_processor.h, whose
 // `namespace absl { using std::string_view; }` collides with Debian Abseil's absl::string_view class, out of
 // every translation unit that includes Abseil.)
+//
+// Because the two sides may not share a C++ runtime or a heap, the interface is plain C and:
+// - no C++ exception crosses it in either direction (the module catches everything and returns an error; the
+//   ids callback must not throw);
+// - no ownership of memory crosses it: each side frees only what it allocated (the processor handle is freed
+//   by `destroy`, in the module; `ids` is valid only during the callback; `error` is the caller's buffer).
 #pragma once
 
 #include <cstddef>
@@ -16,7 +24,7 @@
 
 extern "C" {
 
-// Receives the ids of one Encode call (count entries).
+// Receives the ids of one Encode call (count entries, valid only during the call). Must not throw.
 typedef void (*MitaSentencePieceIdsCallback)(void* context, const int* ids, size_t count);
 
 // The module's entry points (all return 0 on success, else write a NUL-terminated message into `error`).

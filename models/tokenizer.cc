@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <new>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -30,21 +31,26 @@ class BytesTokenizer final : public Tokenizer {
   std::string name() const override { return "bytes"; }
 };
 
-// RTLD_DEEPBIND keeps the module's own protobuf copy (inside Debian's libsentencepiece) bound to itself rather
-// than to LibTorch's and gRPC's. AddressSanitizer's runtime refuses RTLD_DEEPBIND (it aborts the process), so
-// sanitizer builds load the module without it; SentencePiece is then not covered by the sanitizer runs.
-#if defined(__SANITIZE_ADDRESS__)
-#define MITA_UNDER_ADDRESS_SANITIZER 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define MITA_UNDER_ADDRESS_SANITIZER 1
-#endif
-#endif
-#ifdef MITA_UNDER_ADDRESS_SANITIZER
-constexpr int kModuleOpenFlags = RTLD_NOW | RTLD_LOCAL;
+// How the module is loaded. Normally dlopen with RTLD_DEEPBIND, which keeps the module's own protobuf copy
+// (inside Debian's libsentencepiece) bound to itself rather than to LibTorch's and gRPC's libprotobuf.
+//
+// Sanitizer and fuzzer builds (MITA_SENTENCEPIECE_OWN_NAMESPACE, set by models/CMakeLists.txt) cannot: the
+// sanitizer runtime's dlopen refuses RTLD_DEEPBIND (it aborts the process), and without it libsentencepiece's
+// protobuf references bind to libprotobuf.so.32 (3.21) already in the global scope, whose version check
+// throws on the first model load ("compiled against version 3.14.0 ... not compatible with the installed
+// version (3.21.12)"). Those builds therefore build the module uninstrumented and load it with
+// dlmopen(LM_ID_NEWLM): a link-map namespace of its own, holding only the module, libsentencepiece and their
+// own copies of libstdc++ and libc, so nothing binds across (the C interface of sentencepiece_adapter.h
+// shares no heap and passes no exception). The module is uninstrumented there because the sanitizer and
+// coverage runtimes live in the executable, which that namespace does not see. The sanitizers then check our
+// side of the interface; libsentencepiece itself is a Debian build and never instrumented.
+void* OpenModule(const std::string& path) {
+#ifdef MITA_SENTENCEPIECE_OWN_NAMESPACE
+  return dlmopen(LM_ID_NEWLM, path.c_str(), RTLD_NOW | RTLD_LOCAL);
 #else
-constexpr int kModuleOpenFlags = RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND;
+  return dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
 #endif
+}
 
 // The SentencePiece module (sentencepiece_adapter.h), loaded once per process: $MITA_SENTENCEPIECE_MODULE, else
 // the path CMake compiled in (the build tree's module), else "libmita_sentencepiece.so" on the library path.
@@ -58,7 +64,7 @@ absl::StatusOr<const MitaSentencePieceApi*> SentencePieceApi() {
     candidates.push_back("libmita_sentencepiece.so");
     std::string errors;
     for (const std::string& candidate : candidates) {
-      void* module = dlopen(candidate.c_str(), kModuleOpenFlags);
+      void* module = OpenModule(candidate);
       if (module == nullptr) {
         const char* message = dlerror();
         absl::StrAppend(&errors, errors.empty() ? "" : "; ", message != nullptr ? message : candidate);
@@ -86,15 +92,29 @@ class SentencePieceTokenizer final : public Tokenizer {
   ~SentencePieceTokenizer() override { api_->destroy(processor_); }
 
   absl::StatusOr<std::vector<int64_t>> Encode(std::string_view utf8_text) const override {
-    std::vector<int64_t> ids;
+    // The callback must not throw (sentencepiece_adapter.h): a failed copy is reported after the call.
+    struct Collected {
+      std::vector<int64_t> ids;
+      bool out_of_memory = false;
+    } collected;
     char error[512] = {0};
     const MitaSentencePieceIdsCallback collect = [](void* context, const int* values, size_t count) {
-      static_cast<std::vector<int64_t>*>(context)->assign(values, values + count);
+      auto* target = static_cast<Collected*>(context);
+      try {
+        target->ids.assign(values, values + count);
+      } catch (const std::bad_alloc&) {
+        target->out_of_memory = true;
+      }
     };
-    if (api_->encode(processor_, utf8_text.data(), utf8_text.size(), collect, &ids, error, sizeof(error)) != 0) {
+    if (api_->encode(processor_, utf8_text.data(), utf8_text.size(), collect, &collected, error, sizeof(error)) !=
+        0) {
       return absl::InternalError(absl::StrCat("sentencepiece: ", error));
     }
-    return ids;
+    if (collected.out_of_memory) {
+      return absl::InternalError(
+          absl::StrCat("sentencepiece: out of memory for the token ids of a ", utf8_text.size(), "-byte text"));
+    }
+    return std::move(collected.ids);
   }
   int64_t vocab_size() const override { return api_->vocab_size(processor_); }
   std::string name() const override { return "sentencepiece"; }

@@ -16,8 +16,16 @@
 #   halt_on_error / abort_on_error: the first report fails the test.
 # MITA_SANITIZER_CTEST_EXCLUDE: a ctest -E pattern of tests to skip (default: none). The two 20 ms-window
 # service tests that ASan's slowdown broke were replaced by tests/cancellation_test.cc (60 s windows).
-# SentencePiece under ASan: models/tokenizer.cc loads its module without RTLD_DEEPBIND there (the sanitizer
-# runtime refuses that flag).
+# SentencePiece: normal builds load its module (models/sentencepiece_adapter.h) with RTLD_DEEPBIND, which the
+#   sanitizer runtime refuses (it aborts). Loaded without it, Debian's libsentencepiece binds its bundled
+#   protobuf-lite 3.14 to the process's libprotobuf 3.21, whose version check throws on the first model load;
+#   the rerun of 2026-11-30 saw that fail 35 tests (every test that loads models/repository/linux-doc-mita or
+#   a SentencePiece model). Decision: instrumented builds build that module uninstrumented and load it with
+#   dlmopen(LM_ID_NEWLM), a link-map namespace of its own (models/tokenizer.cc, models/CMakeLists.txt), so the
+#   SentencePiece tests and every test serving the document model run here; the sanitizers check our side of
+#   the module's C interface, not libsentencepiece or the module's thin wrapper. Nothing is skipped.
+# runtime_libraries_check is not registered in this build (tests/CMakeLists.txt): it checks the shipped
+#   binaries' libraries against the container's package list, and these clang binaries are not shipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${MITA_SANITIZER_BUILD_DIR:-build-asan}
@@ -42,5 +50,7 @@ echo "sanitizer build: $((built - start)) s"
 
 cd "$BUILD_DIR"
 EXCLUDE=${MITA_SANITIZER_CTEST_EXCLUDE-}
-ctest --output-on-failure --timeout 1800 ${EXCLUDE:+-E "$EXCLUDE"}
+status=0
+ctest --output-on-failure --timeout 1800 ${EXCLUDE:+-E "$EXCLUDE"} || status=$?
 echo "sanitizer tests: $(($(date +%s) - built)) s"
+exit $status
