@@ -1,5 +1,6 @@
 // Writes the seed corpus of the fuzzers (tests/fuzz/corpus/<fuzzer>/): small valid inputs of each kind, from
-// which libFuzzer mutates. Run once by hand (the files are committed):
+// which libFuzzer mutates (not tokenizer_fuzzer's: corpus/tokenizer/ holds three text files committed as they
+// are). Run once by hand (the files are committed):
 //   build-asan/tests/fuzz/make_fuzz_seeds tests/fuzz/corpus
 #include <cstdint>
 #include <cstdio>
