@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
-#include <new>
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -16,11 +15,11 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/softmax.h>
-#include <c10/util/Exception.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kernels/aten_errors.h"
 #include "kernels/mita_attention_internal.h"
 #ifdef MITA_HAVE_CUDA
 #include "kernels/mita_attention_cuda.h"
@@ -93,21 +92,14 @@ absl::Status CheckQueryKeyValue(const at::Tensor& q, const at::Tensor& k, const 
   return absl::OkStatus();
 }
 
-// Runs `body` and turns the exceptions ATen may throw (out of memory, internal checks) into a Status.
+// Runs `body` and turns the exceptions ATen may throw (out of memory, internal checks) into a Status
+// (CurrentExceptionStatus, aten_errors.h).
 template <typename Body>
 absl::StatusOr<at::Tensor> RunWithoutThrowing(const char* operation, Body&& body) {
   try {
     return body();
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(absl::StrCat(operation, ": out of memory"));
-  } catch (const c10::Error& error) {
-    const std::string message = error.what_without_backtrace();
-    if (message.find("not enough memory") != std::string::npos) {
-      return absl::ResourceExhaustedError(absl::StrCat(operation, ": ", message));
-    }
-    return absl::InternalError(absl::StrCat(operation, " failed: ", message));
-  } catch (const std::exception& error) {
-    return absl::InternalError(absl::StrCat(operation, " failed: ", error.what()));
+  } catch (const std::exception&) {
+    return CurrentExceptionStatus(operation);
   }
 }
 

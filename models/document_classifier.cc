@@ -2,6 +2,7 @@
 // tools/mita_reference.py; both follow shared/DESIGN.md section 2 and must agree to float32 rounding.
 #include "models/document_classifier.h"
 
+#include <exception>
 #include <utility>
 
 #include <ATen/ops/conv1d.h>
@@ -17,22 +18,13 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kernels/aten_errors.h"
+#include "models/classifier_errors.h"
 #include "models/classifier_weights.h"
 
 namespace mita::models {
 
 struct DocumentClassifier::Block : internal::TransformerBlockWeights {};
-
-namespace {
-
-// A kernel rejecting inputs validated here is a fault of this code, not of the request; running out of memory
-// stays RESOURCE_EXHAUSTED.
-absl::Status KernelFault(const absl::Status& status) {
-  if (status.code() == absl::StatusCode::kResourceExhausted) return status;
-  return absl::InternalError(absl::StrCat("attention kernel: ", status.message()));
-}
-
-}  // namespace
 
 DocumentClassifier::DocumentClassifier(DocumentConfig config) : config_(std::move(config)) {}
 DocumentClassifier::~DocumentClassifier() = default;
@@ -156,7 +148,7 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
           attention = kernels::FullAttentionForward(q, k, v);
         } else {
           absl::StatusOr<at::Tensor> landmarks = kernels::SequenceLandmarks(q, budgets[b].expert_count);
-          if (!landmarks.ok()) return KernelFault(landmarks.status());
+          if (!landmarks.ok()) return internal::KernelFault(landmarks.status());
           const kernels::MitaItem item{(*landmarks)[0], budgets[b].expert_width};
           std::vector<kernels::MitaItemStatistics> statistics;
           attention = kernels::MitaAttentionForward(q, k, v, {item}, want_statistics ? &statistics : nullptr,
@@ -165,7 +157,7 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
             output.statistics[b].push_back(std::move(statistics[0]));
           }
         }
-        if (!attention.ok()) return KernelFault(attention.status());
+        if (!attention.ok()) return internal::KernelFault(attention.status());
         // [1, H, N, d] -> [N, H, d] -> [N, C]
         merged.narrow(0, offsets[b], tokens).view({tokens, heads, head_dim}).copy_((*attention)[0].transpose(0, 1));
       }
@@ -180,15 +172,13 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
     for (int64_t b = 0; b < batch; ++b) pooled[b] = normed.narrow(0, offsets[b], lengths[b]).mean(0);
     logits = at::linear(at::stack(pooled), head_weight_, head_bias_);
     // A normal (not inference-mode) tensor, so callers may modify it in place outside InferenceMode.
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(absl::StrCat("document forward: out of memory for ", total, " tokens"));
-  } catch (const c10::Error& error) {
-    return absl::InternalError(absl::StrCat("document forward failed: ", error.what_without_backtrace()));
+  } catch (const std::exception&) {
+    return kernels::CurrentExceptionStatus(absl::StrCat("document forward (", total, " tokens)"));
   }
   try {
     output.logits = logits.clone();
-  } catch (const c10::Error& error) {
-    return absl::InternalError(absl::StrCat("document forward failed: ", error.what_without_backtrace()));
+  } catch (const std::exception&) {
+    return kernels::CurrentExceptionStatus(absl::StrCat("document forward (", total, " tokens)"));
   }
   return output;
 }

@@ -3,6 +3,7 @@
 #include "models/vit_classifier.h"
 
 #include <cmath>
+#include <exception>
 #include <utility>
 
 #include <ATen/ops/cat.h>
@@ -17,6 +18,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kernels/aten_errors.h"
+#include "models/classifier_errors.h"
 #include "models/classifier_weights.h"
 
 namespace mita::models {
@@ -24,15 +27,6 @@ namespace mita::models {
 struct VitClassifier::Block : internal::TransformerBlockWeights {
   at::Tensor dwc_weight, dwc_bias;  // [C, 1, 3, 3], [C]; undefined without DWC
 };
-
-namespace {
-
-// A kernel rejecting inputs validated here is a fault of this code, not of the request.
-absl::Status KernelFault(const absl::Status& status) {
-  return absl::InternalError(absl::StrCat("attention kernel: ", status.message()));
-}
-
-}  // namespace
 
 VitClassifier::VitClassifier(VitConfig config) : config_(std::move(config)) {}
 VitClassifier::~VitClassifier() = default;
@@ -162,7 +156,7 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
           const bool whole = positions.size() == mita_items.size();
           const at::Tensor q_group = whole ? q_mita : q_mita.index_select(0, index_tensor(positions));
           absl::StatusOr<at::Tensor> landmarks = kernels::ImageLandmarks(q_group, pool_side);  // [b, H, P*P, d]
-          if (!landmarks.ok()) return KernelFault(landmarks.status());
+          if (!landmarks.ok()) return internal::KernelFault(landmarks.status());
           for (size_t j = 0; j < positions.size(); ++j) {
             kernels::MitaItem& item = items[positions[j]];
             item.landmarks = (*landmarks)[static_cast<int64_t>(j)];
@@ -172,7 +166,7 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
         std::vector<kernels::MitaItemStatistics> statistics;
         absl::StatusOr<at::Tensor> result = kernels::MitaAttentionForward(
             q_mita, k_mita, v_mita, items, want_statistics ? &statistics : nullptr, backend);
-        if (!result.ok()) return KernelFault(result.status());
+        if (!result.ok()) return internal::KernelFault(result.status());
         mita_output = *std::move(result);
         if (want_statistics) {
           for (size_t j = 0; j < mita_items.size() && j < statistics.size(); ++j) {
@@ -185,7 +179,7 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
             kernels::FullAttentionForward(all_full ? q : q.index_select(0, full_index),
                                           all_full ? k : k.index_select(0, full_index),
                                           all_full ? v : v.index_select(0, full_index));
-        if (!result.ok()) return KernelFault(result.status());
+        if (!result.ok()) return internal::KernelFault(result.status());
         full_output = *std::move(result);
       }
       if (all_full) {
@@ -223,14 +217,14 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
     // LayerNorm is per token, so normalising only the cls token equals norm(x)[:, 0].
     const at::Tensor cls = at::layer_norm(x.select(1, 0), {channels}, norm_weight_, norm_bias_, config_.layer_norm_eps);
     logits = at::linear(cls, head_weight_, head_bias_);
-  } catch (const c10::Error& error) {
-    return absl::InternalError(absl::StrCat("classifier forward failed: ", error.what_without_backtrace()));
+  } catch (const std::exception&) {
+    return kernels::CurrentExceptionStatus("classifier forward");
   }
   try {
     // A normal (not inference-mode) tensor, so callers may modify it in place outside InferenceMode.
     output.logits = logits.clone();
-  } catch (const c10::Error& error) {
-    return absl::InternalError(absl::StrCat("classifier forward failed: ", error.what_without_backtrace()));
+  } catch (const std::exception&) {
+    return kernels::CurrentExceptionStatus("classifier forward");
   }
   return output;
 }

@@ -46,7 +46,7 @@ class VitClassifier {
   // Runs under c10::InferenceMode; the returned logits are ordinary tensors. Thread-safe (const, no state).
   // statistics: resized to B; statistics[b] holds one entry per layer when want_statistics and item b ran MiTA.
   // Errors: INVALID_ARGUMENT for a wrong image shape, dtype or device, a budget count != B or an invalid budget;
-  // INTERNAL when ATen or a kernel fails on validated input.
+  // RESOURCE_EXHAUSTED when memory runs out; INTERNAL when ATen or a kernel fails otherwise on validated input.
   absl::StatusOr<ClassifierOutput> Forward(const at::Tensor& images, absl::Span<const AttentionBudget> budgets,
                                            bool want_statistics,
                                            kernels::MitaBackend backend = kernels::MitaBackend::kAuto) const;

@@ -1,6 +1,7 @@
 // Tests of kernels/: the production CPU MiTA forward and the ATen reference against an independent float64
 // per-query loop written here (plain std::vector<double>, no ATen math), landmarks against hand loops, full
-// attention, the documented tie rules, statistics, and argument validation. Math: DESIGN.md section 2.
+// attention, the documented tie rules, statistics, argument validation, and ATen exceptions as a Status.
+// Math: DESIGN.md section 2.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -9,7 +10,9 @@
 #include <limits>
 #include <numeric>
 #include <ostream>
+#include <new>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,10 +26,12 @@
 #include <ATen/ops/randn.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/util/Exception.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "absl/status/status.h"
+#include "kernels/aten_errors.h"
 #include "kernels/mita_attention.h"
 #include "kernels/mita_attention_internal.h"
 #include "kernels/openmp_environment.h"
@@ -931,6 +936,71 @@ TEST(Validation, FullAttentionAndLandmarksRejectInvalidArguments) {
   ExpectInvalid(SequenceLandmarks(q, 0).status(), "expert_count 0 is outside [1, 10]");
   ExpectInvalid(SequenceLandmarks(q, 11).status(), "expert_count 11 is outside [1, 10]");
   ExpectInvalid(SequenceLandmarks(q[0][0], 2).status(), "4-D");
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// (8) Exceptions ATen throws become a Status (aten_errors.h): running out of memory is RESOURCE_EXHAUSTED, in
+// every form LibTorch reports it; anything else is INTERNAL.
+
+// The Status CurrentExceptionStatus("op") gives for what `thrower` throws (OK when it throws nothing).
+absl::Status StatusOfThrown(const std::function<void()>& thrower) {
+  try {
+    thrower();
+  } catch (...) {
+    return CurrentExceptionStatus("op");
+  }
+  return absl::OkStatus();
+}
+
+void ExpectStatus(const absl::Status& status, absl::StatusCode code, const std::string& message_part) {
+  EXPECT_EQ(status.code(), code) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr(message_part));
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+#define MITA_TEST_UNDER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define MITA_TEST_UNDER_ASAN 1
+#endif
+#endif
+
+TEST(AtenErrors, RealAllocationFailureIsResourceExhausted) {
+#ifdef MITA_TEST_UNDER_ASAN
+  GTEST_SKIP() << "AddressSanitizer aborts on an allocation this large instead of failing it";
+#else
+  // 2^45 floats (128 TiB): LibTorch's CPU allocator fails at once ("DefaultCPUAllocator: can't allocate
+  // memory: ..." here, a c10::Error); the kernels once mapped this to INTERNAL.
+  const absl::Status status = StatusOfThrown([] { (void)at::empty({int64_t{1} << 45}, at::kFloat); });
+  ExpectStatus(status, absl::StatusCode::kResourceExhausted, "op: ");
+  EXPECT_TRUE(IsOutOfMemoryMessage(std::string(status.message()))) << status;
+#endif
+}
+
+TEST(AtenErrors, EveryOutOfMemoryFormIsResourceExhaustedAndTheRestInternal) {
+  ExpectStatus(StatusOfThrown([] { throw std::bad_alloc(); }), absl::StatusCode::kResourceExhausted,
+               "op: out of memory");
+  // The CPU allocator's wordings (posix_memalign failing; elsewhere) and the CUDA allocator's exception type.
+  ExpectStatus(StatusOfThrown([] {
+                 TORCH_CHECK(false, "DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes.");
+               }),
+               absl::StatusCode::kResourceExhausted, "op: DefaultCPUAllocator: can't allocate memory");
+  ExpectStatus(StatusOfThrown([] {
+                 TORCH_CHECK(false, "DefaultCPUAllocator: not enough memory: you tried to allocate 8 bytes.");
+               }),
+               absl::StatusCode::kResourceExhausted, "op: DefaultCPUAllocator: not enough memory");
+  ExpectStatus(StatusOfThrown([] { TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried 2 GiB"); }),
+               absl::StatusCode::kResourceExhausted, "op: CUDA out of memory");
+  ExpectStatus(StatusOfThrown([] { TORCH_CHECK_WITH(OutOfMemoryError, false, "allocation failed"); }),
+               absl::StatusCode::kResourceExhausted, "op: allocation failed");
+  // Anything else is INTERNAL, with the operation and the message.
+  ExpectStatus(StatusOfThrown([] { TORCH_CHECK(false, "expected a 4-D tensor"); }), absl::StatusCode::kInternal,
+               "op failed: expected a 4-D tensor");
+  ExpectStatus(StatusOfThrown([] { throw std::runtime_error("boom"); }), absl::StatusCode::kInternal,
+               "op failed: boom");
+  ExpectStatus(StatusOfThrown([] { throw 42; }), absl::StatusCode::kInternal, "op failed: unknown exception");
+  EXPECT_TRUE(StatusOfThrown([] {}).ok());
+  EXPECT_FALSE(IsOutOfMemoryMessage("expected a 4-D tensor"));
 }
 
 }  // namespace

@@ -26,6 +26,7 @@
 #include "absl/status/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "models/classifier_errors.h"
 #include "models/image_decoder.h"
 #include "models/model_config.h"
 #include "models/model_package.h"
@@ -818,6 +819,23 @@ TEST(TrainedPackageTest, MatchesPythonAndClassifiesFashionMnist) {
                                                   {false, 49, 50}, {false, 1, 4}};
     CompareWithPython(*package, directory, images->narrow(0, 0, 6), budgets, work, 1e-4);
   }
+}
+
+// ----- forward errors -----
+
+// Both classifiers (vit_classifier.cc, document_classifier.cc) pass a failed attention-kernel call through
+// internal::KernelFault: running out of memory stays RESOURCE_EXHAUSTED (the image classifier once turned it
+// into INTERNAL while the document classifier kept it); any other kernel error on validated input is INTERNAL.
+TEST(ClassifierErrorsTest, KernelOutOfMemoryStaysResourceExhaustedOtherKernelErrorsAreInternal) {
+  const absl::Status out_of_memory =
+      absl::ResourceExhaustedError("MiTA attention: DefaultCPUAllocator: can't allocate memory");
+  EXPECT_EQ(internal::KernelFault(out_of_memory), out_of_memory);
+  ExpectStatus(internal::KernelFault(absl::InvalidArgumentError("items[0].expert_width 10 is outside [1, 9]")),
+               absl::StatusCode::kInternal, "attention kernel: items[0].expert_width 10 is outside [1, 9]");
+  ExpectStatus(internal::KernelFault(absl::InternalError("full attention failed: x")), absl::StatusCode::kInternal,
+               "attention kernel: full attention failed: x");
+  ExpectStatus(internal::KernelFault(absl::UnknownError("y")), absl::StatusCode::kInternal, "attention kernel: y");
+  EXPECT_TRUE(internal::KernelFault(absl::OkStatus()).ok());
 }
 
 }  // namespace
