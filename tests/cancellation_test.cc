@@ -11,9 +11,6 @@
 #include <grpcpp/completion_queue.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
-#include <grpcpp/security/server_credentials.h>
-#include <grpcpp/server.h>
-#include <grpcpp/server_builder.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -35,55 +32,16 @@
 #include "server/classify_service.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
-#include "tools/fashion_mnist.h"
+#include "tests/server_test_util.h"
+#include "tests/test_util.h"
 
 namespace mita::server {
 namespace {
 
 constexpr char kModel[] = "fashion-mnist-vit";
 
-std::string RepositoryPath() {
-  if (const char* repository = std::getenv("MITA_MODEL_REPOSITORY"); repository != nullptr && *repository) {
-    return repository;
-  }
-  const char* source = std::getenv("MITA_SOURCE_DIR");
-  return absl::StrCat(source != nullptr ? source : ".", "/models/repository");
-}
-
-// Sum over the samples of family `name` (counter, gauge or histogram sample count) whose labels include
-// `labels`.
-double MetricValue(const prometheus::Registry& registry, const std::string& name,
-                   const std::map<std::string, std::string>& labels = {}) {
-  double total = 0;
-  for (const prometheus::MetricFamily& family : registry.Collect()) {
-    if (family.name != name) continue;
-    for (const prometheus::ClientMetric& metric : family.metric) {
-      bool match = true;
-      for (const auto& [key, value] : labels) {
-        bool found = false;
-        for (const prometheus::ClientMetric::Label& label : metric.label) {
-          found = found || (label.name == key && label.value == value);
-        }
-        match = match && found;
-      }
-      if (!match) continue;
-      switch (family.type) {
-        case prometheus::MetricType::Counter:
-          total += metric.counter.value;
-          break;
-        case prometheus::MetricType::Gauge:
-          total += metric.gauge.value;
-          break;
-        case prometheus::MetricType::Histogram:
-          total += static_cast<double>(metric.histogram.sample_count);
-          break;
-        default:
-          break;
-      }
-    }
-  }
-  return total;
-}
+using test_util::MetricValue;
+using test_util::RepositoryPath;
 
 // Polls `condition` every 2 ms until it holds or `bound` passes; returns whether it held.
 bool WaitFor(const std::function<bool()>& condition, absl::Duration bound = absl::Seconds(10)) {
@@ -95,18 +53,14 @@ bool WaitFor(const std::function<bool()>& condition, absl::Duration bound = absl
   return true;
 }
 
-// One in-process server (service, metrics, gRPC on 127.0.0.1:0) with the given batching policy.
+// One in-process server (service, metrics, gRPC on 127.0.0.1:0) with the given batching policy, and a raw
+// stub of it.
 struct TestServer {
-  std::unique_ptr<ServerMetrics> metrics;
-  std::unique_ptr<ClassifyService> service;
-  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<test_util::InProcessServer> in_process;
+  ClassifyService* service = nullptr;
   std::unique_ptr<v1::MitaService::Stub> stub;
 
-  ~TestServer() {
-    if (server != nullptr) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    if (service != nullptr) service->Shutdown();
-  }
-  const prometheus::Registry& registry() const { return *metrics->registry(); }
+  const prometheus::Registry& registry() const { return in_process->registry(); }
   double QueueDepth() const { return MetricValue(registry(), "mita_queue_depth"); }
   double Batches() const { return MetricValue(registry(), "mita_batch_size", {{"model", kModel}}); }
   double Answered(const std::string& code) const {
@@ -123,15 +77,9 @@ class CancellationTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<ModelRegistry>> registry = ModelRegistry::LoadFromDirectory(RepositoryPath());
     ASSERT_TRUE(registry.ok()) << registry.status();
     registry_ = registry->release();
-    absl::StatusOr<datasets::FashionMnist> test_set = datasets::ReadFashionMnist("t10k");
-    ASSERT_TRUE(test_set.ok()) << test_set.status();
-    const int64_t pixels = test_set->rows * test_set->columns;
-    for (int i = 0; i < 16; ++i) {
-      std::vector<uint8_t> image(test_set->pixels.begin() + i * pixels, test_set->pixels.begin() + (i + 1) * pixels);
-      absl::StatusOr<std::string> png = datasets::EncodePng(image, test_set->columns, test_set->rows, 1);
-      ASSERT_TRUE(png.ok()) << png.status();
-      images_.push_back(*png);
-    }
+    absl::StatusOr<test_util::TestImages> test_images = test_util::FashionMnistTestPngs(16);
+    ASSERT_TRUE(test_images.ok()) << test_images.status();
+    images_ = test_images->pngs;
   }
   static void TearDownTestSuite() {
     delete registry_;
@@ -141,26 +89,16 @@ class CancellationTest : public ::testing::Test {
 
   static std::unique_ptr<TestServer> Start(int64_t max_batch_size, absl::Duration max_queue_delay) {
     auto server = std::make_unique<TestServer>();
-    std::vector<ServerMetrics::ModelInfo> infos;
-    for (const models::ModelPackage* p : registry_->packages()) infos.push_back({p->name, AttentionLayers(*p)});
-    server->metrics = std::make_unique<ServerMetrics>(infos);
     ServiceOptions options;
     options.batching.max_batch_size = max_batch_size;
     options.batching.max_queue_delay = max_queue_delay;
     options.batching.queue_capacity = 4096;
-    absl::StatusOr<std::unique_ptr<ClassifyService>> service =
-        ClassifyService::Create(registry_, server->metrics.get(), options);
-    EXPECT_TRUE(service.ok()) << service.status();
-    if (!service.ok()) return nullptr;
-    server->service = *std::move(service);
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(server->service.get());
-    server->server = builder.BuildAndStart();
-    EXPECT_NE(port, 0);
+    server->in_process = std::make_unique<test_util::InProcessServer>(registry_, options);
+    EXPECT_TRUE(server->in_process->status().ok()) << server->in_process->status();
+    if (!server->in_process->status().ok()) return nullptr;
+    server->service = &server->in_process->service();
     server->stub = v1::MitaService::NewStub(
-        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+        grpc::CreateChannel(server->in_process->target(), grpc::InsecureChannelCredentials()));
     return server;
   }
 

@@ -8,9 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <iterator>
 #include <map>
 #include <sstream>
 #include <string>
@@ -32,70 +30,23 @@
 #include "models/safetensors.h"
 #include "models/tokenizer.h"
 #include "nlohmann/json.hpp"
+#include "tests/test_util.h"
 
 namespace mita::models {
 namespace {
 
 using ::testing::ElementsAre;
-using ::testing::HasSubstr;
 using Json = nlohmann::json;
 
 // ----- helpers -----
 
-std::string SourceDirectory() {
-  const char* directory = std::getenv("MITA_SOURCE_DIR");
-  return directory != nullptr ? directory : ".";
-}
-
-std::vector<std::string>& TempDirectories() {
-  static auto* directories = new std::vector<std::string>();
-  return *directories;
-}
-
-class TempDirectoryCleanup : public ::testing::Environment {
- public:
-  void TearDown() override {
-    for (const std::string& directory : TempDirectories()) {
-      std::error_code error;
-      std::filesystem::remove_all(directory, error);
-    }
-  }
-};
-[[maybe_unused]] ::testing::Environment* const kCleanup =
-    ::testing::AddGlobalTestEnvironment(new TempDirectoryCleanup);
-
-std::string MakeTempDirectory(const std::string& name) {
-  std::filesystem::path path = std::filesystem::path(::testing::TempDir()) /
-                               ("mita_document_test_" + std::to_string(::getpid()) + "_" + name);
-  std::filesystem::remove_all(path);
-  std::filesystem::create_directories(path);
-  TempDirectories().push_back(path.string());
-  return path.string();
-}
-
-void WriteFile(const std::string& path, const std::string& bytes) {
-  std::ofstream file(path, std::ios::binary);
-  file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(file.good()) << path;
-}
-
-std::string ReadFileBytes(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-}
-
-void ExpectStatus(const absl::Status& status, absl::StatusCode code, const std::string& message_part) {
-  EXPECT_EQ(status.code(), code) << status;
-  EXPECT_THAT(std::string(status.message()), HasSubstr(message_part));
-}
-
-constexpr char kPython[] = "/usr/bin/python3";
-
-bool PythonHasTorch() {
-  static const bool has_torch =
-      std::system((std::string(kPython) + " -c 'import torch' > /dev/null 2>&1").c_str()) == 0;
-  return has_torch;
-}
+using test_util::ExpectStatus;
+using test_util::kPython;
+using test_util::MakeTempDirectory;
+using test_util::PythonHasTorch;
+using test_util::ReadFile;
+using test_util::SourceDirectory;
+using test_util::WriteFile;
 
 bool HasProgram(const std::string& name) {
   return std::system(("command -v " + name + " > /dev/null 2>&1").c_str()) == 0;
@@ -278,7 +229,7 @@ class SentencePieceTest : public ::testing::Test {
     const std::string command = "spm_train --input=" + work_ + "/corpus.txt --model_prefix=" + work_ +
                                 "/tokenizer --vocab_size=40 --model_type=unigram --minloglevel=2 > " + work_ +
                                 "/spm_train.log 2>&1";
-    ASSERT_EQ(std::system(command.c_str()), 0) << ReadFileBytes(work_ + "/spm_train.log");
+    ASSERT_EQ(std::system(command.c_str()), 0) << ReadFile(work_ + "/spm_train.log");
   }
   std::string work_;
 };
@@ -304,7 +255,7 @@ TEST_F(SentencePieceTest, EncodesAsSpmEncode) {
                          "/input.txt > " + work_ + "/ids.txt")
                             .c_str()),
             0);
-  std::istringstream expected_stream(ReadFileBytes(work_ + "/ids.txt"));
+  std::istringstream expected_stream(ReadFile(work_ + "/ids.txt"));
   std::vector<int64_t> expected((std::istream_iterator<int64_t>(expected_stream)), std::istream_iterator<int64_t>());
   EXPECT_EQ(*ids, expected);
   absl::StatusOr<std::vector<int64_t>> empty = (*tokenizer)->Encode("");
@@ -357,9 +308,9 @@ absl::StatusOr<at::Tensor> PythonDocumentLogits(const std::string& package, cons
                               work + "/tokens.i64 --lengths " + work + "/lengths.json --budgets " + work +
                               "/budgets.json --out " + work + "/logits.f32 2> " + work + "/python_stderr.txt";
   if (std::system(command.c_str()) != 0) {
-    return absl::InternalError("reference_logits.py failed: " + ReadFileBytes(work + "/python_stderr.txt"));
+    return absl::InternalError("reference_logits.py failed: " + ReadFile(work + "/python_stderr.txt"));
   }
-  const std::string bytes = ReadFileBytes(work + "/logits.f32");
+  const std::string bytes = ReadFile(work + "/logits.f32");
   const auto batch = static_cast<int64_t>(lengths.size());
   if (bytes.empty() || bytes.size() % (batch * sizeof(float)) != 0) {
     return absl::InternalError("reference_logits.py wrote " + std::to_string(bytes.size()) + " bytes");
@@ -394,7 +345,7 @@ class DocumentTwinTest : public ::testing::Test {
     const std::string command = std::string(kPython) + " " + SourceDirectory() +
                                 "/tools/reference_logits.py make-document-package --seed 3 --out " +
                                 package_directory_ + " 2> " + work_ + "/make_stderr.txt";
-    ASSERT_EQ(std::system(command.c_str()), 0) << ReadFileBytes(work_ + "/make_stderr.txt");
+    ASSERT_EQ(std::system(command.c_str()), 0) << ReadFile(work_ + "/make_stderr.txt");
     absl::StatusOr<ModelPackage> package = LoadModelPackage(package_directory_);
     ASSERT_TRUE(package.ok()) << package.status();
     package_ = std::move(*package);
@@ -539,7 +490,7 @@ TEST_F(DocumentTwinTest, PackageFaultsAreNamed) {
   ExpectStatus(DocumentClassifier::Create(package_.document_config, extra).status(), absl::StatusCode::kInvalidArgument,
                "weights: unexpected tensor \"pos_embed\"");
   // A sentencepiece config without tokenizer.model.
-  Json config = Json::parse(ReadFileBytes(package_directory_ + "/config.json"));
+  Json config = Json::parse(ReadFile(package_directory_ + "/config.json"));
   config["tokenizer"] = "sentencepiece";
   WriteFile(package_directory_ + "/config.json", config.dump());
   ExpectStatus(LoadModelPackage(package_directory_).status(), absl::StatusCode::kNotFound, "tokenizer.model");

@@ -2,9 +2,8 @@
 // flag), decompression bombs hidden in PNG ancillary chunks, and zero-sized / wrong-rank tensors given to the
 // model. The image and safetensors/config faults themselves are in image_decoder_test.cc and models_test.cc;
 // the fuzzers are in tests/fuzz.
-#include <grpcpp/security/server_credentials.h>
-#include <grpcpp/server.h>
-#include <grpcpp/server_builder.h>
+#include <stdio.h>  // before jpeglib.h, which uses FILE and size_t without declaring them
+
 #include <jpeglib.h>
 #include <zlib.h>
 
@@ -38,6 +37,8 @@
 #include "server/message_limits.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
+#include "tests/server_test_util.h"
+#include "tests/test_util.h"
 #include "tools/fashion_mnist.h"
 
 namespace mita::server {
@@ -48,52 +49,13 @@ using ::testing::HasSubstr;
 constexpr char kModel[] = "fashion-mnist-vit";
 constexpr int64_t kFourMiB = int64_t{4} << 20;
 
-std::string RepositoryPath() {
-  const char* source = std::getenv("MITA_SOURCE_DIR");
-  return absl::StrCat(source != nullptr ? source : ".", "/models/repository");
-}
-
-void ExpectError(const absl::Status& status, absl::StatusCode code, const std::vector<std::string>& parts) {
-  EXPECT_EQ(status.code(), code) << status;
-  for (const std::string& part : parts) EXPECT_THAT(std::string(status.message()), HasSubstr(part));
-}
-
-// The sum of counter samples of `name` whose labels include `labels`.
-double CounterValue(const prometheus::Registry& registry, const std::string& name,
-                    const std::map<std::string, std::string>& labels) {
-  double total = 0;
-  for (const prometheus::MetricFamily& family : registry.Collect()) {
-    if (family.name != name) continue;
-    for (const prometheus::ClientMetric& metric : family.metric) {
-      int matched = 0;
-      for (const prometheus::ClientMetric::Label& label : metric.label) {
-        auto it = labels.find(label.name);
-        if (it != labels.end() && it->second == label.value) ++matched;
-      }
-      if (matched == static_cast<int>(labels.size())) total += metric.counter.value;
-    }
-  }
-  return total;
-}
+using test_util::AppendBigEndian32;
+using test_util::ExpectStatusParts;
+using test_util::MetricValue;
+using test_util::PngChunk;
+using test_util::RepositoryPath;
 
 // ----- PNG building -----
-
-void AppendBigEndian32(std::string& out, uint32_t value) {
-  for (int shift = 24; shift >= 0; shift -= 8) out.push_back(static_cast<char>((value >> shift) & 0xff));
-}
-
-// One PNG chunk: length, type, data, CRC-32 of type + data (PNG spec 5.3).
-std::string PngChunk(const std::string& type, const std::string& data) {
-  std::string chunk;
-  AppendBigEndian32(chunk, static_cast<uint32_t>(data.size()));
-  chunk += type;
-  chunk += data;
-  uLong crc = crc32(0L, Z_NULL, 0);
-  crc = crc32(crc, reinterpret_cast<const Bytef*>(type.data()), static_cast<uInt>(type.size()));
-  crc = crc32(crc, reinterpret_cast<const Bytef*>(data.data()), static_cast<uInt>(data.size()));
-  AppendBigEndian32(chunk, static_cast<uint32_t>(crc));
-  return chunk;
-}
 
 // Inserts `chunks` right after IHDR (8-byte signature + 25-byte IHDR chunk) of a PNG.
 std::string InsertAfterIhdr(const std::string& png, const std::string& chunks) {
@@ -145,15 +107,15 @@ TEST(MessageSizeGuardTest, LimitIsInclusiveAndTheErrorNamesTheLimitAndTheFlag) {
   MessageSizeGuard guard(MessageSizeLimits{}, &registry);
   EXPECT_TRUE(guard.CheckRequestBytes(kFourMiB - 1).ok());
   EXPECT_TRUE(guard.CheckRequestBytes(kFourMiB).ok());
-  ExpectError(guard.CheckRequestBytes(kFourMiB + 1), absl::StatusCode::kResourceExhausted,
-              {"request message of 4194305 bytes is over the limit of 4194304 bytes",
-               "flag --max_receive_message_bytes"});
+  ExpectStatusParts(guard.CheckRequestBytes(kFourMiB + 1), absl::StatusCode::kResourceExhausted,
+                    {"request message of 4194305 bytes is over the limit of 4194304 bytes",
+                     "flag --max_receive_message_bytes"});
   EXPECT_TRUE(guard.CheckResponseBytes(kFourMiB).ok());
-  ExpectError(guard.CheckResponseBytes(kFourMiB + 1), absl::StatusCode::kResourceExhausted,
-              {"response message of 4194305 bytes is over the limit of 4194304 bytes",
-               "flag --max_send_message_bytes"});
-  EXPECT_EQ(CounterValue(registry, "mita_oversized_messages_total", {{"direction", "request"}}), 1);
-  EXPECT_EQ(CounterValue(registry, "mita_oversized_messages_total", {{"direction", "response"}}), 1);
+  ExpectStatusParts(guard.CheckResponseBytes(kFourMiB + 1), absl::StatusCode::kResourceExhausted,
+                    {"response message of 4194305 bytes is over the limit of 4194304 bytes",
+                     "flag --max_send_message_bytes"});
+  EXPECT_EQ(MetricValue(registry, "mita_oversized_messages_total", {{"direction", "request"}}), 1);
+  EXPECT_EQ(MetricValue(registry, "mita_oversized_messages_total", {{"direction", "response"}}), 1);
 
   // The message check uses the protobuf encoding size.
   v1::ClassifyResponse response;
@@ -168,12 +130,12 @@ TEST(MessageSizeGuardTest, LimitsOutOfRangeAreRejectedAndTheTransportLimitIsTwic
   MessageSizeLimits limits;
   EXPECT_TRUE(ValidateMessageSizeLimits(limits).ok());
   limits.max_receive_bytes = 1023;
-  ExpectError(ValidateMessageSizeLimits(limits), absl::StatusCode::kInvalidArgument,
-              {"flag --max_receive_message_bytes is 1023 bytes: allowed [1024, 1073741824]"});
+  ExpectStatusParts(ValidateMessageSizeLimits(limits), absl::StatusCode::kInvalidArgument,
+                    {"flag --max_receive_message_bytes is 1023 bytes: allowed [1024, 1073741824]"});
   limits.max_receive_bytes = kFourMiB;
   limits.max_send_bytes = (int64_t{1} << 30) + 1;
-  ExpectError(ValidateMessageSizeLimits(limits), absl::StatusCode::kInvalidArgument,
-              {"flag --max_send_message_bytes"});
+  ExpectStatusParts(ValidateMessageSizeLimits(limits), absl::StatusCode::kInvalidArgument,
+                    {"flag --max_send_message_bytes"});
   EXPECT_EQ(TransportLimitBytes(kFourMiB), 2 * kFourMiB);
   EXPECT_EQ(TransportLimitBytes(int64_t{1} << 30), 2147483647);
 }
@@ -181,41 +143,21 @@ TEST(MessageSizeGuardTest, LimitsOutOfRangeAreRejectedAndTheTransportLimitIsTwic
 // ----- the service over loopback -----
 
 // A server for the repository's models with the given message limits (as mita-server sets them up).
-class LimitedServer {
+class LimitedServer : public test_util::InProcessServer {
  public:
-  LimitedServer(const ModelRegistry* registry, MessageSizeLimits limits) {
-    std::vector<ServerMetrics::ModelInfo> infos;
-    for (const models::ModelPackage* p : registry->packages()) infos.push_back({p->name, AttentionLayers(*p)});
-    metrics_ = std::make_unique<ServerMetrics>(infos);
-    ServiceOptions options;
-    options.batching.max_queue_delay = absl::ZeroDuration();
-    options.max_encoded_image_bytes = limits.max_receive_bytes;
-    options.message_size = std::make_shared<MessageSizeGuard>(limits, metrics_->registry().get());
-    absl::StatusOr<std::unique_ptr<ClassifyService>> service = ClassifyService::Create(registry, metrics_.get(), options);
-    EXPECT_TRUE(service.ok()) << service.status();
-    if (!service.ok()) return;
-    service_ = *std::move(service);
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    options.message_size->ConfigureServer(builder);
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
-    EXPECT_NE(port, 0);
-    client_ = client::MitaClient::Connect(absl::StrCat("127.0.0.1:", port));
+  LimitedServer(const ModelRegistry* registry, MessageSizeLimits limits)
+      : InProcessServer(registry, Options(std::move(limits))) {
+    EXPECT_TRUE(status().ok()) << status();
   }
-  ~LimitedServer() {
-    if (server_ != nullptr) server_->Shutdown();
-    if (service_ != nullptr) service_->Shutdown();
-  }
-  const client::MitaClient& client() const { return *client_; }
-  const prometheus::Registry& registry() const { return *metrics_->registry(); }
 
  private:
-  std::unique_ptr<ServerMetrics> metrics_;
-  std::unique_ptr<ClassifyService> service_;
-  std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<client::MitaClient> client_;
+  static test_util::InProcessServerOptions Options(MessageSizeLimits limits) {
+    test_util::InProcessServerOptions options;
+    options.service.batching.max_queue_delay = absl::ZeroDuration();
+    options.service.max_encoded_image_bytes = limits.max_receive_bytes;
+    options.message_limits = std::move(limits);
+    return options;
+  }
 };
 
 class MessageLimitServiceTest : public ::testing::Test {
@@ -241,18 +183,18 @@ TEST_F(MessageLimitServiceTest, FourMiBRequestIsServedAndOneByteMoreNamesTheLimi
     ASSERT_TRUE(response.ok()) << size << " bytes: " << response.status();
     EXPECT_EQ(response->classes_size(), 5);
   }
-  ExpectError(server.client().ClassifyRaw(RequestOfExactSize(kFourMiB + 1)).status(),
-              absl::StatusCode::kResourceExhausted,
-              {"request message of 4194305 bytes is over the limit of 4194304 bytes",
-               "flag --max_receive_message_bytes"});
+  ExpectStatusParts(server.client().ClassifyRaw(RequestOfExactSize(kFourMiB + 1)).status(),
+                    absl::StatusCode::kResourceExhausted,
+                    {"request message of 4194305 bytes is over the limit of 4194304 bytes",
+                     "flag --max_receive_message_bytes"});
   // Up to twice the limit the service answers; beyond it gRPC's transport does (its own message).
-  ExpectError(server.client().ClassifyRaw(RequestOfExactSize(2 * kFourMiB - 16)).status(),
-              absl::StatusCode::kResourceExhausted, {"flag --max_receive_message_bytes"});
+  ExpectStatusParts(server.client().ClassifyRaw(RequestOfExactSize(2 * kFourMiB - 16)).status(),
+                    absl::StatusCode::kResourceExhausted, {"flag --max_receive_message_bytes"});
   EXPECT_EQ(server.client().ClassifyRaw(RequestOfExactSize(2 * kFourMiB + 16)).status().code(),
             absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(CounterValue(server.registry(), "mita_oversized_messages_total", {{"direction", "request"}}), 2);
-  EXPECT_EQ(CounterValue(server.registry(), "mita_requests_total",
-                         {{"method", "Classify"}, {"model", kModel}, {"code", "RESOURCE_EXHAUSTED"}}),
+  EXPECT_EQ(MetricValue(server.registry(), "mita_oversized_messages_total", {{"direction", "request"}}), 2);
+  EXPECT_EQ(MetricValue(server.registry(), "mita_requests_total",
+                        {{"method", "Classify"}, {"model", kModel}, {"code", "RESOURCE_EXHAUSTED"}}),
             2);
   // The server still serves.
   absl::StatusOr<v1::ClassifyResponse> response = server.client().ClassifyRaw(RequestOfExactSize(1000));
@@ -285,10 +227,10 @@ TEST_F(MessageLimitServiceTest, ResponseOverTheSendLimitNamesTheLimitAndTheFlag)
   LimitedServer server(registry_, limits);
   EXPECT_TRUE(server.client().ClassifyRaw(request).ok());
   request = with_statistics;
-  ExpectError(server.client().ClassifyRaw(request).status(), absl::StatusCode::kResourceExhausted,
-              {absl::StrCat("over the limit of ", limits.max_send_bytes, " bytes"), "flag --max_send_message_bytes",
-               "return_statistics"});
-  EXPECT_EQ(CounterValue(server.registry(), "mita_oversized_messages_total", {{"direction", "response"}}), 1);
+  ExpectStatusParts(server.client().ClassifyRaw(request).status(), absl::StatusCode::kResourceExhausted,
+                    {absl::StrCat("over the limit of ", limits.max_send_bytes, " bytes"),
+                     "flag --max_send_message_bytes", "return_statistics"});
+  EXPECT_EQ(MetricValue(server.registry(), "mita_oversized_messages_total", {{"direction", "response"}}), 1);
   // GetModel's metadata (labels, knobs) fits in 1 KiB for this model.
   EXPECT_TRUE(server.client().GetModel(kModel).ok());
 }
@@ -411,8 +353,8 @@ TEST(DecompressionBombTest, JpegWithTooManyScansIsRejected) {
   ASSERT_TRUE(decoded.ok()) << decoded.status();
   EXPECT_EQ(decoded->width, 16);
   const std::string bomb = ProgressiveJpeg(true);
-  ExpectError(models::DecodeImage(bomb, 1, models::ImageDecodeLimits{}).status(), absl::StatusCode::kInvalidArgument,
-              {"invalid JPEG: more than 500 scans"});
+  ExpectStatusParts(models::DecodeImage(bomb, 1, models::ImageDecodeLimits{}).status(),
+                    absl::StatusCode::kInvalidArgument, {"invalid JPEG: more than 500 scans"});
 }
 
 // ----- zero-sized and wrong-rank tensors given to the model -----

@@ -8,7 +8,6 @@
 
 #include <png.h>
 #include <jpeglib.h>
-#include <zlib.h>
 
 #include <ATen/core/Tensor.h>
 
@@ -16,12 +15,15 @@
 #include "gtest/gtest.h"
 #include "models/image_decoder.h"
 #include "models/model_config.h"
+#include "tests/test_util.h"
 #include "tools/fashion_mnist.h"
 
 namespace mita::models {
 namespace {
 
 using ::testing::HasSubstr;
+using test_util::AppendBigEndian32;
+using test_util::PngChunk;
 
 // ----- helpers -----
 
@@ -108,18 +110,6 @@ std::string WriteCmykJpeg(int width, int height, const std::vector<uint8_t>& cmy
   std::string out(reinterpret_cast<const char*>(buffer), size);
   free(buffer);
   return out;
-}
-
-void AppendBigEndian32(std::string& out, uint32_t value) {
-  for (int shift = 24; shift >= 0; shift -= 8) out.push_back(static_cast<char>((value >> shift) & 0xFF));
-}
-
-// A PNG chunk: length, type, data, CRC-32 over type and data (PNG spec 5.3).
-void AppendPngChunk(std::string& out, const std::string& type, const std::string& data) {
-  AppendBigEndian32(out, static_cast<uint32_t>(data.size()));
-  const std::string body = type + data;
-  out += body;
-  AppendBigEndian32(out, static_cast<uint32_t>(crc32(0L, reinterpret_cast<const Bytef*>(body.data()), body.size())));
 }
 
 DecodedImage Decode(const std::string& bytes, int64_t channels, ImageDecodeLimits limits = {}) {
@@ -274,8 +264,8 @@ TEST(DecodePngTest, DeclaredSizeOverTheLimitIsRejectedBeforeDecoding) {
   AppendBigEndian32(ihdr, 100000);
   AppendBigEndian32(ihdr, 100000);
   ihdr += std::string("\x08\x00\x00\x00\x00", 5);  // bit depth 8, gray, deflate, filter 0, no interlace
-  AppendPngChunk(png, "IHDR", ihdr);
-  AppendPngChunk(png, "IEND", "");
+  png += PngChunk("IHDR", ihdr);
+  png += PngChunk("IEND", "");
   ExpectInvalid(png, "declares 100000x100000 pixels, over the limit of 4096x4096");
 
   // The limits are the caller's: a 10 x 5 image passes 10 x 5 and fails 9 x 5.

@@ -35,11 +35,11 @@
 #include "kernels/mita_attention.h"
 #include "kernels/mita_attention_internal.h"
 #include "kernels/openmp_environment.h"
+#include "tests/test_util.h"
 
 namespace mita::kernels {
 namespace {
 
-using ::testing::HasSubstr;
 
 // ---------------------------------------------------------------------------------------------------------
 // Data helpers.
@@ -862,8 +862,7 @@ TEST(MitaCuda, CudaKernelMatchesCpuKernel) {
 // (6) Every invalid argument is INVALID_ARGUMENT, without a crash.
 
 void ExpectInvalid(const absl::Status& status, const std::string& message_part) {
-  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
-  EXPECT_THAT(std::string(status.message()), HasSubstr(message_part));
+  test_util::ExpectStatus(status, absl::StatusCode::kInvalidArgument, message_part);
 }
 
 TEST(Validation, MitaAttentionRejectsEveryInvalidArgument) {
@@ -952,10 +951,7 @@ absl::Status StatusOfThrown(const std::function<void()>& thrower) {
   return absl::OkStatus();
 }
 
-void ExpectStatus(const absl::Status& status, absl::StatusCode code, const std::string& message_part) {
-  EXPECT_EQ(status.code(), code) << status;
-  EXPECT_THAT(std::string(status.message()), HasSubstr(message_part));
-}
+using test_util::ExpectStatus;
 
 #if defined(__SANITIZE_ADDRESS__)
 #define MITA_TEST_UNDER_ASAN 1

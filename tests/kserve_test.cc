@@ -7,21 +7,11 @@
 // The model repository is $MITA_MODEL_REPOSITORY when set, else $MITA_SOURCE_DIR/models/repository.
 #include <grpcpp/client_context.h>
 #include <grpcpp/create_channel.h>
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/credentials.h>
-#include <grpcpp/security/server_credentials.h>
-#include <grpcpp/server.h>
-#include <grpcpp/server_builder.h>
-#include <grpcpp/support/byte_buffer.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <fstream>
-#include <iterator>
 #include <map>
 #include <memory>
 #include <string>
@@ -39,7 +29,8 @@
 #include "server/kserve_service.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
-#include "prometheus/metric_family.h"
+#include "tests/server_test_util.h"
+#include "tests/test_util.h"
 #include "tools/fashion_mnist.h"
 
 namespace mita::server {
@@ -52,13 +43,7 @@ constexpr char kModel[] = "fashion-mnist-vit";
 constexpr int kImages = 48;
 constexpr int64_t kMaxImageBytes = int64_t{1} << 20;
 
-std::string RepositoryPath() {
-  if (const char* repository = std::getenv("MITA_MODEL_REPOSITORY"); repository != nullptr && *repository) {
-    return repository;
-  }
-  const char* source = std::getenv("MITA_SOURCE_DIR");
-  return absl::StrCat(source != nullptr ? source : ".", "/models/repository");
-}
+using test_util::RepositoryPath;
 
 // A ModelInfer request for one encoded image with typed contents.
 inference::ModelInferRequest ImageRequest(const std::string& image) {
@@ -82,17 +67,8 @@ void SetString(inference::ModelInferRequest& request, const std::string& name, c
 
 // mita_requests_total{method="Classify", model=kModel, code=`code`} read from the registry.
 double ClassifyCount(const ServerMetrics& metrics, const std::string& code) {
-  for (const prometheus::MetricFamily& family : metrics.registry()->Collect()) {
-    if (family.name != "mita_requests_total") continue;
-    for (const prometheus::ClientMetric& metric : family.metric) {
-      std::map<std::string, std::string> labels;
-      for (const auto& label : metric.label) labels[label.name] = label.value;
-      if (labels["method"] == "Classify" && labels["model"] == kModel && labels["code"] == code) {
-        return metric.counter.value;
-      }
-    }
-  }
-  return -1;
+  return test_util::MetricValue(*metrics.registry(), "mita_requests_total",
+                                {{"method", "Classify"}, {"model", kModel}, {"code", code}});
 }
 
 const inference::ModelInferResponse::InferOutputTensor* FindOutput(const inference::ModelInferResponse& response,
@@ -109,56 +85,36 @@ class KserveTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<ModelRegistry>> registry = ModelRegistry::LoadFromDirectory(RepositoryPath());
     ASSERT_TRUE(registry.ok()) << registry.status();
     registry_ = registry->release();
-    std::vector<ServerMetrics::ModelInfo> infos;
-    for (const models::ModelPackage* p : registry_->packages()) infos.push_back({p->name, AttentionLayers(*p)});
-    metrics_ = new ServerMetrics(infos);
-    ServiceOptions options;
-    options.batching.max_batch_size = 8;
-    options.batching.max_queue_delay = absl::Milliseconds(2);
-    options.batching.queue_capacity = 64;
-    options.max_encoded_image_bytes = kMaxImageBytes;
-    absl::StatusOr<std::unique_ptr<ClassifyService>> service = ClassifyService::Create(registry_, metrics_, options);
-    ASSERT_TRUE(service.ok()) << service.status();
-    classify_ = service->release();
-    kserve_ = new KserveService(registry_, classify_, metrics_, "test");
-    kserve_->SetReady(true);
-
-    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(classify_);
-    builder.RegisterService(kserve_);
-    server_ = builder.BuildAndStart().release();
-    ASSERT_NE(server_, nullptr);
-    ASSERT_NE(port, 0);
+    test_util::InProcessServerOptions options;
+    options.service.batching.max_batch_size = 8;
+    options.service.batching.max_queue_delay = absl::Milliseconds(2);
+    options.service.batching.queue_capacity = 64;
+    options.service.max_encoded_image_bytes = kMaxImageBytes;
+    options.kserve = true;
+    options.reflection = true;
+    server_ = new test_util::InProcessServer(registry_, options);
+    ASSERT_TRUE(server_->status().ok()) << server_->status();
+    metrics_ = &server_->metrics();
+    kserve_ = server_->kserve();
     channel_ = new std::shared_ptr<grpc::Channel>(
-        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+        grpc::CreateChannel(server_->target(), grpc::InsecureChannelCredentials()));
     stub_ = inference::GRPCInferenceService::NewStub(*channel_).release();
     v1_stub_ = v1::MitaService::NewStub(*channel_).release();
 
-    absl::StatusOr<datasets::FashionMnist> test_set = datasets::ReadFashionMnist("t10k");
-    ASSERT_TRUE(test_set.ok()) << test_set.status();
-    const int64_t pixels = test_set->rows * test_set->columns;
-    for (int i = 0; i < kImages; ++i) {
-      std::vector<uint8_t> image(test_set->pixels.begin() + i * pixels, test_set->pixels.begin() + (i + 1) * pixels);
-      absl::StatusOr<std::string> png = datasets::EncodePng(image, test_set->columns, test_set->rows, 1);
-      ASSERT_TRUE(png.ok()) << png.status();
-      images_.push_back(*png);
-      labels_.push_back(test_set->labels[i]);
-    }
+    absl::StatusOr<test_util::TestImages> test_images = test_util::FashionMnistTestPngs(kImages);
+    ASSERT_TRUE(test_images.ok()) << test_images.status();
+    images_ = test_images->pngs;
+    labels_ = test_images->labels;
   }
 
   static void TearDownTestSuite() {
     delete stub_;
     delete v1_stub_;
     delete channel_;
-    if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    if (classify_ != nullptr) classify_->Shutdown();
     delete server_;
-    delete kserve_;
-    delete classify_;
-    delete metrics_;
+    server_ = nullptr;
+    kserve_ = nullptr;
+    metrics_ = nullptr;
     delete registry_;
   }
 
@@ -195,10 +151,9 @@ class KserveTest : public ::testing::Test {
   }
 
   static ModelRegistry* registry_;
+  static test_util::InProcessServer* server_;
   static ServerMetrics* metrics_;
-  static ClassifyService* classify_;
   static KserveService* kserve_;
-  static grpc::Server* server_;
   static std::shared_ptr<grpc::Channel>* channel_;
   static inference::GRPCInferenceService::Stub* stub_;
   static v1::MitaService::Stub* v1_stub_;
@@ -207,10 +162,9 @@ class KserveTest : public ::testing::Test {
 };
 
 ModelRegistry* KserveTest::registry_ = nullptr;
+test_util::InProcessServer* KserveTest::server_ = nullptr;
 ServerMetrics* KserveTest::metrics_ = nullptr;
-ClassifyService* KserveTest::classify_ = nullptr;
 KserveService* KserveTest::kserve_ = nullptr;
-grpc::Server* KserveTest::server_ = nullptr;
 std::shared_ptr<grpc::Channel>* KserveTest::channel_ = nullptr;
 inference::GRPCInferenceService::Stub* KserveTest::stub_ = nullptr;
 v1::MitaService::Stub* KserveTest::v1_stub_ = nullptr;
@@ -293,10 +247,8 @@ TEST_F(KserveTest, ClassifiesARealDocumentAsTextAndAsTokenIds) {
     if (candidate->name == kDocumentModel) package = candidate;
   }
   ASSERT_NE(package, nullptr) << kDocumentModel << " is not in the repository";
-  const char* source = std::getenv("MITA_SOURCE_DIR");
-  std::ifstream file(absl::StrCat(source != nullptr ? source : ".", "/docs/long_documents.md"));
-  ASSERT_TRUE(file.good());
-  const std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  const std::string text = test_util::ReadFile(test_util::SourceDirectory() + "/docs/long_documents.md");
+  ASSERT_FALSE(text.empty());
   absl::StatusOr<std::vector<int64_t>> ids = package->tokenizer->Encode(text);
   ASSERT_TRUE(ids.ok()) << ids.status();
   const int64_t num_classes = static_cast<int64_t>(package->labels.size());
@@ -651,48 +603,13 @@ TEST_F(KserveTest, HealthAndMetadata) {
 }
 
 // grpcurl-style discovery: the reflection service lists the Open Inference Protocol service.
-// ServerReflectionRequest {list_services = 7: ""} encoded by hand over a raw bidirectional call.
+// ServerReflectionRequest {list_services = 7: ""} encoded by hand over a raw bidirectional call
+// (test_util::ReflectionListServices).
 TEST_F(KserveTest, ReflectionListsTheInferenceService) {
-  grpc::GenericStub stub(*channel_);
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  grpc::CompletionQueue queue;
-  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
-      stub.PrepareCall(&context, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &queue);
-  ASSERT_NE(call, nullptr);
-  auto await = [&queue](intptr_t expected) {
-    void* tag = nullptr;
-    bool ok = false;
-    EXPECT_TRUE(queue.Next(&tag, &ok));
-    EXPECT_EQ(reinterpret_cast<intptr_t>(tag), expected);
-    return ok;
-  };
-  call->StartCall(reinterpret_cast<void*>(1));
-  ASSERT_TRUE(await(1));
-  grpc::Slice slice(std::string("\x3a\x00", 2));
-  grpc::ByteBuffer request(&slice, 1);
-  call->Write(request, reinterpret_cast<void*>(2));
-  ASSERT_TRUE(await(2));
-  grpc::ByteBuffer reply;
-  call->Read(&reply, reinterpret_cast<void*>(3));
-  ASSERT_TRUE(await(3));
-  call->WritesDone(reinterpret_cast<void*>(4));
-  await(4);
-  grpc::Status status;
-  call->Finish(&status, reinterpret_cast<void*>(5));
-  await(5);
-  EXPECT_TRUE(status.ok()) << status.error_message();
-  std::vector<grpc::Slice> slices;
-  ASSERT_TRUE(reply.Dump(&slices).ok());
-  std::string bytes;
-  for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  EXPECT_THAT(bytes, HasSubstr("inference.GRPCInferenceService"));
-  EXPECT_THAT(bytes, HasSubstr("mita.v1.MitaService"));
-  queue.Shutdown();
-  void* tag = nullptr;
-  bool ok = false;
-  while (queue.Next(&tag, &ok)) {
-  }
+  absl::StatusOr<std::string> bytes = test_util::ReflectionListServices(*channel_);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  EXPECT_THAT(*bytes, HasSubstr("inference.GRPCInferenceService"));
+  EXPECT_THAT(*bytes, HasSubstr("mita.v1.MitaService"));
 }
 
 // Documents: no document model is served yet, so the translation is checked on its own against a document

@@ -12,22 +12,15 @@
 //     prometheus::Build*().Name("...") must be documented, whether or not the scrape shows it.
 // The deploy/ dashboard and alert queries use these names (scripts/check_deploy.py checks them against the
 // same table).
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/types.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <regex>
 #include <set>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -37,9 +30,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
+#include "tests/test_util.h"
 
 #ifndef MITA_SERVER_PATH
 #error "MITA_SERVER_PATH (the mita-server binary) must be defined by the build"
@@ -47,6 +40,10 @@
 
 namespace mita::server {
 namespace {
+
+using test_util::HttpGet;
+using test_util::ReadFile;
+using test_util::SourceDirectory;
 
 struct DocumentedSeries {
   std::string type;
@@ -83,31 +80,6 @@ std::map<std::string, DocumentedSeries> ReadReadmeTable(const std::string& path)
   return table;
 }
 
-absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return absl::InternalError("socket");
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
-    close(fd);
-    return absl::UnavailableError("connect");
-  }
-  const std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-  if (send(fd, request.data(), request.size(), 0) != static_cast<ssize_t>(request.size())) {
-    close(fd);
-    return absl::UnavailableError("send");
-  }
-  std::string reply;
-  char buffer[65536];
-  for (ssize_t n; (n = recv(fd, buffer, sizeof(buffer), 0)) > 0;) reply.append(buffer, static_cast<size_t>(n));
-  close(fd);
-  const size_t body = reply.find("\r\n\r\n");
-  if (body == std::string::npos) return absl::InternalError("bad HTTP reply");
-  return reply.substr(body + 4);
-}
-
 // Families of a text exposition: name -> (type, label names other than "le").
 std::map<std::string, DocumentedSeries> ParseExposition(const std::string& text) {
   std::map<std::string, DocumentedSeries> families;
@@ -142,60 +114,15 @@ std::map<std::string, DocumentedSeries> ParseExposition(const std::string& text)
   return families;
 }
 
-std::string SourceDirectory() {
-  const char* source = std::getenv("MITA_SOURCE_DIR");
-  return source != nullptr ? source : ".";
-}
-
-std::string ReadText(const std::string& path) {
-  std::ifstream file(path);
-  std::ostringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
-
-// Starts mita-server with `arguments`, its stderr (the log) going to `log_path`. Returns the pid.
-pid_t StartServer(const std::vector<std::string>& arguments, const std::string& log_path) {
-  std::string binary = MITA_SERVER_PATH;
-  std::vector<std::string> copies = arguments;
-  std::vector<char*> argv;
-  argv.push_back(binary.data());
-  for (std::string& argument : copies) argv.push_back(argument.data());
-  argv.push_back(nullptr);
-  const pid_t pid = fork();
-  if (pid == 0) {
-    // Only async-signal-safe calls between fork and exec (the test process has threads).
-    const int log = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (log >= 0) dup2(log, STDERR_FILENO);
-    execv(binary.c_str(), argv.data());
-    _exit(127);
-  }
-  return pid;
-}
-
 // Waits for the log line "... metrics on http://ADDRESS/metrics (port N)" and returns N, or 0 after `bound`.
 int WaitForMetricsPort(const std::string& log_path, absl::Duration bound) {
-  const std::regex port_pattern(R"(metrics on http://\S+ \(port (\d+)\))");
-  const absl::Time give_up = absl::Now() + bound;
-  while (absl::Now() < give_up) {
-    std::smatch match;
-    const std::string log = ReadText(log_path);
-    if (std::regex_search(log, match, port_pattern)) return std::stoi(match[1].str());
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return 0;
+  return test_util::WaitForLogPort(log_path, R"(metrics on http://\S+ \(port (\d+)\))", bound);
 }
 
 // Stops `pid` with SIGTERM (SIGKILL when it has not exited after 30 s) and reaps it.
 void StopServer(pid_t pid) {
   kill(pid, SIGTERM);
-  const absl::Time give_up = absl::Now() + absl::Seconds(30);
-  while (absl::Now() < give_up) {
-    if (waitpid(pid, nullptr, WNOHANG) == pid) return;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  kill(pid, SIGKILL);
-  waitpid(pid, nullptr, 0);
+  test_util::WaitForExit(pid, absl::Seconds(30));
 }
 
 // The metric family names registered in the C++ sources of the server (kernels/, models/, server/): the
@@ -207,7 +134,7 @@ std::set<std::string> RegisteredFamilyNames(const std::string& source_directory)
     for (const auto& entry : std::filesystem::recursive_directory_iterator(source_directory + "/" + directory)) {
       const std::string extension = entry.path().extension().string();
       if (!entry.is_regular_file() || (extension != ".cc" && extension != ".h")) continue;
-      const std::string text = ReadText(entry.path().string());
+      const std::string text = ReadFile(entry.path().string());
       if (text.find("prometheus::Build") == std::string::npos) continue;
       for (auto it = std::sregex_iterator(text.begin(), text.end(), name_call); it != std::sregex_iterator(); ++it) {
         names.insert((*it)[1].str());
@@ -224,15 +151,17 @@ TEST(MetricsDocsTest, EveryFamilyTheServerExportsIsDocumentedAndNothingElse) {
 
   // The real server on the embedded models (an image and a document model), as scripts/run_main_job.sh runs it.
   const std::string log_path = absl::StrCat(::testing::TempDir(), "/metrics_docs_test_server_", getpid(), ".log");
-  const pid_t pid = StartServer({absl::StrCat("--model_repository=", SourceDirectory(), "/models/repository"),
-                                 "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0", "--torch_threads=1"},
-                                log_path);
+  const pid_t pid = test_util::StartProcess(
+      MITA_SERVER_PATH,
+      {absl::StrCat("--model_repository=", SourceDirectory(), "/models/repository"), "--listen=127.0.0.1:0",
+       "--metrics_listen=127.0.0.1:0", "--torch_threads=1"},
+      log_path);
   ASSERT_GT(pid, 0);
   const int port = WaitForMetricsPort(log_path, absl::Seconds(120));
   absl::StatusOr<std::string> body =
       port > 0 ? HttpGet(port, "/metrics") : absl::UnavailableError("the server did not start");
   StopServer(pid);
-  ASSERT_TRUE(body.ok()) << body.status() << "; log:\n" << ReadText(log_path);
+  ASSERT_TRUE(body.ok()) << body.status() << "; log:\n" << ReadFile(log_path);
   const std::map<std::string, DocumentedSeries> exposed = ParseExposition(*body);
 
   for (const auto& [name, series] : documented) {

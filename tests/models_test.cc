@@ -1,16 +1,12 @@
 // Tests of models/: config parsing and budgets, safetensors, model packages, and the MiTA-ViT classifier
 // against its independent PyTorch twin (tools/mita_reference.py via tools/reference_logits.py).
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -33,59 +29,23 @@
 #include "models/safetensors.h"
 #include "models/vit_classifier.h"
 #include "nlohmann/json.hpp"
+#include "tests/test_util.h"
 #include "tools/fashion_mnist.h"
 
 namespace mita::models {
 namespace {
 
-using ::testing::HasSubstr;
 using Json = nlohmann::json;
 
 // ----- helpers -----
 
-std::string SourceDirectory() {
-  const char* directory = std::getenv("MITA_SOURCE_DIR");
-  return directory != nullptr ? directory : ".";
-}
-
-// Folders made by MakeTempDirectory, removed when the test program ends.
-std::vector<std::string>& TempDirectories() {
-  static auto* directories = new std::vector<std::string>();
-  return *directories;
-}
-
-class TempDirectoryCleanup : public ::testing::Environment {
- public:
-  void TearDown() override {
-    for (const std::string& directory : TempDirectories()) {
-      std::error_code error;
-      std::filesystem::remove_all(directory, error);
-    }
-  }
-};
-[[maybe_unused]] ::testing::Environment* const kCleanup =
-    ::testing::AddGlobalTestEnvironment(new TempDirectoryCleanup);
-
-// A fresh folder under the test temp dir.
-std::string MakeTempDirectory(const std::string& name) {
-  std::filesystem::path path = std::filesystem::path(::testing::TempDir()) /
-                               ("mita_models_test_" + std::to_string(::getpid()) + "_" + name);
-  std::filesystem::remove_all(path);
-  std::filesystem::create_directories(path);
-  TempDirectories().push_back(path.string());
-  return path.string();
-}
-
-void WriteFile(const std::string& path, const std::string& bytes) {
-  std::ofstream file(path, std::ios::binary);
-  file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(file.good()) << path;
-}
-
-std::string ReadFileBytes(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-}
+using test_util::ExpectStatus;
+using test_util::kPython;
+using test_util::MakeTempDirectory;
+using test_util::PythonHasTorch;
+using test_util::ReadFile;
+using test_util::SourceDirectory;
+using test_util::WriteFile;
 
 std::string LittleEndian64(uint64_t value) {
   std::string bytes(8, '\0');
@@ -116,11 +76,6 @@ std::string SafetensorsFromTensors(const std::map<std::string, at::Tensor>& tens
                     {"data_offsets", {begin, data.size()}}};
   }
   return SafetensorsFile(header.dump(), data);
-}
-
-void ExpectStatus(const absl::Status& status, absl::StatusCode code, const std::string& message_part) {
-  EXPECT_EQ(status.code(), code) << status;
-  EXPECT_THAT(std::string(status.message()), HasSubstr(message_part));
 }
 
 // ----- config -----
@@ -622,14 +577,6 @@ Json BudgetJson(const AttentionBudget& budget) {
   return {{"expert_count", budget.expert_count}, {"expert_width", budget.expert_width}};
 }
 
-constexpr char kPython[] = "/usr/bin/python3";
-
-bool PythonHasTorch() {
-  static const bool has_torch =
-      std::system((std::string(kPython) + " -c 'import torch' > /dev/null 2>&1").c_str()) == 0;
-  return has_torch;
-}
-
 // Runs tools/reference_logits.py on `images` [B, C, S, S] with per-item budgets; returns logits [B, classes].
 absl::StatusOr<at::Tensor> PythonLogits(const std::string& package, const at::Tensor& images,
                                         const std::vector<AttentionBudget>& budgets, const std::string& work) {
@@ -644,9 +591,9 @@ absl::StatusOr<at::Tensor> PythonLogits(const std::string& package, const at::Te
                               "/images.f32 --budgets " + work + "/budgets.json --out " + work +
                               "/logits.f32 2> " + work + "/python_stderr.txt";
   if (std::system(command.c_str()) != 0) {
-    return absl::InternalError("reference_logits.py failed: " + ReadFileBytes(work + "/python_stderr.txt"));
+    return absl::InternalError("reference_logits.py failed: " + ReadFile(work + "/python_stderr.txt"));
   }
-  const std::string bytes = ReadFileBytes(work + "/logits.f32");
+  const std::string bytes = ReadFile(work + "/logits.f32");
   const int64_t batch = images.size(0);
   if (bytes.size() % (batch * sizeof(float)) != 0 || bytes.empty()) {
     return absl::InternalError("reference_logits.py wrote " + std::to_string(bytes.size()) + " bytes");
@@ -674,7 +621,7 @@ class PythonTwinTest : public ::testing::TestWithParam<bool> {
     const std::string command = std::string(kPython) + " " + SourceDirectory() +
                                 "/tools/reference_logits.py make-package --seed 3 --out " + package_ +
                                 (no_dwc ? " --no-dwc" : "") + " 2> " + work_ + "/make_stderr.txt";
-    ASSERT_EQ(std::system(command.c_str()), 0) << ReadFileBytes(work_ + "/make_stderr.txt");
+    ASSERT_EQ(std::system(command.c_str()), 0) << ReadFile(work_ + "/make_stderr.txt");
     absl::StatusOr<ModelPackage> package = LoadModelPackage(package_);
     ASSERT_TRUE(package.ok()) << package.status();
     ASSERT_EQ(package->config.depthwise_conv, !no_dwc);
@@ -761,13 +708,13 @@ TEST_P(PythonTwinTest, ConvertedTimmCheckpointGivesTheSameLogits) {
                            "torch.save({\"model\": load_safetensors(\"" + package_ +
                            "/model.safetensors\"), \"epoch\": 300}, \"" + checkpoint + "\")' 2> " + work_ +
                            "/save_stderr.txt";
-  ASSERT_EQ(std::system(save.c_str()), 0) << ReadFileBytes(work_ + "/save_stderr.txt");
+  ASSERT_EQ(std::system(save.c_str()), 0) << ReadFile(work_ + "/save_stderr.txt");
   // pool_size 3 and kv_topk 4: the official constructor squares them (M = 9, k = 16).
   const std::string convert = std::string(kPython) + " " + SourceDirectory() +
                               "/tools/convert_timm_checkpoint.py --checkpoint " + checkpoint + " --out " + converted +
                               " --num_heads 4 --pool_size 3 --kv_topk 4 --mean 0.2860 --std 0.3530 > " + work_ +
                               "/convert_log.txt 2>&1";
-  ASSERT_EQ(std::system(convert.c_str()), 0) << ReadFileBytes(work_ + "/convert_log.txt");
+  ASSERT_EQ(std::system(convert.c_str()), 0) << ReadFile(work_ + "/convert_log.txt");
   absl::StatusOr<ModelPackage> package = LoadModelPackage(converted);
   ASSERT_TRUE(package.ok()) << package.status();
   const VitConfig& original = package_value_.config;

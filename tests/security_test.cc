@@ -4,15 +4,8 @@
 // path traversal through a model name, symlinks out of the repository refused).
 #include "server/security.h"
 
-#include <grpcpp/client_context.h>
 #include <grpcpp/create_channel.h>
-#include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/credentials.h>
-#include <grpcpp/server.h>
-#include <grpcpp/server_builder.h>
-#include <grpcpp/support/byte_buffer.h>
-#include <unistd.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -20,7 +13,6 @@
 #include <fstream>
 #include <map>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -28,7 +20,6 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "absl/synchronization/notification.h"
 #include "client/mita_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -36,7 +27,8 @@
 #include "server/classify_service.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
-#include "tools/fashion_mnist.h"
+#include "tests/server_test_util.h"
+#include "tests/test_util.h"
 
 namespace mita::server {
 namespace {
@@ -46,25 +38,12 @@ using ::testing::HasSubstr;
 
 constexpr char kModel[] = "fashion-mnist-vit";
 
-std::string RepositoryPath() {
-  if (const char* repository = std::getenv("MITA_MODEL_REPOSITORY"); repository != nullptr && *repository) {
-    return repository;
-  }
-  const char* source = std::getenv("MITA_SOURCE_DIR");
-  return absl::StrCat(source != nullptr ? source : ".", "/models/repository");
-}
+using test_util::MakeTempDirectory;
+using test_util::RepositoryPath;
 
 void WriteText(const fs::path& path, const std::string& text) {
   std::ofstream file(path, std::ios::binary);
   file << text;
-}
-
-// A fresh empty folder under the test temp dir.
-fs::path FreshDirectory(const std::string& name) {
-  const fs::path path = fs::path(::testing::TempDir()) / absl::StrCat("security_test_", getpid(), "_", name);
-  fs::remove_all(path);
-  fs::create_directories(path);
-  return path;
 }
 
 // A self-signed P-256 certificate for CN=localhost (SAN localhost, 127.0.0.1) made with the openssl CLI:
@@ -83,9 +62,8 @@ std::pair<std::string, std::string> MakeSelfSignedCertificate(const fs::path& di
 // An in-process server on 127.0.0.1:0 with `credentials` and `authenticator`, serving the real model.
 struct TestServer {
   std::unique_ptr<ModelRegistry> registry;
-  std::unique_ptr<ServerMetrics> metrics;
-  std::unique_ptr<ClassifyService> service;
-  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<test_util::InProcessServer> in_process;
+  ServerMetrics* metrics = nullptr;
   std::string target;
 
   static std::unique_ptr<TestServer> Start(std::shared_ptr<grpc::ServerCredentials> credentials,
@@ -95,32 +73,16 @@ struct TestServer {
     EXPECT_TRUE(registry.ok()) << registry.status();
     if (!registry.ok()) return nullptr;
     test->registry = *std::move(registry);
-    std::vector<ServerMetrics::ModelInfo> infos;
-    for (const models::ModelPackage* p : test->registry->packages()) infos.push_back({p->name, AttentionLayers(*p)});
-    test->metrics = std::make_unique<ServerMetrics>(infos);
-    ServiceOptions options;
-    options.authenticator = authenticator;
-    absl::StatusOr<std::unique_ptr<ClassifyService>> service =
-        ClassifyService::Create(test->registry.get(), test->metrics.get(), options);
-    EXPECT_TRUE(service.ok()) << service.status();
-    if (!service.ok()) return nullptr;
-    test->service = *std::move(service);
-    grpc::EnableDefaultHealthCheckService(true);
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", std::move(credentials), &port);
-    builder.RegisterService(test->service.get());
-    test->server = builder.BuildAndStart();
-    EXPECT_NE(port, 0);
-    if (test->server == nullptr || port == 0) return nullptr;
-    test->server->GetHealthCheckService()->SetServingStatus(true);
-    test->target = absl::StrCat("127.0.0.1:", port);
+    test_util::InProcessServerOptions options;
+    options.service.authenticator = authenticator;
+    options.credentials = std::move(credentials);
+    options.health = true;
+    test->in_process = std::make_unique<test_util::InProcessServer>(test->registry.get(), std::move(options));
+    EXPECT_TRUE(test->in_process->status().ok()) << test->in_process->status();
+    if (!test->in_process->status().ok()) return nullptr;
+    test->metrics = &test->in_process->metrics();
+    test->target = test->in_process->target();
     return test;
-  }
-
-  ~TestServer() {
-    if (server != nullptr) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    if (service != nullptr) service->Shutdown();
   }
 };
 
@@ -131,7 +93,7 @@ absl::StatusCode ListModelsCode(const client::ConnectionOptions& options) {
 }
 
 TEST(TlsTest, ServesOverTlsWithASelfSignedCertificate) {
-  const fs::path directory = FreshDirectory("tls");
+  const fs::path directory = MakeTempDirectory("tls");
   const auto [cert, key] = MakeSelfSignedCertificate(directory, "server");
   const auto [other_cert, other_key] = MakeSelfSignedCertificate(directory, "other");
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = MakeServerCredentials({cert, key, ""});
@@ -152,17 +114,14 @@ TEST(TlsTest, ServesOverTlsWithASelfSignedCertificate) {
   for (const v1::ModelMetadata& model : models->models()) names.push_back(model.name());
   EXPECT_THAT(names, ::testing::Contains(kModel));
   // A real classification over TLS.
-  absl::StatusOr<datasets::FashionMnist> test_set = datasets::ReadFashionMnist("t10k");
-  ASSERT_TRUE(test_set.ok()) << test_set.status();
-  std::vector<uint8_t> pixels(test_set->pixels.begin(), test_set->pixels.begin() + 28 * 28);
-  absl::StatusOr<std::string> png = datasets::EncodePng(pixels, 28, 28, 1);
-  ASSERT_TRUE(png.ok());
+  absl::StatusOr<test_util::TestImages> test_images = test_util::FashionMnistTestPngs(1);
+  ASSERT_TRUE(test_images.ok()) << test_images.status();
   client::ClassifyOptions options;
   options.model = kModel;
   options.deadline = absl::Seconds(20);
-  absl::StatusOr<v1::ClassifyResponse> response = (*client)->Classify(*png, options);
+  absl::StatusOr<v1::ClassifyResponse> response = (*client)->Classify(test_images->pngs[0], options);
   ASSERT_TRUE(response.ok()) << response.status();
-  EXPECT_EQ(response->classes(0).index(), test_set->labels[0]);
+  EXPECT_EQ(response->classes(0).index(), test_images->labels[0]);
 
   // A plaintext client, or one that trusts another certificate, cannot talk to the TLS port.
   client::ConnectionOptions plaintext;
@@ -178,7 +137,7 @@ TEST(TlsTest, ServesOverTlsWithASelfSignedCertificate) {
 }
 
 TEST(TlsTest, MutualTlsRequiresAClientCertificateSignedByTheClientCa) {
-  const fs::path directory = FreshDirectory("mtls");
+  const fs::path directory = MakeTempDirectory("mtls");
   const auto [cert, key] = MakeSelfSignedCertificate(directory, "server");
   const auto [client_cert, client_key] = MakeSelfSignedCertificate(directory, "client");
   const auto [stranger_cert, stranger_key] = MakeSelfSignedCertificate(directory, "stranger");
@@ -202,7 +161,7 @@ TEST(TlsTest, MutualTlsRequiresAClientCertificateSignedByTheClientCa) {
 }
 
 TEST(TlsTest, BadCredentialFilesAreClearErrors) {
-  const fs::path directory = FreshDirectory("tls_errors");
+  const fs::path directory = MakeTempDirectory("tls_errors");
   const auto [cert, key] = MakeSelfSignedCertificate(directory, "server");
   EXPECT_EQ(MakeServerCredentials({cert, "", ""}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(MakeServerCredentials({"", "", cert}).status().code(), absl::StatusCode::kInvalidArgument);
@@ -218,25 +177,11 @@ TEST(TlsTest, BadCredentialFilesAreClearErrors) {
 
 // grpc.health.v1.Health/Check for the whole server, without any token.
 grpc::StatusCode HealthCheckCode(const std::string& target) {
-  grpc::GenericStub stub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
-  grpc::Slice slice(std::string{});
-  grpc::ByteBuffer request(&slice, 1);
-  grpc::ByteBuffer response;
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  absl::Notification done;
-  grpc::Status status;
-  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
-                 [&](grpc::Status s) {
-                   status = std::move(s);
-                   done.Notify();
-                 });
-  done.WaitForNotification();
-  return status.error_code();
+  return test_util::HealthCheck(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()), "").first;
 }
 
 TEST(BearerTokenTest, CallsWithoutTheRightTokenAreUnauthenticated) {
-  const fs::path directory = FreshDirectory("token");
+  const fs::path directory = MakeTempDirectory("token");
   WriteText(directory / "token", "  s3cret-Token_42\n");
   absl::StatusOr<std::unique_ptr<BearerTokenAuthenticator>> authenticator =
       BearerTokenAuthenticator::FromFile((directory / "token").string());
@@ -294,7 +239,7 @@ TEST(BearerTokenTest, CallsWithoutTheRightTokenAreUnauthenticated) {
 }
 
 TEST(BearerTokenTest, TokenFilesAndHeaders) {
-  const fs::path directory = FreshDirectory("token_files");
+  const fs::path directory = MakeTempDirectory("token_files");
   WriteText(directory / "empty", " \n");
   EXPECT_EQ(BearerTokenAuthenticator::FromFile((directory / "empty").string()).status().code(),
             absl::StatusCode::kInvalidArgument);
@@ -354,7 +299,7 @@ class RepositoryContainmentTest : public ::testing::Test {
 };
 
 TEST_F(RepositoryContainmentTest, SymlinkedPackageFolderOutsideTheRepositoryIsRefused) {
-  const fs::path root = FreshDirectory("outside_folder");
+  const fs::path root = MakeTempDirectory("outside_folder");
   CopyPackage(root / "elsewhere" / "pkg");
   CopyPackage(root / "repository" / "good");
   fs::create_directory_symlink(root / "elsewhere" / "pkg", root / "repository" / "evil");
@@ -366,7 +311,7 @@ TEST_F(RepositoryContainmentTest, SymlinkedPackageFolderOutsideTheRepositoryIsRe
 }
 
 TEST_F(RepositoryContainmentTest, SymlinkedFileOutsideTheRepositoryIsRefused) {
-  const fs::path root = FreshDirectory("outside_file");
+  const fs::path root = MakeTempDirectory("outside_file");
   CopyPackage(root / "elsewhere");
   CopyPackage(root / "repository" / "pkg");
   fs::remove(root / "repository" / "pkg" / "model.safetensors");
@@ -378,7 +323,7 @@ TEST_F(RepositoryContainmentTest, SymlinkedFileOutsideTheRepositoryIsRefused) {
 }
 
 TEST_F(RepositoryContainmentTest, SymlinksInsideTheRepositoryAndLookupsByName) {
-  const fs::path root = FreshDirectory("inside");
+  const fs::path root = MakeTempDirectory("inside");
   CopyPackage(root / "repository" / "good");
   fs::create_directory_symlink(root / "repository" / "good", root / "repository" / "alias");
   absl::StatusOr<std::unique_ptr<ModelRegistry>> registry =
@@ -393,7 +338,7 @@ TEST_F(RepositoryContainmentTest, SymlinksInsideTheRepositoryAndLookupsByName) {
 }
 
 TEST(ResolveInsideDirectoryTest, PrefixOfANameIsNotInside) {
-  const fs::path root = FreshDirectory("prefix");
+  const fs::path root = MakeTempDirectory("prefix");
   fs::create_directories(root / "repo");
   fs::create_directories(root / "repository-other");
   EXPECT_TRUE(ResolveInsideDirectory((root / "repo").string(), (root / "repo").string()).ok());

@@ -3,33 +3,17 @@
 //
 // The model repository is $MITA_MODEL_REPOSITORY when set (development with another package), else
 // $MITA_SOURCE_DIR/models/repository.
-#include <arpa/inet.h>
-#include <grpcpp/client_context.h>
-#include <grpcpp/completion_queue.h>
-#include <grpcpp/create_channel.h>
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/health_check_service_interface.h>
-#include <grpcpp/security/credentials.h>
-#include <grpcpp/security/server_credentials.h>
-#include <grpcpp/server.h>
-#include <grpcpp/server_builder.h>
-#include <grpcpp/support/byte_buffer.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
+#include <grpcpp/channel.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -51,6 +35,8 @@
 #include "server/grpc_status.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
+#include "tests/server_test_util.h"
+#include "tests/test_util.h"
 #include "tools/fashion_mnist.h"
 
 namespace mita::server {
@@ -65,43 +51,6 @@ constexpr int kImages = 64;                               // encoded test images
 constexpr int64_t kMaxImageBytes = int64_t{1} << 20;      // encoded image limit of the test server
 constexpr int kMaxReceiveBytes = (1 << 20) + (64 << 10);  // gRPC receive limit of the test server
 
-std::string RepositoryPath() {
-  if (const char* repository = std::getenv("MITA_MODEL_REPOSITORY"); repository != nullptr && *repository) {
-    return repository;
-  }
-  const char* source = std::getenv("MITA_SOURCE_DIR");
-  return absl::StrCat(source != nullptr ? source : ".", "/models/repository");
-}
-
-// An HTTP/1.0 GET over a plain socket; returns the body.
-absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return absl::InternalError("socket");
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
-    close(fd);
-    return absl::UnavailableError("connect");
-  }
-  const std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-  if (send(fd, request.data(), request.size(), 0) != static_cast<ssize_t>(request.size())) {
-    close(fd);
-    return absl::UnavailableError("send");
-  }
-  std::string reply;
-  char buffer[65536];
-  for (ssize_t n; (n = recv(fd, buffer, sizeof(buffer), 0)) > 0;) reply.append(buffer, static_cast<size_t>(n));
-  close(fd);
-  const size_t body = reply.find("\r\n\r\n");
-  if (!absl::StartsWith(reply, "HTTP/1.") || body == std::string::npos) {
-    return absl::InternalError(absl::StrCat("bad HTTP reply: ", reply.substr(0, 200)));
-  }
-  if (reply.find(" 200 ") > reply.find("\r\n")) return absl::InternalError(reply.substr(0, reply.find("\r\n")));
-  return reply.substr(body + 4);
-}
-
 // The value of the sample `series` (name and labels exactly as exposed, e.g.
 // 'mita_batch_size_count{model="m"}') in a text exposition, or -1 when absent.
 double SampleValue(const std::string& exposition, const std::string& series) {
@@ -113,27 +62,14 @@ double SampleValue(const std::string& exposition, const std::string& series) {
   return -1;
 }
 
-// A counter value read in-process from the registry: the sum over samples of `name` whose labels include
-// all of `labels`.
-double CounterValue(const prometheus::Registry& registry, const std::string& name,
-                    const std::map<std::string, std::string>& labels) {
-  double total = 0;
-  for (const prometheus::MetricFamily& family : registry.Collect()) {
-    if (family.name != name) continue;
-    for (const prometheus::ClientMetric& metric : family.metric) {
-      bool match = true;
-      for (const auto& [key, value] : labels) {
-        bool found = false;
-        for (const prometheus::ClientMetric::Label& label : metric.label) {
-          if (label.name == key && label.value == value) found = true;
-        }
-        match = match && found;
-      }
-      if (match) total += metric.counter.value;
-    }
-  }
-  return total;
-}
+using test_util::ExpectStatus;
+using test_util::HttpGet;
+using test_util::MetricValue;
+using test_util::RepositoryPath;
+using test_util::SourceDirectory;
+// A service with its own options and gRPC server on loopback, for tests that need other batching limits than
+// the shared fixture's.
+using TestServer = test_util::InProcessServer;
 
 class ServiceTest : public ::testing::Test {
  protected:
@@ -144,62 +80,34 @@ class ServiceTest : public ::testing::Test {
     absl::StatusOr<const models::ModelPackage*> package = registry_->Lookup(kModel);
     ASSERT_TRUE(package.ok()) << package.status();
 
-    std::vector<ServerMetrics::ModelInfo> infos;
-    for (const models::ModelPackage* p : registry_->packages()) infos.push_back({p->name, AttentionLayers(*p)});
-    metrics_ = new ServerMetrics(infos);
-    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> metrics_server =
-        MetricsHttpServer::Start("127.0.0.1:0", metrics_->registry());
-    ASSERT_TRUE(metrics_server.ok()) << metrics_server.status();
-    metrics_server_ = metrics_server->release();
-    metrics_port_ = metrics_server_->port();
-    ASSERT_GT(metrics_port_, 0);
-
-    ServiceOptions options;
-    options.batching.max_batch_size = 8;
+    test_util::InProcessServerOptions options;
+    options.service.batching.max_batch_size = 8;
     // Long enough that concurrent callers share batches.
-    options.batching.max_queue_delay = absl::Milliseconds(50);
-    options.batching.queue_capacity = 64;
-    options.batching.num_batch_threads = 1;
-    options.max_encoded_image_bytes = kMaxImageBytes;
-    absl::StatusOr<std::unique_ptr<ClassifyService>> service = ClassifyService::Create(registry_, metrics_, options);
-    ASSERT_TRUE(service.ok()) << service.status();
-    service_ = service->release();
+    options.service.batching.max_queue_delay = absl::Milliseconds(50);
+    options.service.batching.queue_capacity = 64;
+    options.service.batching.num_batch_threads = 1;
+    options.service.max_encoded_image_bytes = kMaxImageBytes;
+    options.max_receive_message_bytes = kMaxReceiveBytes;
+    options.health = true;
+    options.reflection = true;
+    options.metrics_http = true;
+    server_ = new test_util::InProcessServer(registry_, options);
+    ASSERT_TRUE(server_->status().ok()) << server_->status();
+    metrics_port_ = server_->metrics_port();
+    ASSERT_GT(metrics_port_, 0);
+    target_ = server_->target();
+    client_ = &server_->client();
 
-    grpc::EnableDefaultHealthCheckService(true);
-    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.SetMaxReceiveMessageSize(kMaxReceiveBytes);
-    builder.RegisterService(service_);
-    server_ = builder.BuildAndStart().release();
-    ASSERT_NE(server_, nullptr);
-    ASSERT_NE(port, 0);
-    server_->GetHealthCheckService()->SetServingStatus(true);
-    server_->GetHealthCheckService()->SetServingStatus(v1::MitaService::service_full_name(), true);
-    target_ = absl::StrCat("127.0.0.1:", port);
-    client_ = client::MitaClient::Connect(target_).release();
-
-    absl::StatusOr<datasets::FashionMnist> test_set = datasets::ReadFashionMnist("t10k");
-    ASSERT_TRUE(test_set.ok()) << test_set.status();
-    const int64_t pixels = test_set->rows * test_set->columns;
-    for (int i = 0; i < kImages; ++i) {
-      std::vector<uint8_t> image(test_set->pixels.begin() + i * pixels, test_set->pixels.begin() + (i + 1) * pixels);
-      absl::StatusOr<std::string> png = datasets::EncodePng(image, test_set->columns, test_set->rows, 1);
-      ASSERT_TRUE(png.ok()) << png.status();
-      images_.push_back(*png);
-      labels_.push_back(test_set->labels[i]);
-    }
+    absl::StatusOr<test_util::TestImages> test_images = test_util::FashionMnistTestPngs(kImages);
+    ASSERT_TRUE(test_images.ok()) << test_images.status();
+    images_ = test_images->pngs;
+    labels_ = test_images->labels;
   }
 
   static void TearDownTestSuite() {
-    delete client_;
-    if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    if (service_ != nullptr) service_->Shutdown();
     delete server_;
-    delete service_;
-    delete metrics_server_;
-    delete metrics_;
+    server_ = nullptr;
+    client_ = nullptr;
     delete registry_;
   }
 
@@ -236,32 +144,20 @@ class ServiceTest : public ::testing::Test {
     EXPECT_EQ(response.token_count(), 50);  // 7 x 7 patches + cls
   }
 
-  // Expects `status` to have `code` and a message containing `text`.
-  static void ExpectError(const absl::Status& status, absl::StatusCode code, const std::string& text) {
-    EXPECT_EQ(status.code(), code) << status;
-    EXPECT_THAT(std::string(status.message()), HasSubstr(text));
-  }
-
   static ModelRegistry* registry_;
-  static ServerMetrics* metrics_;
-  static MetricsHttpServer* metrics_server_;
+  static test_util::InProcessServer* server_;
   static int metrics_port_;
-  static ClassifyService* service_;
-  static grpc::Server* server_;
   static std::string target_;
-  static client::MitaClient* client_;
+  static const client::MitaClient* client_;
   static std::vector<std::string> images_;
   static std::vector<int> labels_;
 };
 
 ModelRegistry* ServiceTest::registry_ = nullptr;
-ServerMetrics* ServiceTest::metrics_ = nullptr;
-MetricsHttpServer* ServiceTest::metrics_server_ = nullptr;
+test_util::InProcessServer* ServiceTest::server_ = nullptr;
 int ServiceTest::metrics_port_ = 0;
-ClassifyService* ServiceTest::service_ = nullptr;
-grpc::Server* ServiceTest::server_ = nullptr;
 std::string ServiceTest::target_;
-client::MitaClient* ServiceTest::client_ = nullptr;
+const client::MitaClient* ServiceTest::client_ = nullptr;
 std::vector<std::string> ServiceTest::images_;
 std::vector<int> ServiceTest::labels_;
 
@@ -434,66 +330,66 @@ TEST_F(ServiceTest, ConcurrentRequestsWithDifferentBudgetsShareBatches) {
 TEST_F(ServiceTest, BadRequestsGetTheRightCodeAndNameTheField) {
   client::ClassifyOptions options = Options();
   // Corrupt and truncated image bytes.
-  ExpectError(client_->Classify("definitely not an image", options).status(), absl::StatusCode::kInvalidArgument,
-              "image");
-  ExpectError(client_->Classify(images_[0].substr(0, images_[0].size() / 2), options).status(),
-              absl::StatusCode::kInvalidArgument, "image");
+  ExpectStatus(client_->Classify("definitely not an image", options).status(), absl::StatusCode::kInvalidArgument,
+               "image");
+  ExpectStatus(client_->Classify(images_[0].substr(0, images_[0].size() / 2), options).status(),
+               absl::StatusCode::kInvalidArgument, "image");
   std::string corrupt = images_[0];
   for (size_t i = 40; i < corrupt.size(); i += 7) corrupt[i] = static_cast<char>(corrupt[i] ^ 0x5a);
-  ExpectError(client_->Classify(corrupt, options).status(), absl::StatusCode::kInvalidArgument, "field image");
+  ExpectStatus(client_->Classify(corrupt, options).status(), absl::StatusCode::kInvalidArgument, "field image");
   // Empty image; no input; a document.
-  ExpectError(client_->Classify("", options).status(), absl::StatusCode::kInvalidArgument, "field image: empty");
+  ExpectStatus(client_->Classify("", options).status(), absl::StatusCode::kInvalidArgument, "field image: empty");
   v1::ClassifyRequest no_input;
   no_input.set_model(kModel);
-  ExpectError(client_->ClassifyRaw(no_input).status(), absl::StatusCode::kInvalidArgument, "field input");
+  ExpectStatus(client_->ClassifyRaw(no_input).status(), absl::StatusCode::kInvalidArgument, "field input");
   v1::ClassifyRequest document;
   document.set_model(kModel);
   document.mutable_document()->set_text("a document");
-  ExpectError(client_->ClassifyRaw(document).status(), absl::StatusCode::kInvalidArgument,
-              "field input: model 'fashion-mnist-vit' takes an image");
+  ExpectStatus(client_->ClassifyRaw(document).status(), absl::StatusCode::kInvalidArgument,
+               "field input: model 'fashion-mnist-vit' takes an image");
   // Unknown model.
   options.model = "no-such-model";
-  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kNotFound,
-              "model 'no-such-model' not found; available: fashion-mnist-vit");
+  ExpectStatus(client_->Classify(images_[0], options).status(), absl::StatusCode::kNotFound,
+               "model 'no-such-model' not found; available: fashion-mnist-vit");
   options.model = "../../etc/passwd";
-  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kNotFound, "not found");
+  ExpectStatus(client_->Classify(images_[0], options).status(), absl::StatusCode::kNotFound, "not found");
   // Budgets out of range.
   options = Options();
   options.expert_count = 10;
   options.expert_width = 16;
-  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument, "expert_count");
+  ExpectStatus(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument, "expert_count");
   options.expert_count = 9;
   options.expert_width = -1;
-  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument,
-              "budget.experts.expert_width -1 is out of range: allowed [1, 50]");
+  ExpectStatus(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument,
+               "budget.experts.expert_width -1 is out of range: allowed [1, 50]");
   options.expert_width = 51;
-  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument, "expert_width");
+  ExpectStatus(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument, "expert_width");
   // Only the expert width set (the expert count takes the default): the error names the value sent.
   options = Options();
   options.expert_width = 51;
-  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument,
-              "budget.experts.expert_width 51 is out of range: allowed [1, 50]");
+  ExpectStatus(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument,
+               "budget.experts.expert_width 51 is out of range: allowed [1, 50]");
   // An empty model name.
   options = Options();
   options.model = "";
-  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument,
-              "the model name is empty; available: fashion-mnist-vit");
+  ExpectStatus(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument,
+               "the model name is empty; available: fashion-mnist-vit");
   options = Options();
   options.preset = "turbo";
   absl::Status preset = client_->Classify(images_[0], options).status();
-  ExpectError(preset, absl::StatusCode::kInvalidArgument, "field budget.preset: unknown preset 'turbo'");
+  ExpectStatus(preset, absl::StatusCode::kInvalidArgument, "field budget.preset: unknown preset 'turbo'");
   EXPECT_THAT(std::string(preset.message()), HasSubstr("accurate, balanced, fast"));
   // top_n out of range.
   options = Options();
   options.top_n = -1;
-  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument,
-              "field top_n: -1 is out of range [0, 10]");
+  ExpectStatus(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument,
+               "field top_n: -1 is out of range [0, 10]");
   options.top_n = 11;
-  ExpectError(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument, "field top_n");
+  ExpectStatus(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument, "field top_n");
   // An image over the service's encoded-size limit but under the gRPC receive limit.
   std::string large = images_[0] + std::string(kMaxImageBytes, '\0');
-  ExpectError(client_->Classify(large, Options()).status(), absl::StatusCode::kInvalidArgument,
-              "bytes is over the limit of 1048576 bytes");
+  ExpectStatus(client_->Classify(large, Options()).status(), absl::StatusCode::kInvalidArgument,
+               "bytes is over the limit of 1048576 bytes");
   // A message over the gRPC receive limit: rejected by gRPC itself.
   std::string huge(static_cast<size_t>(kMaxReceiveBytes) + 1024, 'x');
   EXPECT_EQ(client_->Classify(huge, Options()).status().code(), absl::StatusCode::kResourceExhausted);
@@ -547,8 +443,8 @@ TEST_F(ServiceTest, GetModelDeclaresTheKnobs) {
   EXPECT_EQ(model->embed_dim(), 96);
   EXPECT_EQ(model->tokens_per_input(), 50);
 
-  ExpectError(client_->GetModel("nope").status(), absl::StatusCode::kNotFound,
-              "model 'nope' not found; available: fashion-mnist-vit");
+  ExpectStatus(client_->GetModel("nope").status(), absl::StatusCode::kNotFound,
+               "model 'nope' not found; available: fashion-mnist-vit");
 }
 
 TEST_F(ServiceTest, ListModels) {
@@ -565,37 +461,9 @@ TEST_F(ServiceTest, ListModels) {
   EXPECT_TRUE(found);
 }
 
-// grpc.health.v1.Health/Check over a raw call: HealthCheckRequest {string service = 1} and
-// HealthCheckResponse {ServingStatus status = 1} (SERVING = 1) encoded by hand.
+// grpc.health.v1.Health/Check over a raw call (test_util::HealthCheck): SERVING is "\x08\x01".
 TEST_F(ServiceTest, HealthServiceReportsServing) {
-  auto check = [](const std::shared_ptr<grpc::Channel>& channel, const std::string& service) {
-    grpc::GenericStub stub(channel);
-    std::string request_bytes;
-    if (!service.empty()) {
-      request_bytes.push_back(0x0a);
-      request_bytes.push_back(static_cast<char>(service.size()));
-      request_bytes += service;
-    }
-    grpc::Slice slice(request_bytes);
-    grpc::ByteBuffer request(&slice, 1);
-    grpc::ByteBuffer response;
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    absl::Notification done;
-    grpc::Status status;
-    stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
-                   [&](grpc::Status s) {
-                     status = std::move(s);
-                     done.Notify();
-                   });
-    done.WaitForNotification();
-    std::pair<grpc::StatusCode, std::string> result{status.error_code(), ""};
-    std::vector<grpc::Slice> slices;
-    if (status.ok() && response.Dump(&slices).ok()) {
-      for (const grpc::Slice& s : slices) result.second.append(reinterpret_cast<const char*>(s.begin()), s.size());
-    }
-    return result;
-  };
+  const auto check = test_util::HealthCheck;
   std::shared_ptr<grpc::Channel> channel = client_->channel();
   auto overall = check(channel, "");
   EXPECT_EQ(overall.first, grpc::StatusCode::OK);
@@ -606,49 +474,13 @@ TEST_F(ServiceTest, HealthServiceReportsServing) {
   EXPECT_EQ(check(channel, "no.such.Service").first, grpc::StatusCode::NOT_FOUND);
 }
 
-// grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo (bidirectional stream) over a raw call:
-// ServerReflectionRequest {list_services = 7: ""} encoded by hand; the answer names the services.
+// grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo (bidirectional stream) over a raw call
+// (test_util::ReflectionListServices): the answer names the services.
 TEST_F(ServiceTest, ReflectionListsTheService) {
-  grpc::GenericStub stub(client_->channel());
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  grpc::CompletionQueue queue;
-  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
-      stub.PrepareCall(&context, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &queue);
-  ASSERT_NE(call, nullptr);
-  auto await = [&queue](intptr_t expected) {
-    void* tag = nullptr;
-    bool ok = false;
-    EXPECT_TRUE(queue.Next(&tag, &ok));
-    EXPECT_EQ(reinterpret_cast<intptr_t>(tag), expected);
-    return ok;
-  };
-  call->StartCall(reinterpret_cast<void*>(1));
-  ASSERT_TRUE(await(1));
-  grpc::Slice slice(std::string("\x3a\x00", 2));
-  grpc::ByteBuffer request(&slice, 1);
-  call->Write(request, reinterpret_cast<void*>(2));
-  ASSERT_TRUE(await(2));
-  grpc::ByteBuffer reply;
-  call->Read(&reply, reinterpret_cast<void*>(3));
-  ASSERT_TRUE(await(3));
-  call->WritesDone(reinterpret_cast<void*>(4));
-  await(4);
-  grpc::Status status;
-  call->Finish(&status, reinterpret_cast<void*>(5));
-  await(5);
-  EXPECT_TRUE(status.ok()) << status.error_message();
-  std::vector<grpc::Slice> slices;
-  ASSERT_TRUE(reply.Dump(&slices).ok());
-  std::string bytes;
-  for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  EXPECT_THAT(bytes, HasSubstr("mita.v1.MitaService"));
-  EXPECT_THAT(bytes, HasSubstr("grpc.health.v1.Health"));
-  queue.Shutdown();
-  void* tag = nullptr;
-  bool ok = false;
-  while (queue.Next(&tag, &ok)) {
-  }
+  absl::StatusOr<std::string> bytes = test_util::ReflectionListServices(client_->channel());
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  EXPECT_THAT(*bytes, HasSubstr("mita.v1.MitaService"));
+  EXPECT_THAT(*bytes, HasSubstr("grpc.health.v1.Health"));
 }
 
 TEST_F(ServiceTest, MetricsScrapeHasRoutingAndPruningSeries) {
@@ -700,51 +532,6 @@ TEST_F(ServiceTest, MetricsScrapeHasRoutingAndPruningSeries) {
   // No series is labelled with a model name taken from a request.
   EXPECT_THAT(text, ::testing::Not(HasSubstr("model=\"missing\"")));
 }
-
-// A service with its own options and gRPC server on loopback, for tests that need other batching limits than
-// the shared fixture's.
-class TestServer {
- public:
-  // Serves `registry` with `options`; `max_receive_message_bytes` > 0 sets gRPC's receive limit (else gRPC's
-  // default, 4 MiB). Check status() after construction.
-  TestServer(const ModelRegistry* registry, ServiceOptions options, int max_receive_message_bytes = 0) {
-    std::vector<ServerMetrics::ModelInfo> infos;
-    for (const models::ModelPackage* p : registry->packages()) infos.push_back({p->name, AttentionLayers(*p)});
-    metrics_ = std::make_unique<ServerMetrics>(infos);
-    absl::StatusOr<std::unique_ptr<ClassifyService>> service = ClassifyService::Create(registry, metrics_.get(), options);
-    if (!service.ok()) {
-      status_ = service.status();
-      return;
-    }
-    service_ = *std::move(service);
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(service_.get());
-    if (max_receive_message_bytes > 0) builder.SetMaxReceiveMessageSize(max_receive_message_bytes);
-    server_ = builder.BuildAndStart();
-    if (server_ == nullptr || port == 0) {
-      status_ = absl::UnavailableError("cannot start the gRPC server");
-      return;
-    }
-    client_ = client::MitaClient::Connect(absl::StrCat("127.0.0.1:", port));
-  }
-  ~TestServer() {
-    if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    if (service_ != nullptr) service_->Shutdown();
-  }
-  const absl::Status& status() const { return status_; }
-  const client::MitaClient& client() const { return *client_; }
-  ClassifyService& service() { return *service_; }
-  const prometheus::Registry& registry() const { return *metrics_->registry(); }
-
- private:
-  absl::Status status_;
-  std::unique_ptr<ServerMetrics> metrics_;
-  std::unique_ptr<ClassifyService> service_;
-  std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<client::MitaClient> client_;
-};
 
 // A gauge value read in-process from the registry (the first sample of `name`), or -1 when absent.
 double GaugeValue(const prometheus::Registry& registry, const std::string& name) {
@@ -833,11 +620,11 @@ TEST_F(ServiceTest, BurstOfTenTimesCapacityGetsOneAnswerEach) {
     }
     EXPECT_EQ(ok, kCapacityRequests);
     EXPECT_EQ(exhausted, kBurst - kCapacityRequests);
-    EXPECT_EQ(CounterValue(server.registry(), "mita_rejected_requests_total",
-                           {{"model", kModel}, {"reason", "queue_compute_units"}}),
+    EXPECT_EQ(MetricValue(server.registry(), "mita_rejected_requests_total",
+                          {{"model", kModel}, {"reason", "queue_compute_units"}}),
               exhausted);
-    EXPECT_EQ(CounterValue(server.registry(), "mita_requests_total",
-                           {{"model", kModel}, {"code", "RESOURCE_EXHAUSTED"}}),
+    EXPECT_EQ(MetricValue(server.registry(), "mita_requests_total",
+                          {{"model", kModel}, {"code", "RESOURCE_EXHAUSTED"}}),
               exhausted);
     EXPECT_EQ(GaugeValue(server.registry(), "mita_queue_compute_units"), 0);
     EXPECT_EQ(GaugeValue(server.registry(), "mita_queue_depth"), 0);
@@ -864,8 +651,8 @@ TEST_F(ServiceTest, BurstOfTenTimesCapacityGetsOneAnswerEach) {
   }
   EXPECT_EQ(ok + exhausted, kBurst);
   EXPECT_GE(ok, kCapacityRequests) << "at least a full queue's worth is admitted";
-  EXPECT_EQ(CounterValue(server.registry(), "mita_rejected_requests_total", {{"model", kModel}}), exhausted);
-  EXPECT_EQ(CounterValue(server.registry(), "mita_requests_total", {{"model", kModel}, {"code", "OK"}}), ok);
+  EXPECT_EQ(MetricValue(server.registry(), "mita_rejected_requests_total", {{"model", kModel}}), exhausted);
+  EXPECT_EQ(MetricValue(server.registry(), "mita_requests_total", {{"model", kModel}, {"code", "OK"}}), ok);
   EXPECT_EQ(GaugeValue(server.registry(), "mita_queue_compute_units"), 0);
   std::cout << "burst of " << kBurst << " requests at a queue of " << kCapacityRequests
             << " requests' compute units: " << ok << " admitted, " << exhausted
@@ -901,11 +688,11 @@ TEST_F(ServiceTest, FullAttentionCostsMoreComputeUnits) {
   TestServer small(registry_, tiny);
   ASSERT_TRUE(small.status().ok()) << small.status();
   absl::Status status = small.client().Classify(images_[0], Options()).status();
-  ExpectError(status, absl::StatusCode::kResourceExhausted,
-              "request needs 1250 compute units (tokens x attention width), more than the queue's capacity of 1000 "
-              "(flag --queue_compute_units)");
-  EXPECT_EQ(CounterValue(small.registry(), "mita_rejected_requests_total",
-                         {{"model", kModel}, {"reason", "task_over_queue_compute_units"}}),
+  ExpectStatus(status, absl::StatusCode::kResourceExhausted,
+               "request needs 1250 compute units (tokens x attention width), more than the queue's capacity of 1000 "
+               "(flag --queue_compute_units)");
+  EXPECT_EQ(MetricValue(small.registry(), "mita_rejected_requests_total",
+                        {{"model", kModel}, {"reason", "task_over_queue_compute_units"}}),
             1);
 }
 
@@ -919,13 +706,9 @@ constexpr int kDocumentClasses = 4;
 
 // Real text for documents: this repository's README and design notes (UTF-8).
 std::string RealText() {
-  const char* source = std::getenv("MITA_SOURCE_DIR");
   std::string text;
   for (const char* file : {"/README.md", "/server/batcher.h", "/server/classify_service.cc"}) {
-    std::ifstream in(absl::StrCat(source != nullptr ? source : ".", file), std::ios::binary);
-    std::ostringstream bytes;
-    bytes << in.rdbuf();
-    text += bytes.str();
+    text += test_util::ReadFile(SourceDirectory() + file);
   }
   return text;
 }
@@ -945,9 +728,8 @@ class DocumentServiceTest : public ::testing::Test {
     ASSERT_NE(made, nullptr);
     directory_ = new std::string(made);
     const std::string package = absl::StrCat(*directory_, "/", kDocumentModel);
-    const char* source = std::getenv("MITA_SOURCE_DIR");
     const std::string command =
-        absl::StrCat("/usr/bin/python3 ", source != nullptr ? source : ".",
+        absl::StrCat("/usr/bin/python3 ", SourceDirectory(),
                      "/tools/reference_logits.py make-document-package --seed 3 --max-tokens ", kDocumentMaxTokens,
                      " --num-classes ", kDocumentClasses, " --out ", package, " 2> ", *directory_, "/stderr.txt");
     ASSERT_EQ(std::system(command.c_str()), 0)
@@ -1000,11 +782,6 @@ class DocumentServiceTest : public ::testing::Test {
       if (score.index() >= 0 && score.index() < kDocumentClasses) scores[static_cast<size_t>(score.index())] = score.score();
     }
     return scores;
-  }
-
-  static void ExpectError(const absl::Status& status, absl::StatusCode code, const std::string& text) {
-    EXPECT_EQ(status.code(), code) << status;
-    EXPECT_THAT(std::string(status.message()), HasSubstr(text));
   }
 
   static std::string* directory_;
@@ -1097,16 +874,16 @@ TEST_F(DocumentServiceTest, BudgetsLargerThanTheDocumentAreClampedAndEchoed) {
   // Out of the model's range: INVALID_ARGUMENT naming the field, whatever the document's length.
   options = Options();
   options.expert_width = 1025;
-  ExpectError(server.client().ClassifyText(text, options).status(), absl::StatusCode::kInvalidArgument,
-              "budget.experts.expert_width 1025 is out of range: allowed [1, 1024]");
+  ExpectStatus(server.client().ClassifyText(text, options).status(), absl::StatusCode::kInvalidArgument,
+               "budget.experts.expert_width 1025 is out of range: allowed [1, 1024]");
   options = Options();
   options.expert_count = -3;
-  ExpectError(server.client().ClassifyText(text, options).status(), absl::StatusCode::kInvalidArgument,
-              "budget.experts.expert_count");
+  ExpectStatus(server.client().ClassifyText(text, options).status(), absl::StatusCode::kInvalidArgument,
+               "budget.experts.expert_count");
   options = Options();
   options.preset = "turbo";
-  ExpectError(server.client().ClassifyText(text, options).status(), absl::StatusCode::kInvalidArgument,
-              "field budget.preset: unknown preset 'turbo'; available: accurate, balanced, exact, fast");
+  ExpectStatus(server.client().ClassifyText(text, options).status(), absl::StatusCode::kInvalidArgument,
+               "field budget.preset: unknown preset 'turbo'; available: accurate, balanced, exact, fast");
 }
 
 TEST_F(DocumentServiceTest, BadDocumentsGetInvalidArgumentNamingTheField) {
@@ -1114,43 +891,43 @@ TEST_F(DocumentServiceTest, BadDocumentsGetInvalidArgumentNamingTheField) {
   ASSERT_TRUE(server.status().ok()) << server.status();
   const client::MitaClient& client = server.client();
   // Invalid UTF-8: a lone continuation byte at offset 5, a truncated 3-byte sequence at the end.
-  ExpectError(client.ClassifyText(std::string("hello\x80world"), Options()).status(),
-              absl::StatusCode::kInvalidArgument, "field document.text: invalid UTF-8 at byte offset 5");
-  ExpectError(client.ClassifyText(std::string("abc\xE2\x82"), Options()).status(), absl::StatusCode::kInvalidArgument,
-              "field document.text: invalid UTF-8 at byte offset 3");
+  ExpectStatus(client.ClassifyText(std::string("hello\x80world"), Options()).status(),
+               absl::StatusCode::kInvalidArgument, "field document.text: invalid UTF-8 at byte offset 5");
+  ExpectStatus(client.ClassifyText(std::string("abc\xE2\x82"), Options()).status(), absl::StatusCode::kInvalidArgument,
+               "field document.text: invalid UTF-8 at byte offset 3");
   // Empty documents: defined answers.
-  ExpectError(client.ClassifyText("", Options()).status(), absl::StatusCode::kInvalidArgument,
-              "field document.text: the document is empty; a document needs at least 1 token");
+  ExpectStatus(client.ClassifyText("", Options()).status(), absl::StatusCode::kInvalidArgument,
+               "field document.text: the document is empty; a document needs at least 1 token");
   absl::StatusOr<v1::ClassifyRequest> no_ids = client::BuildTokenIdsRequest({}, Options());
   ASSERT_TRUE(no_ids.ok());
-  ExpectError(client.ClassifyRaw(*no_ids).status(), absl::StatusCode::kInvalidArgument,
-              "field document.token_ids.ids: the document is empty");
+  ExpectStatus(client.ClassifyRaw(*no_ids).status(), absl::StatusCode::kInvalidArgument,
+               "field document.token_ids.ids: the document is empty");
   v1::ClassifyRequest no_content;
   no_content.set_model(kDocumentModel);
   no_content.mutable_document();
-  ExpectError(client.ClassifyRaw(no_content).status(), absl::StatusCode::kInvalidArgument,
-              "field document: set document.text or document.token_ids");
+  ExpectStatus(client.ClassifyRaw(no_content).status(), absl::StatusCode::kInvalidArgument,
+               "field document: set document.text or document.token_ids");
   // Token ids out of the vocabulary [0, 256): index and allowed range named; an int64 beyond int32 too.
   for (int64_t bad : {int64_t{256}, int64_t{-1}, int64_t{1} << 40}) {
     absl::StatusOr<v1::ClassifyRequest> request = client::BuildTokenIdsRequest({65, 66, bad, 67}, Options());
     ASSERT_TRUE(request.ok());
-    ExpectError(client.ClassifyRaw(*request).status(), absl::StatusCode::kInvalidArgument,
-                absl::StrCat("field document.token_ids.ids[2]: ", bad, " is out of range: allowed [0, 255]"));
+    ExpectStatus(client.ClassifyRaw(*request).status(), absl::StatusCode::kInvalidArgument,
+                 absl::StrCat("field document.token_ids.ids[2]: ", bad, " is out of range: allowed [0, 255]"));
   }
   // The wrong input kind, both ways.
   v1::ClassifyRequest image;
   image.set_model(kDocumentModel);
   image.set_image("\x89PNG");
-  ExpectError(client.ClassifyRaw(image).status(), absl::StatusCode::kInvalidArgument,
-              "field input: model 'random-document' takes a document (document.text or document.token_ids), not an "
-              "image");
+  ExpectStatus(client.ClassifyRaw(image).status(), absl::StatusCode::kInvalidArgument,
+               "field input: model 'random-document' takes a document (document.text or document.token_ids), not an "
+               "image");
   v1::ClassifyRequest nothing;
   nothing.set_model(kDocumentModel);
-  ExpectError(client.ClassifyRaw(nothing).status(), absl::StatusCode::kInvalidArgument, "and none was set");
+  ExpectStatus(client.ClassifyRaw(nothing).status(), absl::StatusCode::kInvalidArgument, "and none was set");
   // top_n beyond the classes.
   client::ClassifyOptions options = Options();
   options.top_n = kDocumentClasses + 1;
-  ExpectError(client.ClassifyText("text", options).status(), absl::StatusCode::kInvalidArgument, "field top_n");
+  ExpectStatus(client.ClassifyText("text", options).status(), absl::StatusCode::kInvalidArgument, "field top_n");
   // After all of that the server still serves.
   EXPECT_TRUE(client.ClassifyText("still serving", Options()).ok());
 }
@@ -1160,14 +937,14 @@ TEST_F(DocumentServiceTest, LengthLimitAndTruncation) {
   ASSERT_TRUE(server.status().ok()) << server.status();
   const std::string longer = text_->substr(0, kDocumentMaxTokens + 1);  // bytes: 4097 tokens
   client::ClassifyOptions options = Options();
-  ExpectError(server.client().ClassifyText(longer, options).status(), absl::StatusCode::kInvalidArgument,
-              "field document.text: the document has 4097 tokens, over the limit of 4096 tokens (the model's "
-              "max_tokens); set document.truncate to classify its first 4096 tokens");
+  ExpectStatus(server.client().ClassifyText(longer, options).status(), absl::StatusCode::kInvalidArgument,
+               "field document.text: the document has 4097 tokens, over the limit of 4096 tokens (the model's "
+               "max_tokens); set document.truncate to classify its first 4096 tokens");
   std::vector<int64_t> ids(static_cast<size_t>(kDocumentMaxTokens) + 1, 65);
   absl::StatusOr<v1::ClassifyRequest> as_ids = client::BuildTokenIdsRequest(ids, options);
   ASSERT_TRUE(as_ids.ok());
-  ExpectError(server.client().ClassifyRaw(*as_ids).status(), absl::StatusCode::kInvalidArgument,
-              "field document.token_ids.ids: the document has 4097 tokens, over the limit of 4096 tokens");
+  ExpectStatus(server.client().ClassifyRaw(*as_ids).status(), absl::StatusCode::kInvalidArgument,
+               "field document.token_ids.ids: the document has 4097 tokens, over the limit of 4096 tokens");
   // Truncated: the same answer as the first 4096 tokens sent alone.
   options.truncate = true;
   absl::StatusOr<v1::ClassifyResponse> truncated = server.client().ClassifyText(longer, options);
@@ -1189,9 +966,9 @@ TEST_F(DocumentServiceTest, LengthLimitAndTruncation) {
   small.batching.max_batch_tokens = 1000;
   TestServer limited(registry_, small);
   ASSERT_TRUE(limited.status().ok()) << limited.status();
-  ExpectError(limited.client().ClassifyText(text_->substr(0, 1001), Options()).status(),
-              absl::StatusCode::kInvalidArgument,
-              "the document has 1001 tokens, over the limit of 1000 tokens (flag --max_batch_tokens)");
+  ExpectStatus(limited.client().ClassifyText(text_->substr(0, 1001), Options()).status(),
+               absl::StatusCode::kInvalidArgument,
+               "the document has 1001 tokens, over the limit of 1000 tokens (flag --max_batch_tokens)");
   absl::StatusOr<v1::ModelMetadata> metadata = limited.client().GetModel(kDocumentModel);
   ASSERT_TRUE(metadata.ok()) << metadata.status();
   EXPECT_EQ(metadata->document_limits().max_tokens(), 1000);
@@ -1206,14 +983,14 @@ TEST_F(DocumentServiceTest, SixtyFourThousandTokenDocumentsFitTheDefaultMessageL
   std::string text;
   while (text.size() < 65536) text += *text_;
   text = Utf8Prefix(text, 65536);
-  ExpectError(server.client().ClassifyText(text, Options()).status(), absl::StatusCode::kInvalidArgument,
-              "over the limit of 4096 tokens");
+  ExpectStatus(server.client().ClassifyText(text, Options()).status(), absl::StatusCode::kInvalidArgument,
+               "over the limit of 4096 tokens");
   // Ids near the top of a 64K vocabulary take 3 bytes each as varints; 65,536 of them.
   std::vector<int64_t> ids(65536, 65535);
   absl::StatusOr<v1::ClassifyRequest> request = client::BuildTokenIdsRequest(ids, Options());
   ASSERT_TRUE(request.ok());
-  ExpectError(server.client().ClassifyRaw(*request).status(), absl::StatusCode::kInvalidArgument,
-              "is out of range: allowed [0, 255]");
+  ExpectStatus(server.client().ClassifyRaw(*request).status(), absl::StatusCode::kInvalidArgument,
+               "is out of range: allowed [0, 255]");
 }
 
 // Issue 3: documents of different lengths and budgets share one packed batch (no padding) and each gets the
@@ -1341,12 +1118,12 @@ TEST_F(DocumentServiceTest, AdmissionCountsDocumentTokensAndComputeUnits) {
   ASSERT_TRUE(server.client().ClassifyText(text, Options()).ok());
   client::ClassifyOptions full = Options();
   full.full_attention = true;
-  ExpectError(server.client().ClassifyText(text, full).status(), absl::StatusCode::kResourceExhausted,
-              "request needs 9000000 compute units (tokens x attention width), more than the queue's capacity of "
-              "300000 (flag --queue_compute_units)");
+  ExpectStatus(server.client().ClassifyText(text, full).status(), absl::StatusCode::kResourceExhausted,
+               "request needs 9000000 compute units (tokens x attention width), more than the queue's capacity of "
+               "300000 (flag --queue_compute_units)");
   const prometheus::Registry& registry = server.registry();
-  EXPECT_EQ(CounterValue(registry, "mita_rejected_requests_total",
-                         {{"model", kDocumentModel}, {"reason", "task_over_queue_compute_units"}}),
+  EXPECT_EQ(MetricValue(registry, "mita_rejected_requests_total",
+                        {{"model", kDocumentModel}, {"reason", "task_over_queue_compute_units"}}),
             1);
   double tokens_sum = -1, batch_tokens_count = -1, layer_count = -1;
   for (const prometheus::MetricFamily& family : registry.Collect()) {
@@ -1367,8 +1144,7 @@ TEST_F(DocumentServiceTest, AdmissionCountsDocumentTokensAndComputeUnits) {
 // loopback: real text, its GetModel metadata, and a document longer than 16K tokens.
 TEST(EmbeddedDocumentModelTest, ClassifiesRealTextOverLoopback) {
   constexpr char kEmbedded[] = "linux-doc-mita";
-  const char* source = std::getenv("MITA_SOURCE_DIR");
-  const std::string directory = absl::StrCat(source != nullptr ? source : ".", "/models/repository/", kEmbedded);
+  const std::string directory = absl::StrCat(SourceDirectory(), "/models/repository/", kEmbedded);
   absl::StatusOr<models::ModelPackage> package = models::LoadModelPackage(directory);
   ASSERT_TRUE(package.ok()) << package.status();
   package->name = kEmbedded;

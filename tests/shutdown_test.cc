@@ -3,7 +3,6 @@
 // the signal get UNAVAILABLE, that the process exits 0 within the drain timeout, and that no admitted request
 // is lost: every call the server admitted (its last log line counts them) was answered OK to the client.
 // Also the server's threading under load (ServerThreadsTest).
-#include <fcntl.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/completion_queue.h>
 #include <grpcpp/create_channel.h>
@@ -20,11 +19,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <set>
-#include <fstream>
 #include <memory>
 #include <mutex>
 #include <regex>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,7 +31,7 @@
 #include "absl/time/time.h"
 #include "client/mita_client.h"
 #include "gtest/gtest.h"
-#include "tools/fashion_mnist.h"
+#include "tests/test_util.h"
 
 #ifndef MITA_SERVER_PATH
 #error "MITA_SERVER_PATH (the mita-server binary) must be defined by the build"
@@ -47,65 +44,18 @@ constexpr char kModel[] = "fashion-mnist-vit";
 constexpr int kClients = 16;
 constexpr int kDrainTimeoutS = 20;
 
-std::string RepositoryPath() {
-  if (const char* repository = std::getenv("MITA_MODEL_REPOSITORY"); repository != nullptr && *repository) {
-    return repository;
-  }
-  const char* source = std::getenv("MITA_SOURCE_DIR");
-  return absl::StrCat(source != nullptr ? source : ".", "/models/repository");
-}
-
-std::string ReadText(const std::string& path) {
-  std::ifstream file(path);
-  std::ostringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
+using test_util::ReadFile;
+using test_util::RepositoryPath;
+using test_util::WaitForExit;
 
 // Starts mita-server with `arguments`, its stderr (the log) going to `log_path`. Returns the pid.
 pid_t StartServer(const std::vector<std::string>& arguments, const std::string& log_path) {
-  std::string binary = MITA_SERVER_PATH;
-  std::vector<std::string> copies = arguments;
-  std::vector<char*> argv;
-  argv.push_back(binary.data());
-  for (std::string& argument : copies) argv.push_back(argument.data());
-  argv.push_back(nullptr);
-  const pid_t pid = fork();
-  if (pid == 0) {
-    // Only async-signal-safe calls between fork and exec (the test process has threads).
-    const int log = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (log >= 0) dup2(log, STDERR_FILENO);
-    execv(binary.c_str(), argv.data());
-    _exit(127);
-  }
-  return pid;
+  return test_util::StartProcess(MITA_SERVER_PATH, arguments, log_path);
 }
 
 // Waits for the log line "serving gRPC ... (port N;" and returns N, or 0 after `bound`.
 int WaitForPort(const std::string& log_path, absl::Duration bound) {
-  const std::regex port_pattern(R"(serving gRPC.* \(port (\d+);)");
-  const absl::Time give_up = absl::Now() + bound;
-  while (absl::Now() < give_up) {
-    std::smatch match;
-    const std::string log = ReadText(log_path);
-    if (std::regex_search(log, match, port_pattern)) return std::stoi(match[1].str());
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return 0;
-}
-
-// Waits for `pid` to exit within `bound`; returns its wait status, or -1 (after killing it) on timeout.
-int WaitForExit(pid_t pid, absl::Duration bound) {
-  const absl::Time give_up = absl::Now() + bound;
-  while (absl::Now() < give_up) {
-    int status = 0;
-    if (waitpid(pid, &status, WNOHANG) == pid) return status;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  kill(pid, SIGKILL);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return -1;
+  return test_util::WaitForLogPort(log_path, R"(serving gRPC.* \(port (\d+);)", bound);
 }
 
 struct Outcome {
@@ -116,16 +66,9 @@ struct Outcome {
 
 TEST(ShutdownTest, SigtermDrainsAdmittedWorkRefusesNewCallsAndExitsZero) {
   // Inputs: 16 real test images as PNG.
-  absl::StatusOr<datasets::FashionMnist> test_set = datasets::ReadFashionMnist("t10k");
-  ASSERT_TRUE(test_set.ok()) << test_set.status();
-  std::vector<std::string> images;
-  const int64_t pixels = test_set->rows * test_set->columns;
-  for (int i = 0; i < kClients; ++i) {
-    std::vector<uint8_t> image(test_set->pixels.begin() + i * pixels, test_set->pixels.begin() + (i + 1) * pixels);
-    absl::StatusOr<std::string> png = datasets::EncodePng(image, test_set->columns, test_set->rows, 1);
-    ASSERT_TRUE(png.ok()) << png.status();
-    images.push_back(*png);
-  }
+  absl::StatusOr<test_util::TestImages> test_images = test_util::FashionMnistTestPngs(kClients);
+  ASSERT_TRUE(test_images.ok()) << test_images.status();
+  const std::vector<std::string> images = test_images->pngs;
 
   const std::string log_path = absl::StrCat(::testing::TempDir(), "/shutdown_test_server_", getpid(), ".log");
   // Batches of 4 that wait up to 20 ms to fill: with 16 clients there is always queued and running work.
@@ -138,7 +81,7 @@ TEST(ShutdownTest, SigtermDrainsAdmittedWorkRefusesNewCallsAndExitsZero) {
   if (port == 0) {
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);
-    FAIL() << "the server did not start; log:\n" << ReadText(log_path);
+    FAIL() << "the server did not start; log:\n" << ReadFile(log_path);
   }
   const std::string target = absl::StrCat("127.0.0.1:", port);
 
@@ -202,7 +145,7 @@ TEST(ShutdownTest, SigtermDrainsAdmittedWorkRefusesNewCallsAndExitsZero) {
   // Let traffic flow, then signal.
   const absl::Time warm_give_up = absl::Now() + absl::Seconds(60);
   while (ok_before_signal.load() < 100 && absl::Now() < warm_give_up) absl::SleepFor(absl::Milliseconds(5));
-  ASSERT_GE(ok_before_signal.load(), 100) << "no traffic before the signal; log:\n" << ReadText(log_path);
+  ASSERT_GE(ok_before_signal.load(), 100) << "no traffic before the signal; log:\n" << ReadFile(log_path);
   const absl::Time signal_time = absl::Now();
   signalled.store(true);
   ASSERT_EQ(kill(pid, SIGTERM), 0);
@@ -216,7 +159,7 @@ TEST(ShutdownTest, SigtermDrainsAdmittedWorkRefusesNewCallsAndExitsZero) {
   for (std::thread& thread : clients) thread.join();
   const int wait_status = WaitForExit(pid, absl::Seconds(kDrainTimeoutS + 30));
   const absl::Duration exit_after = absl::Now() - signal_time;
-  const std::string log = ReadText(log_path);
+  const std::string log = ReadFile(log_path);
   ASSERT_NE(wait_status, -1) << "the server did not exit; log:\n" << log;
   ASSERT_TRUE(WIFEXITED(wait_status)) << "log:\n" << log;
   EXPECT_EQ(WEXITSTATUS(wait_status), 0) << "log:\n" << log;
@@ -275,12 +218,9 @@ std::set<int> ThreadIds(pid_t pid) {
 // (--grpc_max_pollers) instead of creating and ending a thread per call once more than 2 calls are in flight.
 // With gRPC's default of 2 pollers the second wave below started 422 new threads for 640 calls; now none.
 TEST(ServerThreadsTest, OpenBlasFollowsTorchThreadsAndHandlerThreadsAreKeptUnderLoad) {
-  absl::StatusOr<datasets::FashionMnist> test_set = datasets::ReadFashionMnist("t10k");
-  ASSERT_TRUE(test_set.ok()) << test_set.status();
-  const int64_t pixels = test_set->rows * test_set->columns;
-  std::vector<uint8_t> first(test_set->pixels.begin(), test_set->pixels.begin() + pixels);
-  absl::StatusOr<std::string> png = datasets::EncodePng(first, test_set->columns, test_set->rows, 1);
-  ASSERT_TRUE(png.ok()) << png.status();
+  absl::StatusOr<test_util::TestImages> test_images = test_util::FashionMnistTestPngs(1);
+  ASSERT_TRUE(test_images.ok()) << test_images.status();
+  const std::string* png = &test_images->pngs[0];
 
   const std::string log_path = absl::StrCat(::testing::TempDir(), "/server_threads_test_", getpid(), ".log");
   const pid_t pid = StartServer({"--model_repository=" + RepositoryPath(), "--listen=127.0.0.1:0",
@@ -291,10 +231,10 @@ TEST(ServerThreadsTest, OpenBlasFollowsTorchThreadsAndHandlerThreadsAreKeptUnder
   if (port == 0) {
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);
-    FAIL() << "the server did not start; log:\n" << ReadText(log_path);
+    FAIL() << "the server did not start; log:\n" << ReadFile(log_path);
   }
-  EXPECT_NE(ReadText(log_path).find("torch_threads=1 blas_threads=1 "), std::string::npos)
-      << "OpenBLAS's thread count was not set to --torch_threads; log:\n" << ReadText(log_path);
+  EXPECT_NE(ReadFile(log_path).find("torch_threads=1 blas_threads=1 "), std::string::npos)
+      << "OpenBLAS's thread count was not set to --torch_threads; log:\n" << ReadFile(log_path);
 
   std::unique_ptr<client::MitaClient> client = client::MitaClient::Connect(absl::StrCat("127.0.0.1:", port));
   constexpr int kCallsPerClient = 40;
@@ -339,8 +279,8 @@ TEST(ServerThreadsTest, OpenBlasFollowsTorchThreadsAndHandlerThreadsAreKeptUnder
 
   ASSERT_EQ(kill(pid, SIGTERM), 0);
   const int wait_status = WaitForExit(pid, absl::Seconds(kDrainTimeoutS + 30));
-  ASSERT_NE(wait_status, -1) << "the server did not exit; log:\n" << ReadText(log_path);
-  EXPECT_TRUE(WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0) << "log:\n" << ReadText(log_path);
+  ASSERT_NE(wait_status, -1) << "the server did not exit; log:\n" << ReadFile(log_path);
+  EXPECT_TRUE(WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0) << "log:\n" << ReadFile(log_path);
 }
 
 }  // namespace

@@ -1,0 +1,211 @@
+// Helpers shared by the tests of the service (see server_test_util.h).
+#include "tests/server_test_util.h"
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/completion_queue.h>
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
+#include <grpcpp/support/byte_buffer.h>
+
+#include <chrono>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "prometheus/metric_family.h"
+
+namespace mita::test_util {
+namespace {
+
+// The bytes of a ByteBuffer.
+std::string Bytes(grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  std::string bytes;
+  if (!buffer.Dump(&slices).ok()) return bytes;
+  for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return bytes;
+}
+
+}  // namespace
+
+std::vector<server::ServerMetrics::ModelInfo> MetricsModelInfos(const server::ModelRegistry& registry) {
+  std::vector<server::ServerMetrics::ModelInfo> infos;
+  for (const models::ModelPackage* p : registry.packages()) infos.push_back({p->name, server::AttentionLayers(*p)});
+  return infos;
+}
+
+double MetricValue(const prometheus::Registry& registry, const std::string& name,
+                   const std::map<std::string, std::string>& labels) {
+  double total = 0;
+  for (const prometheus::MetricFamily& family : registry.Collect()) {
+    if (family.name != name) continue;
+    for (const prometheus::ClientMetric& metric : family.metric) {
+      bool match = true;
+      for (const auto& [key, value] : labels) {
+        bool found = false;
+        for (const prometheus::ClientMetric::Label& label : metric.label) {
+          found = found || (label.name == key && label.value == value);
+        }
+        match = match && found;
+      }
+      if (!match) continue;
+      switch (family.type) {
+        case prometheus::MetricType::Counter:
+          total += metric.counter.value;
+          break;
+        case prometheus::MetricType::Gauge:
+          total += metric.gauge.value;
+          break;
+        case prometheus::MetricType::Histogram:
+          total += static_cast<double>(metric.histogram.sample_count);
+          break;
+        default:
+          break;
+      }
+    }
+  }
+  return total;
+}
+
+std::pair<grpc::StatusCode, std::string> HealthCheck(const std::shared_ptr<grpc::Channel>& channel,
+                                                     const std::string& service) {
+  grpc::GenericStub stub(channel);
+  std::string request_bytes;
+  if (!service.empty()) {
+    request_bytes.push_back(0x0a);
+    request_bytes.push_back(static_cast<char>(service.size()));
+    request_bytes += service;
+  }
+  grpc::Slice slice(request_bytes);
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  absl::Notification done;
+  grpc::Status status;
+  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                 [&](grpc::Status s) {
+                   status = std::move(s);
+                   done.Notify();
+                 });
+  done.WaitForNotification();
+  std::pair<grpc::StatusCode, std::string> result{status.error_code(), ""};
+  if (status.ok()) result.second = Bytes(response);
+  return result;
+}
+
+absl::StatusOr<std::string> ReflectionListServices(const std::shared_ptr<grpc::Channel>& channel) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::CompletionQueue queue;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
+      stub.PrepareCall(&context, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &queue);
+  if (call == nullptr) return absl::UnavailableError("reflection: cannot prepare the call");
+  // Waits for the event `expected`; returns its ok bit (false also when another tag came).
+  auto await = [&queue](intptr_t expected) {
+    void* tag = nullptr;
+    bool ok = false;
+    return queue.Next(&tag, &ok) && reinterpret_cast<intptr_t>(tag) == expected && ok;
+  };
+  // Drains the queue after Shutdown (required before it is destroyed).
+  auto drain = [&queue] {
+    queue.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (queue.Next(&tag, &ok)) {
+    }
+  };
+  absl::StatusOr<std::string> result = absl::UnavailableError("reflection: not run");
+  call->StartCall(reinterpret_cast<void*>(1));
+  if (!await(1)) {
+    context.TryCancel();
+    drain();
+    return absl::UnavailableError("reflection: the call did not start");
+  }
+  grpc::Slice slice(std::string("\x3a\x00", 2));
+  grpc::ByteBuffer request(&slice, 1);
+  call->Write(request, reinterpret_cast<void*>(2));
+  const bool written = await(2);
+  grpc::ByteBuffer reply;
+  const bool read = written && (call->Read(&reply, reinterpret_cast<void*>(3)), await(3));
+  call->WritesDone(reinterpret_cast<void*>(4));
+  await(4);
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  await(5);
+  drain();
+  if (!written) return absl::UnavailableError("reflection: the request could not be written");
+  if (!read) return absl::UnavailableError("reflection: no answer");
+  if (!status.ok()) return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  return Bytes(reply);
+}
+
+InProcessServer::InProcessServer(const server::ModelRegistry* registry, server::ServiceOptions service_options,
+                                 int max_receive_message_bytes)
+    : InProcessServer(registry, [&] {
+        InProcessServerOptions options;
+        options.service = std::move(service_options);
+        options.max_receive_message_bytes = max_receive_message_bytes;
+        return options;
+      }()) {}
+
+InProcessServer::InProcessServer(const server::ModelRegistry* registry, InProcessServerOptions options) {
+  metrics_ = std::make_unique<server::ServerMetrics>(MetricsModelInfos(*registry));
+  if (options.metrics_http) {
+    absl::StatusOr<std::unique_ptr<server::MetricsHttpServer>> metrics_server =
+        server::MetricsHttpServer::Start("127.0.0.1:0", metrics_->registry());
+    if (!metrics_server.ok()) {
+      status_ = metrics_server.status();
+      return;
+    }
+    metrics_server_ = *std::move(metrics_server);
+  }
+  std::shared_ptr<server::MessageSizeGuard> guard;
+  if (options.message_limits.has_value()) {
+    guard = std::make_shared<server::MessageSizeGuard>(*options.message_limits, metrics_->registry().get());
+    options.service.message_size = guard;
+  }
+  absl::StatusOr<std::unique_ptr<server::ClassifyService>> service =
+      server::ClassifyService::Create(registry, metrics_.get(), options.service);
+  if (!service.ok()) {
+    status_ = service.status();
+    return;
+  }
+  service_ = *std::move(service);
+  if (options.kserve) {
+    kserve_ = std::make_unique<server::KserveService>(registry, service_.get(), metrics_.get(), "test");
+    kserve_->SetReady(true);
+  }
+  if (options.health) grpc::EnableDefaultHealthCheckService(true);
+  if (options.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(
+      "127.0.0.1:0", options.credentials != nullptr ? options.credentials : grpc::InsecureServerCredentials(), &port);
+  if (guard != nullptr) guard->ConfigureServer(builder);
+  if (options.max_receive_message_bytes > 0) builder.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
+  builder.RegisterService(service_.get());
+  if (kserve_ != nullptr) builder.RegisterService(kserve_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port == 0) {
+    status_ = absl::UnavailableError("cannot start the gRPC server on 127.0.0.1:0");
+    return;
+  }
+  if (options.health) {
+    server_->GetHealthCheckService()->SetServingStatus(true);
+    server_->GetHealthCheckService()->SetServingStatus(v1::MitaService::service_full_name(), true);
+  }
+  target_ = absl::StrCat("127.0.0.1:", port);
+  if (options.credentials == nullptr) client_ = client::MitaClient::Connect(target_);
+}
+
+InProcessServer::~InProcessServer() {
+  if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  if (service_ != nullptr) service_->Shutdown();
+}
+
+}  // namespace mita::test_util

@@ -1,0 +1,110 @@
+// Helpers shared by the tests of the service (library mita_server_test_util: the server libraries and the
+// client library): an in-process server on loopback for a model registry, the metrics model list of a
+// registry, metric values read from a registry, and raw grpc.health.v1 / reflection calls. The helpers that
+// need no server are in test_util.h.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <grpcpp/channel.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "client/mita_client.h"
+#include "prometheus/registry.h"
+#include "server/classify_service.h"
+#include "server/kserve_service.h"
+#include "server/message_limits.h"
+#include "server/metrics.h"
+#include "server/model_registry.h"
+
+namespace mita::test_util {
+
+// The model list ServerMetrics is built for: every package of `registry` with its attention layers (as
+// mita-server builds it).
+std::vector<server::ServerMetrics::ModelInfo> MetricsModelInfos(const server::ModelRegistry& registry);
+
+// The sum over the samples of family `name` whose labels include all of `labels`: counter and gauge values,
+// histogram sample counts. 0 when there is no such sample.
+double MetricValue(const prometheus::Registry& registry, const std::string& name,
+                   const std::map<std::string, std::string>& labels = {});
+
+// grpc.health.v1.Health/Check of `service` ("" for the whole server) over a raw call on `channel`:
+// HealthCheckRequest {string service = 1} encoded by hand. Returns the status code and, when OK, the response
+// bytes (HealthCheckResponse {ServingStatus status = 1}: "\x08\x01" for SERVING). 10 s deadline.
+std::pair<grpc::StatusCode, std::string> HealthCheck(const std::shared_ptr<grpc::Channel>& channel,
+                                                     const std::string& service);
+
+// grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo over a raw bidirectional call on `channel`:
+// one ServerReflectionRequest {list_services = 7: ""} encoded by hand. Returns the bytes of the answer (the
+// service names appear in it). Errors: UNAVAILABLE naming the step that failed, or the call's final status.
+// 10 s deadline.
+absl::StatusOr<std::string> ReflectionListServices(const std::shared_ptr<grpc::Channel>& channel);
+
+// What an InProcessServer serves besides mita.v1.
+struct InProcessServerOptions {
+  server::ServiceOptions service;
+  // Credentials of the gRPC port; null: plaintext.
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  // > 0: gRPC's receive limit, bytes; else gRPC's default (4 MiB).
+  int max_receive_message_bytes = 0;
+  // Set: message size limits as mita-server sets them up (a MessageSizeGuard counting rejections in this
+  // server's registry, service.message_size, and gRPC's transport limits from it).
+  std::optional<server::MessageSizeLimits> message_limits;
+  // grpc.health.v1 (gRPC's default service), SERVING for the server and for mita.v1.MitaService.
+  bool health = false;
+  // Server reflection (a process-wide gRPC plugin: every server started after it has reflection).
+  bool reflection = false;
+  // The Open Inference Protocol service (server/kserve_service.h), ready.
+  bool kserve = false;
+  // /metrics of this server's registry on 127.0.0.1:0 (metrics_port()).
+  bool metrics_http = false;
+};
+
+// An in-process server for the models of a registry: ServerMetrics, ClassifyService and a gRPC server on
+// 127.0.0.1:0, with a plaintext client when the port is plaintext. Check status() after construction.
+class InProcessServer {
+ public:
+  // `registry` must outlive the server.
+  InProcessServer(const server::ModelRegistry* registry, InProcessServerOptions options);
+  // Serves `registry` with `service_options`; `max_receive_message_bytes` > 0 sets gRPC's receive limit.
+  InProcessServer(const server::ModelRegistry* registry, server::ServiceOptions service_options,
+                  int max_receive_message_bytes = 0);
+  // Shuts gRPC down (5 s for calls in flight), then the service.
+  ~InProcessServer();
+
+  InProcessServer(const InProcessServer&) = delete;
+  InProcessServer& operator=(const InProcessServer&) = delete;
+
+  const absl::Status& status() const { return status_; }
+  // "127.0.0.1:PORT".
+  const std::string& target() const { return target_; }
+  // A client of target(); only for a plaintext port.
+  const client::MitaClient& client() const { return *client_; }
+  server::ClassifyService& service() { return *service_; }
+  server::KserveService* kserve() { return kserve_.get(); }
+  server::ServerMetrics& metrics() { return *metrics_; }
+  const prometheus::Registry& registry() const { return *metrics_->registry(); }
+  // The /metrics port (options.metrics_http), else 0.
+  int metrics_port() const { return metrics_server_ != nullptr ? metrics_server_->port() : 0; }
+  grpc::Server* grpc_server() { return server_.get(); }
+
+ private:
+  absl::Status status_;
+  std::unique_ptr<server::ServerMetrics> metrics_;
+  std::unique_ptr<server::MetricsHttpServer> metrics_server_;
+  std::unique_ptr<server::ClassifyService> service_;
+  std::unique_ptr<server::KserveService> kserve_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string target_;
+  std::unique_ptr<client::MitaClient> client_;
+};
+
+}  // namespace mita::test_util
