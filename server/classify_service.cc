@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
+#include "kernels/aten_errors.h"
 #include "kernels/mita_attention.h"
 #include "models/document_classifier.h"
 #include "models/image_decoder.h"
@@ -21,6 +22,15 @@
 #include "server/grpc_status.h"
 
 namespace mita::server {
+
+absl::Status BatchFailure(absl::string_view model, const absl::Status& forward) {
+  if (absl::IsResourceExhausted(forward)) {
+    return absl::ResourceExhaustedError(absl::StrCat("model '", model, "' ran out of memory for this batch (",
+                                                     forward.message(), "); retry later or with a smaller budget"));
+  }
+  return absl::InternalError(absl::StrCat("model '", model, "' failed: ", forward.message()));
+}
+
 namespace {
 
 constexpr int64_t kDefaultTopN = 5;
@@ -786,8 +796,7 @@ void ClassifyService::ProcessBatch(const ModelSlot& slot, Batch<Task> batch) {
       output = package.model->Forward(at::stack(images, 0), budgets, /*want_statistics=*/true);
     }
     if (!output.ok()) {
-      // The requests were validated: a failing forward is a server fault, not the caller's.
-      failure = absl::InternalError(absl::StrCat("model '", package.name, "' failed: ", output.status().message()));
+      failure = BatchFailure(package.name, output.status());
     } else {
       const at::Tensor probabilities = output->logits.to(at::kFloat).softmax(1);
       const auto [values, indices] = probabilities.topk(std::min(max_top_n, probabilities.size(1)), 1);
@@ -810,8 +819,8 @@ void ClassifyService::ProcessBatch(const ModelSlot& slot, Batch<Task> batch) {
         result.batch_size = batch_size;
       }
     }
-  } catch (const std::exception& e) {
-    failure = absl::InternalError(absl::StrCat("model '", package.name, "' failed: ", e.what()));
+  } catch (...) {
+    failure = BatchFailure(package.name, kernels::CurrentExceptionStatus("batch"));
   }
 
   slot.metrics->ObserveBatchSize(batch_size);

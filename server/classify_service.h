@@ -138,6 +138,12 @@ int64_t ComputeUnits(int64_t tokens, const models::AttentionBudget& budget);
 // labels, and knobs (allowed ranges, default budget, presets).
 v1::ModelMetadata BuildModelMetadata(const models::ModelPackage& package, const ServiceOptions& options);
 
+// The status every request of a batch gets when the model's forward pass failed with `forward`. The requests
+// were validated, so the fault is the server's: INTERNAL "model 'NAME' failed: ...", except out of memory
+// (RESOURCE_EXHAUSTED from models/ and kernels/aten_errors.h), which stays RESOURCE_EXHAUSTED "model 'NAME' ran
+// out of memory for this batch (...); retry later or with a smaller budget".
+absl::Status BatchFailure(absl::string_view model, const absl::Status& forward);
+
 class ClassifyService final : public v1::MitaService::Service {
  public:
   // Starts one DynamicBatcher per model of `registry`. `registry`, `metrics` (built for the registry's

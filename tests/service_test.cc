@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <new>
 #include <optional>
 #include <string>
 #include <thread>
@@ -30,6 +31,7 @@
 #include "client/mita_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/aten_errors.h"
 #include "prometheus/metric_family.h"
 #include "server/classify_service.h"
 #include "server/grpc_status.h"
@@ -1217,6 +1219,26 @@ TEST(StatusMappingTest, EveryCodeMapsToTheSameGrpcCode) {
     EXPECT_EQ(mapped.error_message(), "message");
   }
   EXPECT_TRUE(ToGrpcStatus(absl::OkStatus()).ok());
+}
+
+// A failed forward answers every request of its batch: out of memory stays RESOURCE_EXHAUSTED (retryable, with
+// the advice), everything else is INTERNAL; both name the model. Also through the exception mapping that the
+// batch thread's catch block uses (kernels::CurrentExceptionStatus).
+TEST(BatchFailureTest, OutOfMemoryStaysResourceExhaustedAndOtherFaultsAreInternal) {
+  const absl::Status oom = BatchFailure("m", absl::ResourceExhaustedError("attention: out of memory"));
+  EXPECT_EQ(oom.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(oom.message()), ::testing::HasSubstr("model 'm' ran out of memory"));
+  EXPECT_THAT(std::string(oom.message()), ::testing::HasSubstr("smaller budget"));
+  const absl::Status fault = BatchFailure("m", absl::InvalidArgumentError("images: shape [1]"));
+  EXPECT_EQ(fault.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(fault.message(), "model 'm' failed: images: shape [1]");
+  absl::Status thrown;
+  try {
+    throw std::bad_alloc();
+  } catch (...) {
+    thrown = BatchFailure("m", kernels::CurrentExceptionStatus("batch"));
+  }
+  EXPECT_EQ(thrown.code(), absl::StatusCode::kResourceExhausted) << thrown;
 }
 
 TEST(ModelRegistryTest, MissingRepositoryIsNotFound) {
