@@ -111,7 +111,7 @@ class SentencePieceTokenizer final : public Tokenizer {
       return absl::InternalError(absl::StrCat("sentencepiece: ", error));
     }
     if (collected.out_of_memory) {
-      return absl::InternalError(
+      return absl::ResourceExhaustedError(
           absl::StrCat("sentencepiece: out of memory for the token ids of a ", utf8_text.size(), "-byte text"));
     }
     return std::move(collected.ids);

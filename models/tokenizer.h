@@ -24,7 +24,8 @@ class Tokenizer {
   virtual ~Tokenizer();
   // Token ids of `utf8_text`, each in [0, vocab_size()); call ValidateUtf8 first (bytes: any input works;
   // SentencePiece: invalid UTF-8 is replaced by U+FFFD by the library). Empty text gives no ids (bytes) or
-  // none or few (SentencePiece). Errors: INTERNAL when the library fails or runs out of memory.
+  // none or few (SentencePiece). Errors: INTERNAL when the library fails; RESOURCE_EXHAUSTED when the ids
+  // cannot be allocated.
   virtual absl::StatusOr<std::vector<int64_t>> Encode(std::string_view utf8_text) const = 0;
   virtual int64_t vocab_size() const = 0;
   // "bytes" or "sentencepiece".
