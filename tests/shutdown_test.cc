@@ -58,6 +58,25 @@ int WaitForPort(const std::string& log_path, absl::Duration bound) {
   return test_util::WaitForLogPort(log_path, R"(serving gRPC.* \(port (\d+);)", bound);
 }
 
+// A started mita-server: its pid, and its gRPC port (0 when it did not start).
+struct StartedServer {
+  pid_t pid = -1;
+  int port = 0;
+};
+
+// Starts mita-server with `arguments` (log in `log_path`) and waits up to 120 s for its gRPC port. When the port
+// does not appear, the process is killed and reaped and the port is 0.
+StartedServer StartServerAndWaitForPort(const std::vector<std::string>& arguments, const std::string& log_path) {
+  StartedServer server{StartServer(arguments, log_path), 0};
+  if (server.pid <= 0) return server;
+  server.port = WaitForPort(log_path, absl::Seconds(120));
+  if (server.port == 0) {
+    kill(server.pid, SIGKILL);
+    waitpid(server.pid, nullptr, 0);
+  }
+  return server;
+}
+
 struct Outcome {
   grpc::StatusCode code = grpc::StatusCode::OK;
   std::string message;
@@ -72,17 +91,14 @@ TEST(ShutdownTest, SigtermDrainsAdmittedWorkRefusesNewCallsAndExitsZero) {
 
   const std::string log_path = absl::StrCat(::testing::TempDir(), "/shutdown_test_server_", getpid(), ".log");
   // Batches of 4 that wait up to 20 ms to fill: with 16 clients there is always queued and running work.
-  const pid_t pid = StartServer(
+  const StartedServer server = StartServerAndWaitForPort(
       {"--model_repository=" + RepositoryPath(), "--listen=127.0.0.1:0", "--metrics_listen=", "--max_batch_size=4",
        "--max_queue_delay_ms=20", "--torch_threads=1", absl::StrCat("--drain_timeout_s=", kDrainTimeoutS)},
       log_path);
-  ASSERT_GT(pid, 0);
-  const int port = WaitForPort(log_path, absl::Seconds(120));
-  if (port == 0) {
-    kill(pid, SIGKILL);
-    waitpid(pid, nullptr, 0);
-    FAIL() << "the server did not start; log:\n" << ReadFile(log_path);
-  }
+  ASSERT_GT(server.pid, 0);
+  ASSERT_NE(server.port, 0) << "the server did not start; log:\n" << ReadFile(log_path);
+  const pid_t pid = server.pid;
+  const int port = server.port;
   const std::string target = absl::StrCat("127.0.0.1:", port);
 
   // A health Watch stream, opened before the signal: SERVING now, NOT_SERVING once draining.
@@ -223,16 +239,14 @@ TEST(ServerThreadsTest, OpenBlasFollowsTorchThreadsAndHandlerThreadsAreKeptUnder
   const std::string* png = &test_images->pngs[0];
 
   const std::string log_path = absl::StrCat(::testing::TempDir(), "/server_threads_test_", getpid(), ".log");
-  const pid_t pid = StartServer({"--model_repository=" + RepositoryPath(), "--listen=127.0.0.1:0",
-                                 "--metrics_listen=", "--max_batch_size=16", "--torch_threads=1"},
-                                log_path);
-  ASSERT_GT(pid, 0);
-  const int port = WaitForPort(log_path, absl::Seconds(120));
-  if (port == 0) {
-    kill(pid, SIGKILL);
-    waitpid(pid, nullptr, 0);
-    FAIL() << "the server did not start; log:\n" << ReadFile(log_path);
-  }
+  const StartedServer server = StartServerAndWaitForPort(
+      {"--model_repository=" + RepositoryPath(), "--listen=127.0.0.1:0", "--metrics_listen=", "--max_batch_size=16",
+       "--torch_threads=1"},
+      log_path);
+  ASSERT_GT(server.pid, 0);
+  ASSERT_NE(server.port, 0) << "the server did not start; log:\n" << ReadFile(log_path);
+  const pid_t pid = server.pid;
+  const int port = server.port;
   EXPECT_NE(ReadFile(log_path).find("torch_threads=1 blas_threads=1 "), std::string::npos)
       << "OpenBLAS's thread count was not set to --torch_threads; log:\n" << ReadFile(log_path);
 
