@@ -115,6 +115,54 @@ class CancellationTest : public ::testing::Test {
 ModelRegistry* CancellationTest::registry_ = nullptr;
 std::vector<std::string> CancellationTest::images_;
 
+// A call cancelled after its batch started: the batch runs to the end (it cannot be stopped), but the answer
+// is dropped by gRPC, so the server must not count the request as answered OK (it did, until 2026-11-30: a
+// call cancelled at the drain timeout showed up as "answered ok" in the shutdown log).
+TEST_F(CancellationTest, CallCancelledWhileItsBatchRunsIsNotCountedAsAnswered) {
+  std::unique_ptr<TestServer> server = Start(1, absl::Milliseconds(1));
+  ASSERT_NE(server, nullptr);
+  constexpr char kDocumentModel[] = "linux-doc-mita";
+  // A long document under full attention: its batch runs for seconds on this machine (a 20,710-token document
+  // took 5.7 s in the main job).
+  v1::ClassifyRequest request;
+  request.set_model(kDocumentModel);
+  std::string text;
+  while (text.size() < 150000) {
+    absl::StrAppend(&text, "The scheduler moves network interrupts between processors; ", text.size(), ". ");
+  }
+  request.mutable_document()->set_text(text);
+  request.mutable_document()->set_truncate(true);
+  request.mutable_budget()->mutable_full_attention();
+  const prometheus::Registry& metrics = server->registry();
+  auto batches = [&] { return MetricValue(metrics, "mita_batch_size", {{"model", kDocumentModel}}); };
+  grpc::ClientContext context;
+  v1::ClassifyResponse response;
+  grpc::Status status;
+  std::thread caller([&] { status = server->stub->Classify(&context, request, &response); });
+  // Admitted and taken by the batch thread (queue empty again), then give the batch time to start computing.
+  ASSERT_TRUE(WaitFor([&] { return server->service->admission_counts().admitted == 1; }));
+  ASSERT_TRUE(WaitFor([&] { return server->QueueDepth() == 0; }));
+  absl::SleepFor(absl::Milliseconds(300));
+  ASSERT_EQ(batches(), 0) << "the batch finished before the cancel; the document is too short for this machine";
+  context.TryCancel();
+  caller.join();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED);
+  // The handler answers once the batch is done.
+  ASSERT_TRUE(WaitFor([&] { return batches() == 1; }, absl::Seconds(300)));
+  ASSERT_TRUE(WaitFor([&] {
+    const ClassifyService::AdmissionCounts counts = server->service->admission_counts();
+    return counts.ok + counts.failed == 1;
+  }));
+  EXPECT_EQ(server->service->admission_counts().ok, 0);
+  EXPECT_EQ(server->service->admission_counts().failed, 1);
+  EXPECT_EQ(MetricValue(metrics, "mita_requests_total",
+                        {{"method", "Classify"}, {"model", kDocumentModel}, {"code", "CANCELLED"}}),
+            1);
+  EXPECT_EQ(MetricValue(metrics, "mita_requests_total",
+                        {{"method", "Classify"}, {"model", kDocumentModel}, {"code", "OK"}}),
+            0);
+}
+
 TEST_F(CancellationTest, CancelledCallLeavesTheQueueAtOnceAndIsNeverRun) {
   // Batches of 16 with a 60 s max queue delay: a lone request would wait 60 s for its batch.
   std::unique_ptr<TestServer> server = Start(16, absl::Seconds(60));
