@@ -172,8 +172,13 @@ int ListModels(const MitaClient& client, absl::Duration deadline) {
   for (const v1::ModelMetadata& model : models->models()) {
     const v1::Knobs& knobs = model.knobs();
     std::cout << model.name() << " (" << model.architecture() << "): " << model.labels_size() << " labels, "
-              << model.layers() << " layers, " << model.heads() << " heads, embed_dim " << model.embed_dim() << ", "
-              << model.tokens_per_input() << " tokens per input\n";
+              << model.layers() << " layers, " << model.heads() << " heads, embed_dim " << model.embed_dim();
+    // Image models have a fixed token count; a document's is its own length (tokens_per_input is 0 then).
+    if (model.tokens_per_input() > 0) {
+      std::cout << ", " << model.tokens_per_input() << " tokens per input\n";
+    } else {
+      std::cout << ", tokens per input: the document's length\n";
+    }
     if (model.input_kind() == v1::INPUT_KIND_IMAGE) {
       const v1::ImageLimits& image = model.image_limits();
       std::cout << "  input: image " << image.width() << "x" << image.height() << "x" << image.channels()
