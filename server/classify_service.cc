@@ -589,11 +589,6 @@ absl::StatusOr<v1::ClassifyResponse> ClassifyService::DoClassify(const ModelSlot
   const absl::Time submitted = absl::Now();
   ++admitted_;
   absl::Status waited = WaitForResult(slot, ticket, deadline, submitted, cancelled, result);
-  if (waited.ok() && cancelled && cancelled()) {
-    // The batch had started when the call was cancelled (by its client, its deadline or the server stopping at
-    // the drain timeout), so it ran to the end, but gRPC drops the answer: count it as not delivered.
-    waited = absl::CancelledError("the call was cancelled while its batch ran; the result was discarded");
-  }
   ++(waited.ok() ? admitted_ok_ : admitted_failed_);
   if (!waited.ok()) return waited;
 
@@ -696,6 +691,11 @@ absl::Status ClassifyService::WaitForResult(const ModelSlot& slot, uint64_t tick
     }
   }
   result.done.WaitForNotification();
+  if (result.status.ok() && cancelled && cancelled()) {
+    // The batch had started when the call was cancelled (by its client, its deadline or the server stopping at
+    // the drain timeout), so it ran to the end, but gRPC drops the answer: it was not delivered.
+    return absl::CancelledError("the call was cancelled while its batch ran; the result was discarded");
+  }
   return result.status;
 }
 

@@ -234,7 +234,8 @@ class ClassifyService final : public v1::MitaService::Service {
   // Waits for the result of the task queued with `ticket` (submitted at `submitted`). When the deadline
   // passes or the call is cancelled first (seen by WatchCancellations), takes the task out of the queue (or,
   // if a batch thread already holds it, makes sure it is not started) and returns DEADLINE_EXCEEDED /
-  // CANCELLED; returns the batch thread's status otherwise.
+  // CANCELLED; returns the batch thread's status otherwise, except CANCELLED "... the result was discarded"
+  // when the call was cancelled after its batch started (the work ran, but its answer cannot be delivered).
   absl::Status WaitForResult(const ModelSlot& slot, uint64_t ticket, absl::Time deadline, absl::Time submitted,
                              const std::function<bool()>& cancelled, TaskResult& result);
   // Gives up on the task with `ticket`: takes it back out of the queue (kTakenBack: nobody else will answer
