@@ -1,6 +1,8 @@
 // Helpers shared by the tests of the service (see server_test_util.h).
 #include "tests/server_test_util.h"
 
+#include "server/health_check_call.h"
+
 #include <grpcpp/client_context.h>
 #include <grpcpp/completion_queue.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
@@ -72,29 +74,9 @@ double MetricValue(const prometheus::Registry& registry, const std::string& name
 
 std::pair<grpc::StatusCode, std::string> HealthCheck(const std::shared_ptr<grpc::Channel>& channel,
                                                      const std::string& service) {
-  grpc::GenericStub stub(channel);
-  std::string request_bytes;
-  if (!service.empty()) {
-    request_bytes.push_back(0x0a);
-    request_bytes.push_back(static_cast<char>(service.size()));
-    request_bytes += service;
-  }
-  grpc::Slice slice(request_bytes);
-  grpc::ByteBuffer request(&slice, 1);
-  grpc::ByteBuffer response;
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  absl::Notification done;
-  grpc::Status status;
-  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
-                 [&](grpc::Status s) {
-                   status = std::move(s);
-                   done.Notify();
-                 });
-  done.WaitForNotification();
-  std::pair<grpc::StatusCode, std::string> result{status.error_code(), ""};
-  if (status.ok()) result.second = Bytes(response);
-  return result;
+  std::string bytes;
+  const grpc::Status status = server::HealthCheckCall(channel, service, std::chrono::seconds(10), &bytes);
+  return {status.error_code(), bytes};
 }
 
 absl::StatusOr<std::string> ReflectionListServices(const std::shared_ptr<grpc::Channel>& channel) {
