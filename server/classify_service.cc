@@ -132,6 +132,11 @@ absl::StatusOr<ResolvedBudget> ResolveBudgetAgainst(
       return ResolvedBudget{default_budget, "default"};
     case v1::Budget::kPreset: {
       auto it = presets.find(budget.preset());
+      // "" (what proto3 clients send for a string they did not fill in) and "default" (the name responses give
+      // the default budget) mean the model's default budget, unless the model declares a preset of that name.
+      if (it == presets.end() && (budget.preset().empty() || budget.preset() == "default")) {
+        return ResolvedBudget{default_budget, "default"};
+      }
       if (it == presets.end()) {
         std::vector<std::string> names;
         for (const auto& [name, preset] : presets) names.push_back(name);

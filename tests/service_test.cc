@@ -255,6 +255,20 @@ TEST_F(ServiceTest, ExplicitBudgetAndPresetAreApplied) {
   double total = 0;
   for (const v1::ClassScore& score : response->classes()) total += score.score();
   EXPECT_NEAR(total, 1.0, 1e-4) << "all ten probabilities";
+
+  // The preset names "" (a proto3 string left empty) and "default" (what responses call the default budget) are
+  // the model's default budget, m=9 k=16, not an unknown preset.
+  for (const std::string name : {"", "default"}) {
+    absl::StatusOr<v1::ClassifyRequest> request = client::BuildClassifyRequest(images_[2], Options());
+    ASSERT_TRUE(request.ok()) << request.status();
+    request->mutable_budget()->set_preset(name);
+    ASSERT_EQ(request->budget().choice_case(), v1::Budget::kPreset);
+    response = client_->ClassifyRaw(*request);
+    ASSERT_TRUE(response.ok()) << "preset '" << name << "': " << response.status();
+    EXPECT_EQ(response->budget().expert_count(), 9) << "preset '" << name << "'";
+    EXPECT_EQ(response->budget().expert_width(), 16) << "preset '" << name << "'";
+    EXPECT_EQ(response->budget().preset(), "default") << "preset '" << name << "'";
+  }
 }
 
 TEST_F(ServiceTest, FullAttention) {
