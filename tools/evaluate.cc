@@ -5,6 +5,8 @@
 // whole Fashion-MNIST test split (10,000 images, forward in batches of --batch_size), the per-image latency of
 // a batch-1 forward (median and p95 over --latency_images images, ms) and the batched throughput.
 // Images go through the same PreprocessImage as the server (decoding is skipped: pixels come from the IDX).
+// --statistics also computes the per-layer attention statistics, as mita-server does for every request (to
+// compare with the server's compute time; without it the forward skips them).
 #include <ATen/Parallel.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/stack.h>
@@ -34,6 +36,8 @@ ABSL_FLAG(std::string, budgets, "1x50,4x8,9x16,16x32,25x50",
 ABSL_FLAG(int64_t, images, 10000, "test images to evaluate (from the start of the t10k split)");
 ABSL_FLAG(int64_t, batch_size, 250, "batch size for the accuracy pass");
 ABSL_FLAG(int64_t, latency_images, 200, "images timed one by one (batch size 1)");
+ABSL_FLAG(bool, statistics, false,
+          "also compute the per-layer attention statistics (routing, pruning), as mita-server does for every request");
 ABSL_FLAG(int, threads, 2, "LibTorch intra-op threads");
 
 namespace {
@@ -109,6 +113,7 @@ int main(int argc, char** argv) {
   std::printf("| budget | top-1 accuracy | batch-1 latency p50 (ms) | p95 (ms) | batched throughput (images/s) |\n");
   std::printf("|---|---|---|---|---|\n");
   const int64_t batch_size = absl::GetFlag(FLAGS_batch_size);
+  const bool want_statistics = absl::GetFlag(FLAGS_statistics);
   for (const auto& [name, budget] : budgets) {
     int64_t correct = 0;
     const auto start = Clock::now();
@@ -116,7 +121,7 @@ int main(int argc, char** argv) {
       const int64_t end = std::min(count, begin + batch_size);
       at::Tensor batch = at::stack(std::vector<at::Tensor>(inputs.begin() + begin, inputs.begin() + end));
       std::vector<mita::models::AttentionBudget> per_item(end - begin, budget);
-      auto output = package->model->Forward(batch, per_item, /*want_statistics=*/false);
+      auto output = package->model->Forward(batch, per_item, want_statistics);
       if (!output.ok()) {
         std::fprintf(stderr, "%s\n", output.status().ToString().c_str());
         return 1;
@@ -130,7 +135,7 @@ int main(int argc, char** argv) {
     const int64_t timed = std::min(count, absl::GetFlag(FLAGS_latency_images));
     for (int64_t i = 0; i < timed; ++i) {
       const auto t0 = Clock::now();
-      auto output = package->model->Forward(inputs[i].unsqueeze(0), {budget}, /*want_statistics=*/false);
+      auto output = package->model->Forward(inputs[i].unsqueeze(0), {budget}, want_statistics);
       latencies.push_back(Milliseconds(Clock::now() - t0));
       if (!output.ok()) return 1;
     }
