@@ -80,6 +80,7 @@ struct Item {
 
 struct Outcome {
   absl::Status status = absl::OkStatus();
+  bool sent = false;  // false: the request was not sent (the file or the flags were wrong here, in the client)
   v1::ClassifyResponse response;
   absl::Duration latency;  // client side
 };
@@ -159,7 +160,13 @@ void PrintDetailed(const std::string& path, const Outcome& outcome) {
   }
 }
 
-void PrintFailure(const std::string& path, const absl::Status& status) {
+// `sent`: the server answered `status` (or the call failed on the way); otherwise the client found the problem
+// before sending anything, and says so.
+void PrintFailure(const std::string& path, const absl::Status& status, bool sent = true) {
+  if (!sent) {
+    std::cerr << path << ": NOT SENT (client-side error): " << status.message() << "\n";
+    return;
+  }
   std::cerr << path << ": FAILED " << absl::StatusCodeToString(status.code()) << ": " << status.message() << "\n";
 }
 
@@ -212,8 +219,12 @@ int ListModels(const MitaClient& client, absl::Duration deadline) {
 enum class InputKind { kImage, kText, kTokenIds };
 
 // Classifies the file at `path` as `kind`. Errors: reading or parsing the file, or the RPC's status.
+// Reads `path`, builds its request and sends it. `*sent` says whether the request reached the point of being sent
+// (false for an unreadable file, bad token ids or contradictory budget flags, found in the client).
 absl::StatusOr<v1::ClassifyResponse> ClassifyFile(const MitaClient& client, const std::string& path, InputKind kind,
-                                                  const ClassifyOptions& options, absl::Duration* latency) {
+                                                  const ClassifyOptions& options, absl::Duration* latency,
+                                                  bool* sent) {
+  *sent = false;
   absl::StatusOr<std::string> bytes = ReadFile(path);
   if (!bytes.ok()) return bytes.status();
   absl::StatusOr<v1::ClassifyRequest> request = absl::UnknownError("no input");
@@ -226,12 +237,13 @@ absl::StatusOr<v1::ClassifyResponse> ClassifyFile(const MitaClient& client, cons
       break;
     case InputKind::kTokenIds: {
       absl::StatusOr<std::vector<int64_t>> ids = mita::client::ParseTokenIds(*bytes);
-      if (!ids.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", ids.status().message()));
+      if (!ids.ok()) return ids.status();
       request = mita::client::BuildTokenIdsRequest(*ids, options);
       break;
     }
   }
   if (!request.ok()) return request.status();
+  *sent = true;
   const absl::Time start = absl::Now();
   absl::StatusOr<v1::ClassifyResponse> response = client.ClassifyRaw(*request, options.deadline);
   *latency = absl::Now() - start;
@@ -346,7 +358,7 @@ int main(int argc, char** argv) {
     for (size_t i = next++; i < items.size(); i = next++) {
       Outcome& outcome = outcomes[i];
       absl::StatusOr<v1::ClassifyResponse> response =
-          ClassifyFile(*client, items[i].path, kind, options, &outcome.latency);
+          ClassifyFile(*client, items[i].path, kind, options, &outcome.latency, &outcome.sent);
       if (response.ok()) {
         outcome.response = *std::move(response);
       } else {
@@ -354,7 +366,7 @@ int main(int argc, char** argv) {
       }
       std::lock_guard<std::mutex> lock(print_mu);
       if (!outcome.status.ok()) {
-        PrintFailure(items[i].path, outcome.status);
+        PrintFailure(items[i].path, outcome.status, outcome.sent);
       } else if (detailed) {
         PrintDetailed(items[i].path, outcome);
       }
@@ -366,13 +378,14 @@ int main(int argc, char** argv) {
   for (std::thread& thread : threads) thread.join();
   const absl::Duration wall = absl::Now() - start;
 
-  int64_t failed = 0, succeeded = 0, labelled = 0, correct = 0;
+  int64_t failed = 0, not_sent = 0, succeeded = 0, labelled = 0, correct = 0;
   double queue_us = 0, compute_us = 0;
   std::vector<double> latencies_ms;
   for (size_t i = 0; i < items.size(); ++i) {
     const Outcome& outcome = outcomes[i];
     if (!outcome.status.ok()) {
       ++failed;
+      if (!outcome.sent) ++not_sent;
       continue;
     }
     ++succeeded;
@@ -387,7 +400,8 @@ int main(int argc, char** argv) {
   if (evaluating) {
     std::sort(latencies_ms.begin(), latencies_ms.end());
     const double n = std::max<double>(1, static_cast<double>(succeeded));
-    std::cout << absl::StrFormat("%s: %d (%d failed)\n", noun, items.size(), failed);
+    std::cout << absl::StrFormat("%s: %d (%d failed", noun, items.size(), failed)
+              << (not_sent > 0 ? absl::StrFormat(", %d of them not sent: client-side errors", not_sent) : "") << ")\n";
     if (labelled > 0) {
       std::cout << absl::StrFormat("accuracy (top-1): %.4f (%d of %d)\n",
                                    static_cast<double>(correct) / static_cast<double>(labelled), correct, labelled);
