@@ -2,9 +2,11 @@
 
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
+#include <malloc.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 
@@ -28,6 +30,12 @@ int SetIntraOpThreads(int threads) {
   if (set_threads == nullptr || get_threads == nullptr) return 0;
   set_threads(threads);
   return get_threads();
+}
+
+bool KeepFreedMemoryForReuse() {
+  const bool no_mmap = mallopt(M_MMAP_MAX, 0) == 1;
+  const bool no_trim = mallopt(M_TRIM_THRESHOLD, INT_MAX) == 1;
+  return no_mmap && no_trim;
 }
 
 }  // namespace mita::kernels

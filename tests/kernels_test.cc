@@ -2,10 +2,14 @@
 // per-query loop written here (plain std::vector<double>, no ATen math), landmarks against hand loops, full
 // attention, the documented tie rules, statistics, argument validation, and ATen exceptions as a Status.
 // Math: DESIGN.md section 2.
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -360,6 +364,61 @@ TEST(IntraOpThreads, LibTorchAndOpenBlasGetTheSameCount) {
   }
   EXPECT_EQ(SetIntraOpThreads(0), 1) << "counts below 1 are taken as 1";
   SetIntraOpThreads(before);
+}
+
+// Minor page faults of this process so far (getrusage).
+int64_t MinorPageFaults() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_minflt;
+}
+
+// Allocates `bytes` with malloc, writes one byte per 4 KiB page, frees it; returns the minor page faults it took.
+int64_t FaultsOfTouchingFreshBuffer(size_t bytes) {
+  const int64_t before = MinorPageFaults();
+  auto* buffer = static_cast<volatile char*>(std::malloc(bytes));
+  if (buffer == nullptr) return -1;
+  for (size_t i = 0; i < bytes; i += 4096) buffer[i] = static_cast<char>(i);
+  const int64_t faults = MinorPageFaults() - before;
+  std::free(const_cast<char*>(buffer));
+  return faults;
+}
+
+// KeepFreedMemoryForReuse: a second 96 MiB buffer (over glibc's largest mmap threshold, 32 MiB, like a long
+// document's activations) reuses the first one's pages instead of faulting 24,576 new ones in. glibc's default
+// is checked first, in the same process, so the test also says when a glibc no longer needs this. Runs in a
+// child process (mallopt is process-wide). Not under the sanitizers, whose allocator ignores mallopt.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAddressSanitizer = true;
+#elif defined(__has_feature)
+constexpr bool kAddressSanitizer = __has_feature(address_sanitizer);
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+TEST(KeepFreedMemoryForReuse, SecondLargeBufferReusesThePagesOfTheFirst) {
+  if (kAddressSanitizer) GTEST_SKIP() << "the sanitizer allocator replaces glibc's malloc";
+  constexpr size_t kBytes = size_t{96} << 20;
+  constexpr int64_t kPages = static_cast<int64_t>(kBytes / 4096);
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        // glibc's default: the block is mapped afresh each time.
+        FaultsOfTouchingFreshBuffer(kBytes);
+        const int64_t default_second = FaultsOfTouchingFreshBuffer(kBytes);
+        if (!KeepFreedMemoryForReuse()) {
+          std::fprintf(stderr, "mallopt refused\n");
+          std::exit(2);
+        }
+        const int64_t kept_first = FaultsOfTouchingFreshBuffer(kBytes);
+        const int64_t kept_second = FaultsOfTouchingFreshBuffer(kBytes);
+        std::fprintf(stderr, "faults: default second %lld, kept first %lld, kept second %lld (of %lld pages)\n",
+                     static_cast<long long>(default_second), static_cast<long long>(kept_first),
+                     static_cast<long long>(kept_second), static_cast<long long>(kPages));
+        const bool default_refaults = default_second > kPages / 2;
+        const bool kept_reuses = kept_second < kPages / 20;
+        std::exit(default_refaults && kept_reuses ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "kept second");
 }
 
 TEST(MitaAttention, ArbitraryLandmarksMatchLoop) {

@@ -11,11 +11,10 @@
 // Latency is end to end in-process: Forward() from token ids to logits (embedding, position convolution, every
 // layer, pooling, head; tokenization excluded). The speedup column is full attention's median / the case's
 // median at the same N, measured in the same run.
-// Memory: with --keep_freed_memory (default) each child calls mallopt(M_MMAP_MAX, 0) and
-// mallopt(M_TRIM_THRESHOLD, max) so that multi-MiB buffers are reused from the heap instead of being mapped and
-// page-faulted in again at every layer (a fresh 64 MiB buffer costs ~220 ms of page faults on this machine);
-// the same setting applies to every case.
-#include <malloc.h>
+// Memory: with --keep_freed_memory (default) each child calls mita::kernels::KeepFreedMemoryForReuse()
+// (mallopt(M_MMAP_MAX, 0), mallopt(M_TRIM_THRESHOLD, max)), as mita-server does by default, so that multi-MiB
+// buffers are reused from the heap instead of being mapped and page-faulted in again at every layer (a fresh
+// 64 MiB buffer costs ~220 ms of page faults on this machine); the same setting applies to every case.
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -24,7 +23,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <climits>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -84,10 +82,7 @@ absl::StatusOr<mita::models::AttentionBudget> ParseBudget(absl::string_view text
 
 // One case in this (child) process: prints "RESULT median_ms=... baseline_kb=... peak_kb=...".
 int RunChild() {
-  if (absl::GetFlag(FLAGS_keep_freed_memory)) {
-    mallopt(M_MMAP_MAX, 0);
-    mallopt(M_TRIM_THRESHOLD, INT_MAX);
-  }
+  if (absl::GetFlag(FLAGS_keep_freed_memory)) mita::kernels::KeepFreedMemoryForReuse();
   mita::kernels::SetIntraOpThreads(absl::GetFlag(FLAGS_threads));
   auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));
   if (!package.ok() || package->kind != mita::models::ModelKind::kDocument) {
