@@ -6,7 +6,8 @@
 // a batch-1 forward (median and p95 over --latency_images images, ms) and the batched throughput.
 // Images go through the same PreprocessImage as the server (decoding is skipped: pixels come from the IDX).
 // --statistics also computes the per-layer attention statistics, as mita-server does for every request (to
-// compare with the server's compute time; without it the forward skips them).
+// compare with the server's compute time; without it the forward skips them). --full_attention=false skips the
+// full-attention row (for profiling one budget).
 #include <ATen/Parallel.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/stack.h>
@@ -39,6 +40,7 @@ ABSL_FLAG(int64_t, latency_images, 200, "images timed one by one (batch size 1)"
 ABSL_FLAG(bool, statistics, false,
           "also compute the per-layer attention statistics (routing, pruning), as mita-server does for every request");
 ABSL_FLAG(int, threads, 2, "LibTorch intra-op threads");
+ABSL_FLAG(bool, full_attention, true, "also evaluate full attention on the same weights");
 
 namespace {
 
@@ -103,9 +105,11 @@ int main(int argc, char** argv) {
     }
     budgets.emplace_back(absl::StrFormat("MiTA m=%d k=%d", budget.expert_count, budget.expert_width), budget);
   }
-  mita::models::AttentionBudget full;
-  full.full_attention = true;
-  budgets.emplace_back("full attention", full);
+  if (absl::GetFlag(FLAGS_full_attention)) {
+    mita::models::AttentionBudget full;
+    full.full_attention = true;
+    budgets.emplace_back("full attention", full);
+  }
 
   std::printf("model %s, %lld test images, tokens N=%lld, %d threads\n", absl::GetFlag(FLAGS_model).c_str(),
               static_cast<long long>(count), static_cast<long long>(package->config.tokens()),
