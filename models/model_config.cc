@@ -402,17 +402,30 @@ absl::StatusOr<ModelKind> ParseModelKind(std::string_view json_text) {
                               "\" is not supported: use \"mita_vit\" or \"mita_document\""));
 }
 
+namespace {
+
+// INVALID_ARGUMENT listing every problem of a budget ("; " between them), or OK when there is none.
+absl::Status BudgetProblems(const std::vector<std::string>& problems) {
+  if (problems.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrJoin(problems, "; "));
+}
+
+// "budget.experts.expert_width 51 is out of range: allowed [1, 50]" when `value` is outside [1, maximum].
+void CheckKnobRange(const char* field, int64_t value, int64_t maximum, std::vector<std::string>* problems) {
+  if (value < 1 || value > maximum) {
+    problems->push_back(
+        absl::StrCat("budget.experts.", field, " ", value, " is out of range: allowed [1, ", maximum, "]"));
+  }
+}
+
+}  // namespace
+
 absl::Status ValidateDocumentBudget(const DocumentConfig& config, const AttentionBudget& budget) {
   if (budget.full_attention) return absl::OkStatus();
-  if (budget.expert_count < 1 || budget.expert_count > config.max_expert_count) {
-    return absl::InvalidArgumentError(absl::StrCat("budget.experts.expert_count ", budget.expert_count,
-                                                   " is out of range: allowed [1, ", config.max_expert_count, "]"));
-  }
-  if (budget.expert_width < 1 || budget.expert_width > config.max_expert_width) {
-    return absl::InvalidArgumentError(absl::StrCat("budget.experts.expert_width ", budget.expert_width,
-                                                   " is out of range: allowed [1, ", config.max_expert_width, "]"));
-  }
-  return absl::OkStatus();
+  std::vector<std::string> problems;
+  CheckKnobRange("expert_count", budget.expert_count, config.max_expert_count, &problems);
+  CheckKnobRange("expert_width", budget.expert_width, config.max_expert_width, &problems);
+  return BudgetProblems(problems);
 }
 
 AttentionBudget ApplyDocumentBudget(const AttentionBudget& budget, int64_t tokens) {
@@ -444,17 +457,13 @@ std::vector<int64_t> AllowedExpertCounts(const VitConfig& config) {
 absl::Status ValidateBudget(const VitConfig& config, const AttentionBudget& budget) {
   if (budget.full_attention) return absl::OkStatus();
   const std::vector<int64_t> counts = AllowedExpertCounts(config);
-  bool count_allowed = false;
-  for (int64_t count : counts) count_allowed |= count == budget.expert_count;
-  if (!count_allowed) {
-    return absl::InvalidArgumentError(absl::StrCat("budget.experts.expert_count ", budget.expert_count,
-                                                   " is not allowed: use one of ", absl::StrJoin(counts, ", ")));
+  std::vector<std::string> problems;
+  if (std::find(counts.begin(), counts.end(), budget.expert_count) == counts.end()) {
+    problems.push_back(absl::StrCat("budget.experts.expert_count ", budget.expert_count,
+                                    " is not allowed: use one of ", absl::StrJoin(counts, ", ")));
   }
-  if (budget.expert_width < 1 || budget.expert_width > config.tokens()) {
-    return absl::InvalidArgumentError(absl::StrCat("budget.experts.expert_width ", budget.expert_width,
-                                                   " is out of range: allowed [1, ", config.tokens(), "]"));
-  }
-  return absl::OkStatus();
+  CheckKnobRange("expert_width", budget.expert_width, config.tokens(), &problems);
+  return BudgetProblems(problems);
 }
 
 }  // namespace mita::models

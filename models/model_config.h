@@ -72,7 +72,7 @@ absl::StatusOr<VitConfig> ParseVitConfig(std::string_view json_text);
 // Checks a budget against the model's ranges (a full-attention budget is always valid). Errors:
 // INVALID_ARGUMENT naming the proto field and the allowed values, e.g. "budget.experts.expert_count 10 is not
 // allowed: use one of 1, 4, 9, 16, 25, 36, 49" or "budget.experts.expert_width 51 is out of range: allowed
-// [1, 50]".
+// [1, 50]"; when both knobs are wrong, both problems, joined by "; ".
 absl::Status ValidateBudget(const VitConfig& config, const AttentionBudget& budget);
 
 // Expert counts an image model accepts: P*P for P in 1 .. grid side.
@@ -120,7 +120,8 @@ absl::StatusOr<DocumentConfig> ParseDocumentConfig(std::string_view json_text);
 
 // Checks a requested budget against the model's ranges (full attention is always valid). Errors:
 // INVALID_ARGUMENT naming the proto field and the allowed range, e.g.
-// "budget.experts.expert_width 5000 is out of range: allowed [1, 1024]".
+// "budget.experts.expert_width 5000 is out of range: allowed [1, 1024]"; when both knobs are wrong, both
+// problems, joined by "; ".
 absl::Status ValidateDocumentBudget(const DocumentConfig& config, const AttentionBudget& budget);
 
 // The budget actually applied to a document of `tokens` (>= 1) tokens: expert_count = min(m, tokens),

@@ -148,6 +148,9 @@ TEST(DocumentBudgetTest, ValidateNamesTheFieldAndRange) {
                "budget.experts.expert_count 0 is out of range: allowed [1, 256]");
   ExpectStatus(ValidateDocumentBudget(config, {false, 257, 8}), absl::StatusCode::kInvalidArgument,
                "budget.experts.expert_count 257 is out of range: allowed [1, 256]");
+  ExpectStatus(ValidateDocumentBudget(config, {false, -1, 5000}), absl::StatusCode::kInvalidArgument,
+               "budget.experts.expert_count -1 is out of range: allowed [1, 256]; "
+               "budget.experts.expert_width 5000 is out of range: allowed [1, 1024]");
 }
 
 TEST(DocumentBudgetTest, ApplyClampsToTheDocumentLength) {

@@ -233,6 +233,10 @@ TEST(ModelConfigTest, ValidateBudgetRejectsWithTheProtoFieldAndRange) {
     ExpectStatus(ValidateBudget(*config, {false, 9, width}), absl::StatusCode::kInvalidArgument,
                  "budget.experts.expert_width " + std::to_string(width) + " is out of range: allowed [1, 50]");
   }
+  // Both knobs wrong: both are named, so that one answer tells the client everything to fix.
+  ExpectStatus(ValidateBudget(*config, {false, 10, 51}), absl::StatusCode::kInvalidArgument,
+               "budget.experts.expert_count 10 is not allowed: use one of 1, 4, 9, 16, 25, 36, 49; "
+               "budget.experts.expert_width 51 is out of range: allowed [1, 50]");
 }
 
 // ----- safetensors -----
