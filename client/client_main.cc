@@ -218,9 +218,8 @@ int ListModels(const MitaClient& client, absl::Duration deadline) {
 
 enum class InputKind { kImage, kText, kTokenIds };
 
-// Classifies the file at `path` as `kind`. Errors: reading or parsing the file, or the RPC's status.
-// Reads `path`, builds its request and sends it. `*sent` says whether the request reached the point of being sent
-// (false for an unreadable file, bad token ids or contradictory budget flags, found in the client).
+// Classifies the file at `path` as `kind`: reads it, builds its request and sends it. Errors: reading or parsing
+// the file, building the request (then `*sent` is false: nothing was sent), or the RPC's status (`*sent` true).
 absl::StatusOr<v1::ClassifyResponse> ClassifyFile(const MitaClient& client, const std::string& path, InputKind kind,
                                                   const ClassifyOptions& options, absl::Duration* latency,
                                                   bool* sent) {
