@@ -28,12 +28,12 @@ if [ "$missing" = 1 ]; then
     -DMITA_SANITIZE=address,undefined -DMITA_BUILD_FUZZERS=ON -DMITA_CUDA=OFF
   cmake --build "$BUILD_DIR" -j "$(nproc)" --target "${FUZZERS[@]}"
 fi
-# classify_request_fuzzer serves the embedded image model only (a copy: the registry refuses symlinks that
-# leave the repository). The document model was left out because its SentencePiece module could not load under
-# ASan; it now can (dlmopen, models/tokenizer.cc), but adding it has not been tried here yet.
+# classify_request_fuzzer serves both embedded models, from a copy of the repository (the registry refuses
+# symlinks that leave the repository; the SentencePiece module of the document model loads under ASan through
+# dlmopen, models/tokenizer.cc).
 export MITA_MODEL_REPOSITORY="$PWD/$BUILD_DIR/fuzz-repository"
 rm -rf "$MITA_MODEL_REPOSITORY" && mkdir -p "$MITA_MODEL_REPOSITORY"
-cp -r models/repository/fashion-mnist-vit "$MITA_MODEL_REPOSITORY/"
+cp -r models/repository/fashion-mnist-vit models/repository/linux-doc-mita "$MITA_MODEL_REPOSITORY/"
 
 artifacts="$BUILD_DIR/fuzz-artifacts"
 mkdir -p "$artifacts"

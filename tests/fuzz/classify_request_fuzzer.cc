@@ -1,17 +1,21 @@
 // libFuzzer target: request validation of mita.v1.MitaService/Classify. The input is a serialized
-// ClassifyRequest (protobuf wire format); it is handed to the real ClassifyService (the embedded
-// fashion-mnist-vit package, its batcher and model) exactly as gRPC would after parsing, with the message size
-// guard of mita-server. Every request must get OK or a user-error code (INVALID_ARGUMENT, NOT_FOUND,
-// RESOURCE_EXHAUSTED), never INTERNAL/UNKNOWN, a crash or a sanitizer report; an OK answer must be
-// well-formed.
+// ClassifyRequest (protobuf wire format); it is handed to the real ClassifyService (every package of the
+// repository: the embedded image model fashion-mnist-vit and document model linux-doc-mita, their batchers and
+// models) exactly as gRPC would after parsing, with the message size guard of mita-server. Every request must
+// get OK or a user-error code (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED), never INTERNAL/UNKNOWN, a crash
+// or a sanitizer report; an OK answer must be well-formed (1-10 classes, scores in [0, 1], indices below the
+// answering model's label count).
 //
-// The model repository is $MITA_MODEL_REPOSITORY, else the source tree's models/repository.
+// The model repository is $MITA_MODEL_REPOSITORY, else the source tree's models/repository. Documents are
+// capped at 2,048 tokens (max_batch_tokens) so that one input runs in well under a second under ASan; longer
+// ones exercise the over-the-limit and truncation paths instead.
 #include <grpcpp/server_context.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -26,6 +30,7 @@ struct Fixture {
   std::unique_ptr<mita::server::ModelRegistry> registry;
   std::unique_ptr<mita::server::ServerMetrics> metrics;
   std::unique_ptr<mita::server::ClassifyService> service;
+  std::map<std::string, int64_t> label_counts;  // model name -> labels
 };
 
 Fixture* fixture = nullptr;
@@ -48,10 +53,12 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
   std::vector<mita::server::ServerMetrics::ModelInfo> infos;
   for (const mita::models::ModelPackage* package : fixture->registry->packages()) {
     infos.push_back({package->name, mita::server::AttentionLayers(*package)});
+    fixture->label_counts[package->name] = static_cast<int64_t>(package->labels.size());
   }
   fixture->metrics = std::make_unique<mita::server::ServerMetrics>(infos);
   mita::server::ServiceOptions options;
   options.batching.max_queue_delay = absl::ZeroDuration();
+  options.batching.max_batch_tokens = 2048;
   // A 64 KiB message limit keeps each run fast; the checks are the same as at 4 MiB.
   mita::server::MessageSizeLimits limits;
   limits.max_receive_bytes = int64_t{64} << 10;
@@ -71,14 +78,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   mita::v1::ClassifyResponse response;
   const grpc::Status status = fixture->service->Classify(&context, &request, &response);
   switch (status.error_code()) {
-    case grpc::StatusCode::OK:
+    case grpc::StatusCode::OK: {
       if (response.classes_size() < 1 || response.classes_size() > 10) Die("OK with a wrong number of classes");
+      const auto labels = fixture->label_counts.find(response.model());
+      if (labels == fixture->label_counts.end()) Die("OK naming an unknown model '" + response.model() + "'");
       for (const mita::v1::ClassScore& score : response.classes()) {
-        if (!(score.score() >= 0 && score.score() <= 1) || score.index() < 0 || score.index() >= 10) {
+        if (!(score.score() >= 0 && score.score() <= 1) || score.index() < 0 || score.index() >= labels->second) {
           Die("OK with a score or index out of range");
         }
       }
       break;
+    }
     case grpc::StatusCode::INVALID_ARGUMENT:
     case grpc::StatusCode::NOT_FOUND:
     case grpc::StatusCode::RESOURCE_EXHAUSTED:

@@ -83,7 +83,8 @@ int main(int argc, char** argv) {
               R"("normalization":{"mean":[0.5,0.5,0.5],"std":[0.25,0.25,0.25]},"attention":{"type":"mita",)"
               R"("default_budget":{"expert_count":4,"expert_width":17},"presets":{"full":{"full_attention":true}}}})");
 
-  // Classify requests for the embedded model: default, preset, explicit experts, full attention, a document.
+  // Classify requests for the embedded image model: default, preset, explicit experts, full attention, a document
+  // (which the image model refuses)...
   auto request = [&](const std::string& name, const std::string& image, auto&& edit) {
     mita::v1::ClassifyRequest r;
     r.set_model("fashion-mnist-vit");
@@ -108,6 +109,36 @@ int main(int argc, char** argv) {
   request("document", "", [](mita::v1::ClassifyRequest& r) { r.mutable_document()->set_text("a short document"); });
   request("token_ids", "", [](mita::v1::ClassifyRequest& r) {
     for (int64_t id : {101, 2023, 2003, 102}) r.mutable_document()->mutable_token_ids()->add_ids(id);
+  });
+  // ... and for the embedded document model: text, token ids, truncation, budgets.
+  auto document = [&](const std::string& name, auto&& edit) {
+    mita::v1::ClassifyRequest r;
+    r.set_model("linux-doc-mita");
+    edit(r);
+    ok &= Write(root + "/classify_request/" + name, r.SerializeAsString());
+  };
+  document("document_model_text", [](mita::v1::ClassifyRequest& r) {
+    r.mutable_document()->set_text(
+        "The page allocator hands out physical pages; the slab allocator carves them into objects. "
+        "See Documentation/mm for the zones, the buddy system and memory hotplug. \xc3\xa9\xe2\x82\xac");
+    r.set_top_n(3);
+  });
+  document("document_model_token_ids", [](mita::v1::ClassifyRequest& r) {
+    for (int64_t id : {5, 17, 300, 4095, 0, 42, 42, 42}) r.mutable_document()->mutable_token_ids()->add_ids(id);
+    r.mutable_budget()->set_preset("fast");
+    r.set_return_statistics(true);
+  });
+  document("document_model_truncate", [](mita::v1::ClassifyRequest& r) {
+    std::string text;
+    for (int i = 0; i < 400; ++i) text += "interrupt handler registers a threaded irq with request_threaded_irq; ";
+    r.mutable_document()->set_text(text);
+    r.mutable_document()->set_truncate(true);
+    r.mutable_budget()->mutable_experts()->set_expert_count(8);
+    r.mutable_budget()->mutable_experts()->set_expert_width(32);
+  });
+  document("document_model_full_attention", [](mita::v1::ClassifyRequest& r) {
+    r.mutable_document()->set_text("USB gadget drivers and the configfs interface.");
+    r.mutable_budget()->mutable_full_attention();
   });
   return ok ? 0 : 1;
 }
