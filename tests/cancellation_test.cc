@@ -12,6 +12,7 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
@@ -218,6 +219,34 @@ TEST_F(CancellationTest, CancelStormLeavesAnEmptyQueueAndNoWorkAfterCancel) {
   constexpr int kInFlight = 64;
   std::unique_ptr<TestServer> server = Start(16, absl::Milliseconds(5));
   ASSERT_NE(server, nullptr);
+  // The cancel moments span max(400 ms, the time a wave of kInFlight uncancelled calls takes here), so
+  // that some calls finish before their cancel and some do not, however fast this build and machine are (a
+  // sanitizer build on a loaded machine once finished none within 400 ms).
+  absl::Duration wave_time;
+  {
+    grpc::CompletionQueue wave_queue;
+    std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+    std::vector<v1::ClassifyResponse> responses(kInFlight);
+    std::vector<grpc::Status> statuses(kInFlight);
+    std::vector<std::unique_ptr<grpc::ClientAsyncResponseReader<v1::ClassifyResponse>>> readers;
+    const absl::Time wave_start = absl::Now();
+    for (int i = 0; i < kInFlight; ++i) {
+      contexts.push_back(std::make_unique<grpc::ClientContext>());
+      contexts.back()->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+      readers.push_back(server->stub->AsyncClassify(contexts.back().get(), Request(i), &wave_queue));
+      readers.back()->Finish(&responses[i], &statuses[i], reinterpret_cast<void*>(static_cast<intptr_t>(i)));
+    }
+    for (int i = 0; i < kInFlight; ++i) {
+      void* tag = nullptr;
+      bool ok = false;
+      ASSERT_TRUE(wave_queue.Next(&tag, &ok));
+      ASSERT_TRUE(statuses[static_cast<size_t>(reinterpret_cast<intptr_t>(tag))].ok());
+    }
+    wave_time = absl::Now() - wave_start;
+  }
+  const int64_t cancel_window_us =
+      std::max<int64_t>(400000, absl::ToInt64Microseconds(wave_time));
+  const ClassifyService::AdmissionCounts before_storm = server->service->admission_counts();
   struct Call {
     grpc::ClientContext context;
     v1::ClassifyResponse response;
@@ -230,7 +259,7 @@ TEST_F(CancellationTest, CancelStormLeavesAnEmptyQueueAndNoWorkAfterCancel) {
   std::vector<std::unique_ptr<Call>> calls;
   calls.reserve(kCalls);
   std::mt19937 random(20261129);  // seeded: the same cancel moments every run
-  std::uniform_int_distribution<int> cancel_after_us(0, 400000);
+  std::uniform_int_distribution<int64_t> cancel_after_us(0, cancel_window_us);
   grpc::CompletionQueue queue;
   int started = 0, finished = 0, in_flight = 0;
   while (finished < kCalls) {
@@ -280,11 +309,16 @@ TEST_F(CancellationTest, CancelStormLeavesAnEmptyQueueAndNoWorkAfterCancel) {
   }));
   EXPECT_TRUE(WaitFor([&] { return server->QueueDepth() == 0; })) << "queue depth " << server->QueueDepth();
   EXPECT_EQ(server->ExecutedAfterCancel(), 0);
-  const ClassifyService::AdmissionCounts counts = server->service->admission_counts();
+  ClassifyService::AdmissionCounts counts = server->service->admission_counts();
+  counts.admitted -= before_storm.admitted;
+  counts.ok -= before_storm.ok;
+  counts.failed -= before_storm.failed;
   std::printf(
-      "cancel storm: %d calls, client saw %d OK and %d CANCELLED; server admitted %lld, answered OK %lld, "
-      "gave up on %lld; queue depth after: %.0f; work executed after cancel: %.0f\n",
-      kCalls, ok, cancelled, static_cast<long long>(counts.admitted), static_cast<long long>(counts.ok),
+      "cancel storm: %d calls, cancels at random moments in [0, %.0f ms] (a wave of %d uncancelled calls took "
+      "%.0f ms); client saw %d OK and %d CANCELLED; server admitted %lld, answered OK %lld, gave up on %lld; "
+      "queue depth after: %.0f; work executed after cancel: %.0f\n",
+      kCalls, static_cast<double>(cancel_window_us) / 1000.0, kInFlight, absl::ToDoubleMilliseconds(wave_time), ok,
+      cancelled, static_cast<long long>(counts.admitted), static_cast<long long>(counts.ok),
       static_cast<long long>(counts.failed), server->QueueDepth(), server->ExecutedAfterCancel());
   // The storm exercised both outcomes.
   EXPECT_GT(counts.ok, 0) << "no call finished before its cancel";
