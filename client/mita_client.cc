@@ -148,7 +148,7 @@ absl::StatusOr<std::vector<int64_t>> ParseTokenIds(absl::string_view text) {
     const absl::string_view entry = text.substr(position, end - position);
     int64_t id = 0;
     if (!absl::SimpleAtoi(entry, &id)) {
-      return absl::InvalidArgumentError(absl::StrCat("token id ", ids.size(), ": '", entry.substr(0, 32),
+      return absl::InvalidArgumentError(absl::StrCat("ids[", ids.size(), "]: '", entry.substr(0, 32),
                                                      "' is not an integer in the int64 range"));
     }
     ids.push_back(id);

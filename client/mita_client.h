@@ -86,7 +86,8 @@ absl::StatusOr<v1::ClassifyRequest> BuildTokenIdsRequest(const std::vector<int64
                                                          const ClassifyOptions& options);
 
 // Parses a token-id file: decimal integers separated by whitespace and/or commas. Errors: INVALID_ARGUMENT
-// naming the 0-based position and the text of the first entry that is not an int64.
+// naming the 0-based position (as the server does: "ids[2]: 'x3' is not an integer in the int64 range") and
+// the text of the first entry that is not an int64.
 absl::StatusOr<std::vector<int64_t>> ParseTokenIds(absl::string_view text);
 
 // Converts a gRPC status to an absl::Status with the same code and message.

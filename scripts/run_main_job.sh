@@ -27,7 +27,8 @@ for _ in $(seq 1 120); do
   kill -0 $server 2>/dev/null || { cat "$work/server.log"; exit 1; }
   sleep 0.5
 done
-echo "== server up: $(head -1 "$work/models.txt")"
+echo "== server up, models:"
+grep -v '^ ' "$work/models.txt" | sed 's/^/   /'
 
 client=(./build/client/mita-client --server="127.0.0.1:$PORT" --model=fashion-mnist-vit
         --manifest="$work/images/manifest.csv" --concurrency=4 --quiet)

@@ -1221,7 +1221,7 @@ TEST(ClientTest, ParseTokenIds) {
   EXPECT_TRUE(client::ParseTokenIds("").ok());
   absl::Status bad = client::ParseTokenIds("1 2 x3").status();
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(bad.message()), HasSubstr("token id 2: 'x3'"));
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("ids[2]: 'x3'"));
   EXPECT_FALSE(client::ParseTokenIds("99999999999999999999").ok()) << "over int64";
 }
 
