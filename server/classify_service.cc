@@ -274,6 +274,14 @@ int64_t AttentionLayers(const models::ModelPackage& package) {
   return package.kind == models::ModelKind::kDocument ? package.document_config.depth : package.config.depth;
 }
 
+std::vector<ServerMetrics::ModelInfo> MetricsModelInfos(const ModelRegistry& registry) {
+  std::vector<ServerMetrics::ModelInfo> infos;
+  for (const models::ModelPackage* package : registry.packages()) {
+    infos.push_back({package->name, AttentionLayers(*package)});
+  }
+  return infos;
+}
+
 namespace {
 
 // The knobs both model kinds share: the default budget, the named presets, and full attention (always

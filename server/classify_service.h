@@ -123,6 +123,9 @@ absl::StatusOr<TokenizedDocument> TokenizeDocument(const v1::Document& document,
 // Attention layers of a package's model (image or document): the layer label range of its metrics.
 int64_t AttentionLayers(const models::ModelPackage& package);
 
+// The model list ServerMetrics is built for: every package of `registry`, with its attention layers.
+std::vector<ServerMetrics::ModelInfo> MetricsModelInfos(const ModelRegistry& registry);
+
 // Resolves top_n: 0 -> min(5, num_classes). Errors: INVALID_ARGUMENT "field top_n: ..." with the range when
 // top_n < 0 or > num_classes.
 absl::StatusOr<int64_t> ResolveTopN(int64_t top_n, int64_t num_classes);

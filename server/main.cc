@@ -200,10 +200,8 @@ int main(int argc, char** argv) {
       mita::server::ModelRegistry::LoadFromDirectory(repository);
   if (!registry.ok()) return Fail(registry.status().ToString());
 
-  std::vector<mita::server::ServerMetrics::ModelInfo> model_infos;
   std::vector<std::string> model_lines;
   for (const mita::models::ModelPackage* package : (*registry)->packages()) {
-    model_infos.push_back({package->name, mita::server::AttentionLayers(*package)});
     if (package->kind == mita::models::ModelKind::kDocument) {
       const mita::models::DocumentConfig& config = package->document_config;
       model_lines.push_back(absl::StrCat(package->name, " (", config.architecture, ", documents up to ",
@@ -223,7 +221,7 @@ int main(int argc, char** argv) {
   Log(absl::StrCat("loaded ", model_lines.size(), " model(s) from ", repository, " in ",
                    absl::FormatDuration(absl::Now() - load_start), ": ", absl::StrJoin(model_lines, "; ")));
 
-  mita::server::ServerMetrics metrics(model_infos);
+  mita::server::ServerMetrics metrics(mita::server::MetricsModelInfos(**registry));
   options.message_size = std::make_shared<mita::server::MessageSizeGuard>(message_limits, metrics.registry().get());
   std::unique_ptr<mita::server::MetricsHttpServer> metrics_server;
   const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);

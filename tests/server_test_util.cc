@@ -33,12 +33,6 @@ std::string Bytes(grpc::ByteBuffer& buffer) {
 
 }  // namespace
 
-std::vector<server::ServerMetrics::ModelInfo> MetricsModelInfos(const server::ModelRegistry& registry) {
-  std::vector<server::ServerMetrics::ModelInfo> infos;
-  for (const models::ModelPackage* p : registry.packages()) infos.push_back({p->name, server::AttentionLayers(*p)});
-  return infos;
-}
-
 double MetricValue(const prometheus::Registry& registry, const std::string& name,
                    const std::map<std::string, std::string>& labels) {
   double total = 0;
@@ -136,7 +130,7 @@ InProcessServer::InProcessServer(const server::ModelRegistry* registry, server::
       }()) {}
 
 InProcessServer::InProcessServer(const server::ModelRegistry* registry, InProcessServerOptions options) {
-  metrics_ = std::make_unique<server::ServerMetrics>(MetricsModelInfos(*registry));
+  metrics_ = std::make_unique<server::ServerMetrics>(server::MetricsModelInfos(*registry));
   if (options.metrics_http) {
     absl::StatusOr<std::unique_ptr<server::MetricsHttpServer>> metrics_server =
         server::MetricsHttpServer::Start("127.0.0.1:0", metrics_->registry());

@@ -1,7 +1,6 @@
 // Helpers shared by the tests of the service (library mita_server_test_util: the server libraries and the
-// client library): an in-process server on loopback for a model registry, the metrics model list of a
-// registry, metric values read from a registry, and raw grpc.health.v1 / reflection calls. The helpers that
-// need no server are in test_util.h.
+// client library): an in-process server on loopback for a model registry, metric values read from a
+// registry, and raw grpc.health.v1 / reflection calls. The helpers that need no server are in test_util.h.
 #pragma once
 
 #include <map>
@@ -26,10 +25,6 @@
 #include "server/model_registry.h"
 
 namespace mita::test_util {
-
-// The model list ServerMetrics is built for: every package of `registry` with its attention layers (as
-// mita-server builds it).
-std::vector<server::ServerMetrics::ModelInfo> MetricsModelInfos(const server::ModelRegistry& registry);
 
 // The sum over the samples of family `name` whose labels include all of `labels`: counter and gauge values,
 // histogram sample counts. 0 when there is no such sample.

@@ -50,12 +50,11 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
       mita::server::ModelRegistry::LoadFromDirectory(path);
   if (!registry.ok()) Die(registry.status().ToString());
   fixture->registry = *std::move(registry);
-  std::vector<mita::server::ServerMetrics::ModelInfo> infos;
   for (const mita::models::ModelPackage* package : fixture->registry->packages()) {
-    infos.push_back({package->name, mita::server::AttentionLayers(*package)});
     fixture->label_counts[package->name] = static_cast<int64_t>(package->labels.size());
   }
-  fixture->metrics = std::make_unique<mita::server::ServerMetrics>(infos);
+  fixture->metrics =
+      std::make_unique<mita::server::ServerMetrics>(mita::server::MetricsModelInfos(*fixture->registry));
   mita::server::ServiceOptions options;
   options.batching.max_queue_delay = absl::ZeroDuration();
   options.batching.max_batch_tokens = 2048;
