@@ -44,6 +44,14 @@
 namespace mita::kernels {
 namespace {
 
+// Whether this build runs under AddressSanitizer (its allocator replaces glibc's and aborts on huge requests).
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAddressSanitizer = true;
+#elif defined(__has_feature)
+constexpr bool kAddressSanitizer = __has_feature(address_sanitizer);
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
 
 // ---------------------------------------------------------------------------------------------------------
 // Data helpers.
@@ -388,13 +396,6 @@ int64_t FaultsOfTouchingFreshBuffer(size_t bytes) {
 // document's activations) reuses the first one's pages instead of faulting 24,576 new ones in. glibc's default
 // is checked first, in the same process, so the test also says when a glibc no longer needs this. Runs in a
 // child process (mallopt is process-wide). Not under the sanitizers, whose allocator ignores mallopt.
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kAddressSanitizer = true;
-#elif defined(__has_feature)
-constexpr bool kAddressSanitizer = __has_feature(address_sanitizer);
-#else
-constexpr bool kAddressSanitizer = false;
-#endif
 TEST(KeepFreedMemoryForReuse, SecondLargeBufferReusesThePagesOfTheFirst) {
   if (kAddressSanitizer) GTEST_SKIP() << "the sanitizer allocator replaces glibc's malloc";
   constexpr size_t kBytes = size_t{96} << 20;
@@ -1012,24 +1013,13 @@ absl::Status StatusOfThrown(const std::function<void()>& thrower) {
 
 using test_util::ExpectStatus;
 
-#if defined(__SANITIZE_ADDRESS__)
-#define MITA_TEST_UNDER_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define MITA_TEST_UNDER_ASAN 1
-#endif
-#endif
-
 TEST(AtenErrors, RealAllocationFailureIsResourceExhausted) {
-#ifdef MITA_TEST_UNDER_ASAN
-  GTEST_SKIP() << "AddressSanitizer aborts on an allocation this large instead of failing it";
-#else
+  if (kAddressSanitizer) GTEST_SKIP() << "AddressSanitizer aborts on an allocation this large instead of failing it";
   // 2^45 floats (128 TiB): LibTorch's CPU allocator fails at once ("DefaultCPUAllocator: can't allocate
   // memory: ..." here, a c10::Error); the kernels once mapped this to INTERNAL.
   const absl::Status status = StatusOfThrown([] { (void)at::empty({int64_t{1} << 45}, at::kFloat); });
   ExpectStatus(status, absl::StatusCode::kResourceExhausted, "op: ");
   EXPECT_TRUE(IsOutOfMemoryMessage(std::string(status.message()))) << status;
-#endif
 }
 
 TEST(AtenErrors, EveryOutOfMemoryFormIsResourceExhaustedAndTheRestInternal) {
