@@ -18,7 +18,7 @@
 //                                          (LibTorch 1.13 otherwise starts with half the cores).
 //   --grpc_max_pollers=64                  gRPC handler threads kept waiting for calls (gRPC's MAX_POLLERS).
 //   --keep_freed_memory=true               Keep freed memory in the C heap for the next request instead of
-//                                          unmapping it (kernels/openmp_environment.h: a 64K-token document
+//                                          unmapping it (kernels/runtime_environment.h: a 64K-token document
 //                                          took 3.9x less server CPU here; resident memory stays at its
 //                                          high-water mark).
 //   --max_receive_message_bytes=4194304    Largest request message (4 MiB), and so largest encoded image;
@@ -56,7 +56,6 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/openmp_environment.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/match.h"
@@ -67,6 +66,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "kernels/runtime_environment.h"
 #include "server/classify_service.h"
 #include "server/kserve_service.h"
 #include "server/message_limits.h"

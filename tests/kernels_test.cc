@@ -38,7 +38,7 @@
 #include "kernels/aten_errors.h"
 #include "kernels/mita_attention.h"
 #include "kernels/mita_attention_internal.h"
-#include "kernels/openmp_environment.h"
+#include "kernels/runtime_environment.h"
 #include "tests/test_util.h"
 
 namespace mita::kernels {
@@ -361,7 +361,6 @@ INSTANTIATE_TEST_SUITE_P(
         RandomCase{"Float32ManyBlocks", {1, 3, 530, 32}, {{16, 40}}, at::kFloat}),
     [](const ::testing::TestParamInfo<RandomCase>& info) { return info.param.name; });
 
-// Explicit random landmarks (not pooled from q) and M > N also work.
 // SetIntraOpThreads sets LibTorch's and OpenBLAS's thread counts together (OpenBLAS is the BLAS of the Debian
 // build, scripts/install_deps.sh); the returned count is read back from OpenBLAS itself.
 TEST(IntraOpThreads, LibTorchAndOpenBlasGetTheSameCount) {
@@ -422,6 +421,7 @@ TEST(KeepFreedMemoryForReuse, SecondLargeBufferReusesThePagesOfTheFirst) {
       ::testing::ExitedWithCode(0), "kept second");
 }
 
+// Explicit random landmarks (not pooled from q) and M > N also work.
 TEST(MitaAttention, ArbitraryLandmarksMatchLoop) {
   const Dims dims{2, 2, 11, 4};
   const RandomProblem problem = MakeRandomProblem(dims, at::kDouble, 7);

@@ -38,7 +38,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "kernels/openmp_environment.h"
+#include "kernels/runtime_environment.h"
 #include "models/model_package.h"
 #include "tools/document_corpus.h"
 

@@ -18,7 +18,6 @@
 #include <string>
 #include <vector>
 
-#include "kernels/openmp_environment.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/match.h"
@@ -27,6 +26,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "kernels/runtime_environment.h"
 #include "models/image_decoder.h"
 #include "models/model_package.h"
 #include "tools/fashion_mnist.h"

@@ -25,7 +25,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
-#include "kernels/openmp_environment.h"
+#include "kernels/runtime_environment.h"
 #include "models/model_package.h"
 #include "tools/document_corpus.h"
 

@@ -61,7 +61,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "kernels/mita_attention.h"
-#include "kernels/openmp_environment.h"
+#include "kernels/runtime_environment.h"
 
 ABSL_FLAG(std::string, tokens, "1024,4096,16384,65536", "comma-separated token counts N");
 ABSL_FLAG(std::string, head_dims, "32,64", "comma-separated head dimensions d");

@@ -1,4 +1,4 @@
-#include "kernels/openmp_environment.h"
+#include "kernels/runtime_environment.h"
 
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
