@@ -8,20 +8,27 @@
 //      shared expert A = softmax(S s) v accumulates with an online (running max) softmax and a GEMM with
 //      V_block. One pass over K and V serves both the routed experts and the shared expert.
 //   2. top-k: per landmark, partial selection (std::nth_element, amortised O(N)) with the tie rule "higher
-//      score first, then lower key index"; a key that cannot beat the current k-th best is never stored.
+//      score first, then lower key index"; a key that cannot beat the current k-th best is never stored. When
+//      all keys fit one block (no compaction), the selection runs on plain scores and one pass in key order
+//      takes the keys above the k-th score and the lowest-index ties, already sorted.
 //   3. gate: G_block = Q_block l^T (GEMM), e(n) = first argmax; queries are grouped by expert (counting sort).
-//   4. per routed expert: its k keys and values are gathered once; its queries, in chunks, get their M + k
-//      logits from two GEMMs into one row buffer, one max-subtracted softmax, and the output from two GEMMs
-//      (weights x A, weights x V_expert), normalised by the softmax sum.
+//   4. the output, by one of two paths with the same logits and weights (up to rounding):
+//      - per routed expert (RoutedExpertOutput): its k keys and values are gathered once; its queries, in
+//        chunks, get their M + k logits from two GEMMs into one row buffer, one max-subtracted softmax, and the
+//        output from two GEMMs (weights x A, weights x V_expert), normalised by the softmax sum;
+//      - small inputs (SmallInputOutput, where SmallInputPathApplies: e.g. 50 tokens at M = 9, k = 16): one
+//        GEMM for all N^2 scores q K^T, the compressed logits from the gate (G s^2), and two GEMMs with dense
+//        weight matrices (Wc x A, W x V), instead of 4 BLAS calls of a few hundred multiply-adds per expert.
 // The GEMMs call the system BLAS (sgemm_/dgemm_) directly on the buffers (no copies); MatmulTransposed and
 // MatmulAccumulate are the single place to swap in a hand-written micro-kernel later. The float exponentials
 // use FastExp in vectorised row loops. Buffers live in a HeadWorkspace reused by all the (item, head) pairs of
 // one thread. Left for later (docs/kernels.md has the measurements behind these): reusing the gate's q l^T for
-// the compressed logits (now recomputed per expert chunk), AVX2 code paths (the build targets baseline
-// x86-64), splitting one head over threads when B * H < threads.
+// the compressed logits on the per-expert path (now recomputed per expert chunk), AVX2 code paths (the build
+// targets baseline x86-64), splitting one head over threads when B * H < threads.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -149,6 +156,7 @@ struct HeadProblem {
   int64_t expert_count;
   int64_t width;
   bool include_shared_expert;
+  bool small_input_path;  // MitaForwardOptions::small_input_path
 };
 
 template <typename T>
@@ -174,6 +182,7 @@ class TopKSelector {
     compact_above_ = std::max<int64_t>(2 * width, width + key_block);
     candidates_.clear();
     has_threshold_ = false;
+    in_index_order_ = true;
   }
 
   // scores[j] is the score of key first_index + j; keys arrive in increasing index order.
@@ -196,10 +205,37 @@ class TopKSelector {
 
   // The selected keys in ascending index order (at most `width`; exactly `width` once all N keys were added).
   void Finish(std::vector<int64_t>* keys) {
-    if (static_cast<int64_t>(candidates_.size()) > width_) KeepBest();
-    keys->resize(candidates_.size());
-    for (size_t j = 0; j < candidates_.size(); ++j) (*keys)[j] = candidates_[j].index;
-    std::sort(keys->begin(), keys->end());
+    keys->clear();
+    const int64_t count = static_cast<int64_t>(candidates_.size());
+    if (!in_index_order_) {
+      // Compacted before: select by the full order, then sort the keys.
+      if (count > width_) KeepBest();
+      for (const Candidate<T>& candidate : candidates_) keys->push_back(candidate.index);
+      std::sort(keys->begin(), keys->end());
+      return;
+    }
+    // Never compacted (every input of at most one key block): the candidates are in key order, so one pass in
+    // that order after finding the width-th highest score t yields the keys sorted. Every key above t is
+    // selected, and of the keys at t the lowest indices (the tie rule). Selecting on plain scores is several
+    // times cheaper than on (score, index) pairs: this is most of the top-k cost at N = 50.
+    if (count <= width_) {
+      for (const Candidate<T>& candidate : candidates_) keys->push_back(candidate.index);
+      return;
+    }
+    scores_.resize(count);
+    for (int64_t j = 0; j < count; ++j) scores_[j] = candidates_[j].score;
+    std::nth_element(scores_.begin(), scores_.begin() + (width_ - 1), scores_.end(), std::greater<T>());
+    const T threshold = scores_[width_ - 1];
+    int64_t ties_to_take = width_;
+    for (const Candidate<T>& candidate : candidates_) ties_to_take -= candidate.score > threshold ? 1 : 0;
+    for (const Candidate<T>& candidate : candidates_) {
+      if (candidate.score > threshold) {
+        keys->push_back(candidate.index);
+      } else if (candidate.score == threshold && ties_to_take > 0) {
+        keys->push_back(candidate.index);
+        --ties_to_take;
+      }
+    }
   }
 
  private:
@@ -208,12 +244,15 @@ class TopKSelector {
     candidates_.resize(width_);
     threshold_ = candidates_[width_ - 1].score;  // the k-th best so far: every kept key ranks at least as high
     has_threshold_ = true;
+    in_index_order_ = false;
   }
 
   int64_t width_ = 1;
   int64_t compact_above_ = 2;
   std::vector<Candidate<T>> candidates_;
+  std::vector<T> scores_;  // Finish's copy of the candidates' scores
   bool has_threshold_ = false;
+  bool in_index_order_ = true;  // no KeepBest since Reset: candidates_ is in increasing key index
   T threshold_ = 0;
 };
 
@@ -239,7 +278,130 @@ struct HeadWorkspace {
   std::vector<T> logits;                          // [chunk, M + k]
   std::vector<T> chunk_output;                    // [chunk, d]
   std::vector<T> inverse_sums;                    // [chunk]
+  std::vector<T> dense_scores;                    // small inputs: [N, N], q K^T
+  std::vector<T> dense_weights;                   // small inputs: [N, N], routed softmax weights
+  std::vector<T> compressed_weights;              // small inputs: [N, M], shared-expert weights
 };
+
+// Step 4 of MitaHead, per routed expert: gather its keys and values once, then all its queries in chunks.
+// Needs the key pass (shared_output), the selected keys (expert_keys, unless width == tokens) and the grouping of
+// queries by expert (expert_offsets, query_order).
+template <typename T>
+void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
+  const int64_t head_dim = problem.head_dim, expert_count = problem.expert_count, width = problem.width;
+  const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
+  const bool shared = problem.include_shared_expert;
+  const bool all_keys = width == problem.tokens;
+  // Queries are scaled by s when gathered and landmarks by s once: (s q) . (s l) = q . l s^2 (compressed
+  // logits) and (s q) . k = q . k s (routed logits).
+  if (shared) {
+    work.scaled_landmarks.assign(problem.landmarks, problem.landmarks + expert_count * head_dim);
+    for (T& value : work.scaled_landmarks) value *= scale;
+  }
+  const int64_t compressed_count = shared ? expert_count : 0;
+  const int64_t logit_count = compressed_count + width;
+  // Queries per chunk: GEMMs [chunk x M x d], [chunk x k x d] and back; logits buffer [chunk, M + k].
+  const int64_t chunk_capacity = std::min(BlockRows(std::max(expert_count, width) * head_dim),
+                                          std::max<int64_t>(1, kMaxLogitElements / logit_count));
+  if (!all_keys) {
+    work.expert_key_rows.resize(width * head_dim);
+    work.expert_value_rows.resize(width * head_dim);
+  }
+  work.chunk_queries.resize(chunk_capacity * head_dim);
+  work.logits.resize(chunk_capacity * logit_count);
+  work.chunk_output.resize(chunk_capacity * head_dim);
+  work.inverse_sums.resize(chunk_capacity);
+  for (int64_t i = 0; i < expert_count; ++i) {
+    const int64_t first = work.expert_offsets[i], query_count = work.expert_offsets[i + 1] - first;
+    if (query_count == 0) continue;
+    const T* key_rows = problem.keys;
+    const T* value_rows = problem.values;
+    int64_t key_rows_stride = problem.key_stride, value_rows_stride = problem.value_stride;
+    if (!all_keys) {
+      for (int64_t j = 0; j < width; ++j) {
+        const int64_t key = work.expert_keys[i][j];
+        std::copy_n(problem.keys + key * problem.key_stride, head_dim, work.expert_key_rows.data() + j * head_dim);
+        std::copy_n(problem.values + key * problem.value_stride, head_dim,
+                    work.expert_value_rows.data() + j * head_dim);
+      }
+      key_rows = work.expert_key_rows.data();
+      value_rows = work.expert_value_rows.data();
+      key_rows_stride = value_rows_stride = head_dim;
+    }
+    for (int64_t chunk_start = 0; chunk_start < query_count; chunk_start += chunk_capacity) {
+      const int64_t count = std::min(chunk_capacity, query_count - chunk_start);
+      const int64_t* chunk_order = work.query_order.data() + first + chunk_start;
+      for (int64_t r = 0; r < count; ++r) {
+        const T* query = problem.queries + chunk_order[r] * problem.query_stride;
+        T* target = work.chunk_queries.data() + r * head_dim;
+        for (int64_t c = 0; c < head_dim; ++c) target[c] = query[c] * scale;
+      }
+      // Logits row r: [compressed (M) | routed (k)].
+      if (shared) {
+        MatmulTransposed(work.chunk_queries.data(), head_dim, work.scaled_landmarks.data(), head_dim,
+                         work.logits.data(), logit_count, count, expert_count, head_dim);
+      }
+      MatmulTransposed(work.chunk_queries.data(), head_dim, key_rows, key_rows_stride,
+                       work.logits.data() + compressed_count, logit_count, count, width, head_dim);
+      // One softmax over the M + k logits, max-subtracted; normalised after the output GEMMs.
+      for (int64_t r = 0; r < count; ++r) {
+        T* row = work.logits.data() + r * logit_count;
+        work.inverse_sums[r] = T(1) / ExpAndSum(row, logit_count, T(1), MaxOf(row, logit_count));
+      }
+      if (shared) {
+        MatmulAccumulate(work.logits.data(), logit_count, work.shared_output.data(), head_dim,
+                         work.chunk_output.data(), head_dim, count, head_dim, expert_count, /*accumulate=*/false);
+      }
+      MatmulAccumulate(work.logits.data() + compressed_count, logit_count, value_rows, value_rows_stride,
+                       work.chunk_output.data(), head_dim, count, head_dim, width, /*accumulate=*/shared);
+      for (int64_t r = 0; r < count; ++r) {
+        T* target = problem.output + chunk_order[r] * head_dim;
+        const T* source = work.chunk_output.data() + r * head_dim;
+        for (int64_t c = 0; c < head_dim; ++c) target[c] = source[c] * work.inverse_sums[r];
+      }
+    }
+  }
+
+}
+
+// Step 4 of MitaHead for small inputs (SmallInputPathApplies). Per expert, RoutedExpertOutput makes 4 BLAS calls of a
+// few hundred multiply-adds each (at N = 50, M = 9: about 40 calls per head), whose call overhead outweighs the
+// arithmetic. Here: S = q K^T for all N^2 pairs (one GEMM); each query's M + k logits are read from the gate G
+// of step 3 (compressed: q . l s^2 = G s^2) and from S at its expert's keys (routed: q . k s); one
+// max-subtracted softmax; then the output from two GEMMs with dense weight matrices, Wc [N, M] x A and
+// W [N, N] x V, W zero outside each query's expert keys. The same logits and weights as RoutedExpertOutput, up to
+// float rounding (DESIGN.md section 2).
+template <typename T>
+void SmallInputOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
+  const int64_t tokens = problem.tokens, head_dim = problem.head_dim, expert_count = problem.expert_count;
+  const int64_t width = problem.width;
+  const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
+  const bool all_keys = width == tokens;
+  const int64_t logit_count = expert_count + width;
+  work.dense_scores.resize(tokens * tokens);
+  MatmulTransposed(problem.queries, problem.query_stride, problem.keys, problem.key_stride, work.dense_scores.data(),
+                   tokens, tokens, tokens, head_dim);
+  work.dense_weights.assign(tokens * tokens, T(0));
+  work.compressed_weights.resize(tokens * expert_count);
+  work.logits.resize(logit_count);
+  T* row = work.logits.data();
+  for (int64_t n = 0; n < tokens; ++n) {
+    const T* gate = work.gate.data() + n * expert_count;
+    const T* scores = work.dense_scores.data() + n * tokens;
+    const int64_t* keys = all_keys ? nullptr : work.expert_keys[work.expert_of_query[n]].data();
+    for (int64_t j = 0; j < expert_count; ++j) row[j] = gate[j] * (scale * scale);
+    for (int64_t j = 0; j < width; ++j) row[expert_count + j] = scores[all_keys ? j : keys[j]] * scale;
+    const T inverse_sum = T(1) / ExpAndSum(row, logit_count, T(1), MaxOf(row, logit_count));
+    T* compressed = work.compressed_weights.data() + n * expert_count;
+    for (int64_t j = 0; j < expert_count; ++j) compressed[j] = row[j] * inverse_sum;
+    T* weights = work.dense_weights.data() + n * tokens;
+    for (int64_t j = 0; j < width; ++j) weights[all_keys ? j : keys[j]] = row[expert_count + j] * inverse_sum;
+  }
+  MatmulAccumulate(work.compressed_weights.data(), expert_count, work.shared_output.data(), head_dim, problem.output,
+                   head_dim, tokens, head_dim, expert_count, /*accumulate=*/false);
+  MatmulAccumulate(work.dense_weights.data(), tokens, problem.values, problem.value_stride, problem.output, head_dim,
+                   tokens, head_dim, tokens, /*accumulate=*/true);
+}
 
 template <typename T>
 void MitaHead(const HeadProblem<T>& problem, HeadWorkspace<T>& work, HeadCounts* counts,
@@ -340,75 +502,12 @@ void MitaHead(const HeadProblem<T>& problem, HeadWorkspace<T>& work, HeadCounts*
   work.query_order.resize(tokens);
   for (int64_t n = 0; n < tokens; ++n) work.query_order[work.next_slot[work.expert_of_query[n]]++] = n;
 
-  // 4. Per routed expert: gather its keys and values once, then all its queries in chunks.
-  // Queries are scaled by s when gathered and landmarks by s once: (s q) . (s l) = q . l s^2 (compressed
-  // logits) and (s q) . k = q . k s (routed logits).
-  if (shared) {
-    work.scaled_landmarks.assign(problem.landmarks, problem.landmarks + expert_count * head_dim);
-    for (T& value : work.scaled_landmarks) value *= scale;
-  }
-  const int64_t compressed_count = shared ? expert_count : 0;
-  const int64_t logit_count = compressed_count + width;
-  // Queries per chunk: GEMMs [chunk x M x d], [chunk x k x d] and back; logits buffer [chunk, M + k].
-  const int64_t chunk_capacity = std::min(BlockRows(std::max(expert_count, width) * head_dim),
-                                          std::max<int64_t>(1, kMaxLogitElements / logit_count));
-  if (!all_keys) {
-    work.expert_key_rows.resize(width * head_dim);
-    work.expert_value_rows.resize(width * head_dim);
-  }
-  work.chunk_queries.resize(chunk_capacity * head_dim);
-  work.logits.resize(chunk_capacity * logit_count);
-  work.chunk_output.resize(chunk_capacity * head_dim);
-  work.inverse_sums.resize(chunk_capacity);
-  for (int64_t i = 0; i < expert_count; ++i) {
-    const int64_t first = work.expert_offsets[i], query_count = work.expert_offsets[i + 1] - first;
-    if (query_count == 0) continue;
-    const T* key_rows = problem.keys;
-    const T* value_rows = problem.values;
-    int64_t key_rows_stride = problem.key_stride, value_rows_stride = problem.value_stride;
-    if (!all_keys) {
-      for (int64_t j = 0; j < width; ++j) {
-        const int64_t key = work.expert_keys[i][j];
-        std::copy_n(problem.keys + key * problem.key_stride, head_dim, work.expert_key_rows.data() + j * head_dim);
-        std::copy_n(problem.values + key * problem.value_stride, head_dim,
-                    work.expert_value_rows.data() + j * head_dim);
-      }
-      key_rows = work.expert_key_rows.data();
-      value_rows = work.expert_value_rows.data();
-      key_rows_stride = value_rows_stride = head_dim;
-    }
-    for (int64_t chunk_start = 0; chunk_start < query_count; chunk_start += chunk_capacity) {
-      const int64_t count = std::min(chunk_capacity, query_count - chunk_start);
-      const int64_t* chunk_order = work.query_order.data() + first + chunk_start;
-      for (int64_t r = 0; r < count; ++r) {
-        const T* query = problem.queries + chunk_order[r] * problem.query_stride;
-        T* target = work.chunk_queries.data() + r * head_dim;
-        for (int64_t c = 0; c < head_dim; ++c) target[c] = query[c] * scale;
-      }
-      // Logits row r: [compressed (M) | routed (k)].
-      if (shared) {
-        MatmulTransposed(work.chunk_queries.data(), head_dim, work.scaled_landmarks.data(), head_dim,
-                         work.logits.data(), logit_count, count, expert_count, head_dim);
-      }
-      MatmulTransposed(work.chunk_queries.data(), head_dim, key_rows, key_rows_stride,
-                       work.logits.data() + compressed_count, logit_count, count, width, head_dim);
-      // One softmax over the M + k logits, max-subtracted; normalised after the output GEMMs.
-      for (int64_t r = 0; r < count; ++r) {
-        T* row = work.logits.data() + r * logit_count;
-        work.inverse_sums[r] = T(1) / ExpAndSum(row, logit_count, T(1), MaxOf(row, logit_count));
-      }
-      if (shared) {
-        MatmulAccumulate(work.logits.data(), logit_count, work.shared_output.data(), head_dim,
-                         work.chunk_output.data(), head_dim, count, head_dim, expert_count, /*accumulate=*/false);
-      }
-      MatmulAccumulate(work.logits.data() + compressed_count, logit_count, value_rows, value_rows_stride,
-                       work.chunk_output.data(), head_dim, count, head_dim, width, /*accumulate=*/shared);
-      for (int64_t r = 0; r < count; ++r) {
-        T* target = problem.output + chunk_order[r] * head_dim;
-        const T* source = work.chunk_output.data() + r * head_dim;
-        for (int64_t c = 0; c < head_dim; ++c) target[c] = source[c] * work.inverse_sums[r];
-      }
-    }
+  // 4. The output.
+  if (problem.small_input_path &&
+      SmallInputPathApplies(tokens, head_dim, expert_count, problem.width, problem.include_shared_expert)) {
+    SmallInputOutput(problem, work);
+  } else {
+    RoutedExpertOutput(problem, work);
   }
 
   if (routing != nullptr) {
@@ -469,7 +568,8 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
                              head_dim,
                              expert_count,
                              items[b].expert_width,
-                             options.include_shared_expert};
+                             options.include_shared_expert,
+                             options.small_input_path};
       MitaHead(problem, workspace, &counts[task],
                options.routing != nullptr ? &(*options.routing)[task] : nullptr);
     }
@@ -486,6 +586,14 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
 }
 
 }  // namespace
+
+bool SmallInputPathApplies(int64_t tokens, int64_t head_dim, int64_t expert_count, int64_t expert_width,
+                           bool include_shared_expert) {
+  // The shared expert already carries any non-finite value of V to every output (through A), so the dense
+  // product W V, which multiplies the zero weights of unselected keys too, adds no new way for one to spread.
+  return include_shared_expert && tokens <= 2 * (expert_count + expert_width) &&
+         tokens <= BlockRows(expert_count * head_dim) && tokens * tokens * head_dim <= kSingleThreadGemmVolume;
+}
 
 // Per-item statistics: each head's load, entropy, pruning and overlap, averaged over heads (DESIGN.md
 // section 2, "Statistics that come for free").

@@ -33,7 +33,21 @@ struct MitaForwardOptions {
   bool include_shared_expert = true;
   // When not null, resized to B * H and filled with the routing of item b, head h at index b * H + h.
   std::vector<MitaHeadRouting>* routing = nullptr;
+  // Testing and benchmarking hook of the CPU kernel. When false, every (item, head) computes its output per
+  // routed expert, also where SmallInputPathApplies (so that tests and mita-kernel-bench compare both paths on
+  // the same inputs).
+  bool small_input_path = true;
 };
+
+// Whether the CPU kernel computes the output of an (item, head) with N = `tokens` tokens of d = `head_dim`
+// values, M = `expert_count` experts and expert width k = `expert_width` by its small-input path (one GEMM for
+// all N^2 query-key scores, dense weight matrices) instead of per routed expert (4 small BLAS calls per expert).
+// It does when: the shared expert is included; N <= 2 (M + k), so that it does at most about twice the
+// per-expert path's arithmetic (N keys per query against M + k); N^2 d <= 64^3 multiply-adds (one
+// single-threaded BLAS call); N <= 64^3 / (M d) (the gate's query block holds every query). Measured with
+// mita-kernel-bench (docs/kernels.md, "Small inputs").
+bool SmallInputPathApplies(int64_t tokens, int64_t head_dim, int64_t expert_count, int64_t expert_width,
+                           bool include_shared_expert);
 
 // What the statistics need from one (item, head); every backend produces these, AverageOverHeads turns them
 // into MitaItemStatistics.

@@ -259,10 +259,11 @@ struct BackendRun {
 };
 
 BackendRun RunBackend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<MitaItem>& items,
-                      MitaBackend backend, bool include_shared_expert = true) {
+                      MitaBackend backend, bool include_shared_expert = true, bool small_input_path = true) {
   BackendRun run;
   internal::MitaForwardOptions options;
   options.include_shared_expert = include_shared_expert;
+  options.small_input_path = small_input_path;
   options.routing = &run.routing;
   absl::StatusOr<at::Tensor> output =
       internal::MitaAttentionForwardWithOptions(q, k, v, items, &run.statistics, backend, options);
@@ -360,6 +361,42 @@ INSTANTIATE_TEST_SUITE_P(
         RandomCase{"Float32", {2, 2, 53, 16}, {{7, 11}, {3, 53}}, at::kFloat},
         RandomCase{"Float32ManyBlocks", {1, 3, 530, 32}, {{16, 40}}, at::kFloat}),
     [](const ::testing::TestParamInfo<RandomCase>& info) { return info.param.name; });
+
+// The CPU kernel's two ways to the output on the same inputs, each against the float64 loop: the small-input
+// path (one q K^T GEMM, dense weight matrices) and the per-routed-expert path (forced with small_input_path =
+// false); and where SmallInputPathApplies draws the line.
+TEST(MitaCpuKernel, SmallInputPathAndPerExpertPathMatchLoop) {
+  // N <= 2 (M + k), N^2 d <= 64^3 multiply-adds, N within the gate's query block 64^3 / (M d), and the shared
+  // expert.
+  EXPECT_TRUE(internal::SmallInputPathApplies(50, 24, 9, 16, true));     // 50 <= 2 (9 + 16)
+  EXPECT_FALSE(internal::SmallInputPathApplies(51, 24, 9, 16, true));
+  EXPECT_FALSE(internal::SmallInputPathApplies(50, 24, 4, 8, true));
+  EXPECT_TRUE(internal::SmallInputPathApplies(104, 24, 49, 50, true));   // 259,584 <= 262,144; block 222
+  EXPECT_FALSE(internal::SmallInputPathApplies(105, 24, 49, 50, true));  // 264,600
+  EXPECT_TRUE(internal::SmallInputPathApplies(64, 64, 16, 32, true));    // 64^3 exactly; block 256
+  EXPECT_FALSE(internal::SmallInputPathApplies(17, 64, 256, 8, true));   // block 64^3 / (256 * 64) = 16 < 17
+  EXPECT_FALSE(internal::SmallInputPathApplies(50, 24, 9, 16, false));
+  // The embedded image model's attention: 50 tokens, 4 heads of 24; budgets where the small-input path applies
+  // (m = 9 and 16, and k = N) and one where it does not (m = 4, k = 8), for the per-expert run to compare with.
+  const Dims dims{4, 4, 50, 24};
+  for (at::ScalarType type : {at::kDouble, at::kFloat}) {
+    SCOPED_TRACE(type == at::kDouble ? "float64" : "float32");
+    const RandomProblem problem = MakeRandomProblem(dims, type, /*seed=*/21);
+    const std::vector<MitaItem> items = SequenceItems(problem.q, {{9, 16}, {16, 32}, {4, 50}, {4, 8}});
+    const LoopResult expected =
+        MitaLoop(problem.q_values, problem.k_values, problem.v_values, dims, ToLoopItems(items));
+    const double tolerance = type == at::kDouble ? 1e-10 : 1e-5;
+    for (bool small_input_path : {true, false}) {
+      SCOPED_TRACE(small_input_path ? "small-input path" : "per-expert path");
+      const BackendRun run = RunBackend(problem.q, problem.k, problem.v, items, MitaBackend::kAuto,
+                                        /*include_shared_expert=*/true, small_input_path);
+      ASSERT_TRUE(run.output.defined());
+      ExpectRoutingEqual(run.routing, expected.routing, "cpu kernel");
+      EXPECT_LT(MaxAbsDifference(ToDoubles(run.output), expected.output), tolerance);
+      ExpectStatisticsNear(run.statistics, expected.statistics, "cpu kernel");
+    }
+  }
+}
 
 // SetIntraOpThreads sets LibTorch's and OpenBLAS's thread counts together (OpenBLAS is the BLAS of the Debian
 // build, scripts/install_deps.sh); the returned count is read back from OpenBLAS itself.
