@@ -4,6 +4,7 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/support/byte_buffer.h>
 
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -16,7 +17,15 @@ grpc::Status HealthCheckCall(const std::shared_ptr<grpc::Channel>& channel, cons
   std::string request_bytes;
   if (!service.empty()) {
     request_bytes.push_back(0x0a);  // field 1, length-delimited
-    request_bytes.push_back(static_cast<char>(service.size()));
+    // The length as a base-128 varint: 7 bits a byte, low bits first, the high bit set on all but the last
+    // (protobuf encoding guide, "Base 128 Varints").
+    for (uint64_t length = service.size(); ; length >>= 7) {
+      if (length < 0x80) {
+        request_bytes.push_back(static_cast<char>(length));
+        break;
+      }
+      request_bytes.push_back(static_cast<char>((length & 0x7f) | 0x80));
+    }
     request_bytes += service;
   }
   grpc::GenericStub stub(channel);

@@ -12,8 +12,8 @@
 
 namespace mita::server {
 
-// Sends Health/Check for `service` ("" = the whole server; at most 127 bytes, the one-byte length prefix) on
-// `channel` with a deadline `timeout` from now. Returns the call's status; when OK, `*response_bytes` holds
+// Sends Health/Check for `service` ("" = the whole server; any length) on `channel` with a deadline `timeout`
+// from now. Returns the call's status; when OK, `*response_bytes` holds
 // the response message ("\x08\x01" for SERVING).
 grpc::Status HealthCheckCall(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
                              std::chrono::milliseconds timeout, std::string* response_bytes);

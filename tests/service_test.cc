@@ -488,6 +488,13 @@ TEST_F(ServiceTest, HealthServiceReportsServing) {
   EXPECT_EQ(service.first, grpc::StatusCode::OK);
   EXPECT_EQ(service.second, std::string("\x08\x01", 2));
   EXPECT_EQ(check(channel, "no.such.Service").first, grpc::StatusCode::NOT_FOUND);
+  // Names over 127 bytes need a length of two varint bytes: still a well-formed request, answered NOT_FOUND (a
+  // one-byte length made it an unparsable message). gRPC's default health service itself parses names of at
+  // most 200 bytes (mita-health-probe says so before calling).
+  for (size_t length : {127, 128, 200}) {
+    EXPECT_EQ(check(channel, std::string(length, 's')).first, grpc::StatusCode::NOT_FOUND) << length << " bytes";
+  }
+  EXPECT_EQ(check(channel, std::string(201, 's')).first, grpc::StatusCode::INVALID_ARGUMENT);
 }
 
 // grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo (bidirectional stream) over a raw call
