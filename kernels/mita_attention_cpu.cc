@@ -361,12 +361,11 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
       }
     }
   }
-
 }
 
-// Step 4 of MitaHead for small inputs (SmallInputPathApplies). Per expert, RoutedExpertOutput makes 4 BLAS calls of a
-// few hundred multiply-adds each (at N = 50, M = 9: about 40 calls per head), whose call overhead outweighs the
-// arithmetic. Here: S = q K^T for all N^2 pairs (one GEMM); each query's M + k logits are read from the gate G
+// Step 4 of MitaHead for small inputs (SmallInputPathApplies). Per expert, RoutedExpertOutput makes 4 BLAS calls
+// of a few hundred multiply-adds each (at N = 50, M = 9: about 40 calls per head), whose call overhead outweighs
+// the arithmetic. Here: S = q K^T for all N^2 pairs (one GEMM); each query's M + k logits are read from the gate G
 // of step 3 (compressed: q . l s^2 = G s^2) and from S at its expert's keys (routed: q . k s); one
 // max-subtracted softmax; then the output from two GEMMs with dense weight matrices, Wc [N, M] x A and
 // W [N, N] x V, W zero outside each query's expert keys. The same logits and weights as RoutedExpertOutput, up to

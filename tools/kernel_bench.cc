@@ -320,7 +320,8 @@ int main(int argc, char** argv) {
             ref_measured[ref_key] = {tokens, total};
           }
 
-          std::printf("| %lld | %lld | %lld | %lld | %lld | %.3f | %.1f | %.1f | %.0f%% | %s | %s | %s | %s | %s | %s |\n",
+          std::printf("| %lld | %lld | %lld | %lld | %lld | %.3f | %.1f | %.1f | %.0f%% | %s | %s | %s | %s | %s | %s "
+                      "|\n",
                       static_cast<long long>(tokens), static_cast<long long>(head_dim),
                       static_cast<long long>(heads), static_cast<long long>(expert_count),
                       static_cast<long long>(width), mita_seconds * 1e3, gflops, group_gemm_rate,
