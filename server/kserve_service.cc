@@ -202,7 +202,11 @@ absl::StatusOr<v1::ClassifyRequest> ToClassifyRequest(const inference::ModelInfe
           "input '", input.name(), "': BYTES shape ", shape, " with ", elements->size(), " elements; model '",
           model.name(), "' takes one element per request (send concurrent requests; the server batches them)"));
     }
-    if (IsDocumentModel(model)) {
+    // An input named as one of the protocol's inputs ("image", "text") goes to that request field, so that a
+    // model of the other kind answers as over mita.v1 ("takes a document ..., not an image"); any other name goes
+    // by the model's kind.
+    const bool document = input.name() == "text" || (input.name() != "image" && IsDocumentModel(model));
+    if (document) {
       classify.mutable_document()->set_text(std::move((*elements)[0]));
     } else {
       classify.set_image(std::move((*elements)[0]));
@@ -236,6 +240,8 @@ absl::StatusOr<v1::ClassifyRequest> ToClassifyRequest(const inference::ModelInfe
   std::optional<int64_t> expert_width;
   std::optional<std::string> preset;
   bool full_attention = false;
+  // Errors of non-positive expert knobs, reported together after the loop (count first, as over mita.v1).
+  std::string expert_count_error, expert_width_error;
   for (const auto& [name, parameter] : request.parameters()) {
     if (!absl::StartsWith(name, kParameterPrefix)) continue;  // other clients' parameters
     if (name == kExpertCount || name == kExpertWidth || name == kTopN) {
@@ -249,8 +255,9 @@ absl::StatusOr<v1::ClassifyRequest> ToClassifyRequest(const inference::ModelInfe
       }
       if (*value <= 0) {
         // 0 would mean "the model's default" in mita.v1; here a parameter left out means that.
-        return absl::InvalidArgumentError(absl::StrCat("parameter ", name, ": ", *value,
-                                                       " must be positive (leave it out for the model's default)"));
+        (name == kExpertCount ? expert_count_error : expert_width_error) = absl::StrCat(
+            "parameter ", name, ": ", *value, " must be positive (leave it out for the model's default)");
+        continue;
       }
       (name == kExpertCount ? expert_count : expert_width) = *value;
     } else if (name == kPreset || name == kAttention) {
@@ -276,6 +283,11 @@ absl::StatusOr<v1::ClassifyRequest> ToClassifyRequest(const inference::ModelInfe
                                                                     kTopN, kTruncate},
                                                                    ", ")));
     }
+  }
+  if (!expert_count_error.empty() || !expert_width_error.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        expert_count_error, !expert_count_error.empty() && !expert_width_error.empty() ? "; " : "",
+        expert_width_error));
   }
   const bool experts = expert_count.has_value() || expert_width.has_value();
   if (static_cast<int>(experts) + static_cast<int>(preset.has_value()) + static_cast<int>(full_attention) > 1) {

@@ -400,6 +400,26 @@ TEST_F(KserveTest, BadRequestsGetTheMitaV1CodesWithProtocolNames) {
     ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT, "parameter mita_expert_count: 0 must be positive");
   }
   {
+    // Both knobs wrong: both named, as over mita.v1.
+    inference::ModelInferRequest request = ImageRequest(image);
+    SetInt(request, "mita_expert_width", -3);
+    SetInt(request, "mita_expert_count", -3);
+    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT,
+                "parameter mita_expert_count: -3 must be positive (leave it out for the model's default); "
+                "parameter mita_expert_width: -3 must be positive");
+  }
+  {
+    // An input named 'image' to the document model, and 'text' to the image model: the kind mismatch, as over
+    // mita.v1, not a decoding error of the other kind.
+    inference::ModelInferRequest request = ImageRequest(image);
+    request.set_model_name("linux-doc-mita");
+    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT,
+                "input: model 'linux-doc-mita' takes a document");
+    request = ImageRequest("some text");
+    request.mutable_inputs(0)->set_name("text");
+    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT, "takes an image");
+  }
+  {
     inference::ModelInferRequest request = ImageRequest(image);
     SetString(request, "mita_expert_count", "16");
     ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT,
