@@ -86,14 +86,6 @@ struct Input {
   bool document = false;
 };
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
-  std::ostringstream bytes;
-  bytes << file.rdbuf();
-  return bytes.str();
-}
-
 // Reads the manifest (formats in the file comment) and the files it names.
 absl::StatusOr<std::vector<Input>> ReadInputs(const std::string& manifest, const std::string& default_model) {
   std::ifstream file(manifest);
@@ -130,7 +122,7 @@ absl::StatusOr<std::vector<Input>> ReadInputs(const std::string& manifest, const
     }
     std::filesystem::path resolved(path);
     if (resolved.is_relative()) resolved = base / resolved;
-    absl::StatusOr<std::string> bytes = ReadFile(resolved.string());
+    absl::StatusOr<std::string> bytes = mita::client::ReadFileBytes(resolved.string());
     if (!bytes.ok()) return bytes.status();
     input.bytes = *std::move(bytes);
     inputs.push_back(std::move(input));

@@ -85,15 +85,6 @@ struct Outcome {
   absl::Duration latency;  // client side
 };
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
-  std::ostringstream bytes;
-  bytes << file.rdbuf();
-  if (file.bad()) return absl::DataLossError(absl::StrCat("cannot read '", path, "'"));
-  return bytes.str();
-}
-
 absl::StatusOr<std::vector<Item>> ReadManifest(const std::string& manifest) {
   std::ifstream file(manifest);
   if (!file) return absl::NotFoundError(absl::StrCat("cannot open manifest '", manifest, "'"));
@@ -224,7 +215,7 @@ absl::StatusOr<v1::ClassifyResponse> ClassifyFile(const MitaClient& client, cons
                                                   const ClassifyOptions& options, absl::Duration* latency,
                                                   bool* sent) {
   *sent = false;
-  absl::StatusOr<std::string> bytes = ReadFile(path);
+  absl::StatusOr<std::string> bytes = mita::client::ReadFileBytes(path);
   if (!bytes.ok()) return bytes.status();
   absl::StatusOr<v1::ClassifyRequest> request = absl::UnknownError("no input");
   switch (kind) {

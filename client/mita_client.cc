@@ -5,6 +5,7 @@
 #include <grpcpp/security/credentials.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -21,16 +22,20 @@ void SetDeadline(grpc::ClientContext& context, absl::Duration deadline) {
   context.set_deadline(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(deadline));
 }
 
-absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
+}  // namespace
+
+absl::StatusOr<std::string> ReadFileBytes(const std::string& path) {
+  std::error_code error;
+  if (std::filesystem::is_directory(path, error)) {
+    return absl::InvalidArgumentError(absl::StrCat("'", path, "' is a directory, not a file"));
+  }
   std::ifstream file(path, std::ios::binary);
-  if (!file) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
+  if (!file) return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
   std::ostringstream bytes;
   bytes << file.rdbuf();
-  if (file.bad()) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
+  if (file.bad()) return absl::DataLossError(absl::StrCat("cannot read '", path, "'"));
   return bytes.str();
 }
-
-}  // namespace
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateChannel(const ConnectionOptions& options) {
   if (options.target.empty()) return absl::InvalidArgumentError("the server address is empty");
@@ -42,14 +47,14 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateChannel(const ConnectionOpt
   }
   grpc::SslCredentialsOptions ssl;
   if (!options.tls_ca_file.empty()) {
-    absl::StatusOr<std::string> ca = ReadWholeFile(options.tls_ca_file);
+    absl::StatusOr<std::string> ca = ReadFileBytes(options.tls_ca_file);
     if (!ca.ok()) return ca.status();
     ssl.pem_root_certs = *std::move(ca);
   }
   if (!options.tls_cert_file.empty()) {
-    absl::StatusOr<std::string> cert = ReadWholeFile(options.tls_cert_file);
+    absl::StatusOr<std::string> cert = ReadFileBytes(options.tls_cert_file);
     if (!cert.ok()) return cert.status();
-    absl::StatusOr<std::string> key = ReadWholeFile(options.tls_key_file);
+    absl::StatusOr<std::string> key = ReadFileBytes(options.tls_key_file);
     if (!key.ok()) return key.status();
     ssl.pem_cert_chain = *std::move(cert);
     ssl.pem_private_key = *std::move(key);
@@ -60,7 +65,7 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateChannel(const ConnectionOpt
 }
 
 absl::StatusOr<std::string> ReadBearerToken(const std::string& path) {
-  absl::StatusOr<std::string> text = ReadWholeFile(path);
+  absl::StatusOr<std::string> text = ReadFileBytes(path);
   if (!text.ok()) return text.status();
   std::string token(absl::StripAsciiWhitespace(*text));
   if (token.empty()) return absl::InvalidArgumentError(absl::StrCat("the token file '", path, "' is empty"));

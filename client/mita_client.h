@@ -65,6 +65,11 @@ struct ConnectionOptions {
 // certificate files; NOT_FOUND when a file cannot be read.
 absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateChannel(const ConnectionOptions& options);
 
+// Reads the whole file at `path` (images, documents, certificates, tokens). Errors: NOT_FOUND when it cannot
+// be opened (missing, no permission); INVALID_ARGUMENT when it is a directory; DATA_LOSS when reading fails.
+// Each message names the path.
+absl::StatusOr<std::string> ReadFileBytes(const std::string& path);
+
 // Reads a bearer token from a file (its content without surrounding whitespace). Errors: NOT_FOUND when
 // unreadable, INVALID_ARGUMENT when empty.
 absl::StatusOr<std::string> ReadBearerToken(const std::string& path);

@@ -42,6 +42,12 @@ client=("$python" "$source_dir/client/python/mita_client.py" --server="127.0.0.1
 "$python" "$source_dir/client/python/mita_client.py" --server="127.0.0.1:$port" --stubs="$build_dir/client/python" --list
 "$python" "$source_dir/client/python/mita_client.py" --server="127.0.0.1:$port" --stubs="$build_dir/client/python" \
   --protocol=kserve --list --json > "$work/kserve_metadata.json"
+# The client's own checks: two budget forms at once, a top_n over 32 bits: exit 2 with the reason, nothing sent.
+for bad in "--preset=fast --full_attention" "--top_n=2147483648"; do
+  # shellcheck disable=SC2086
+  if "${client[@]}" $bad > "$work/bad.out" 2> "$work/bad.err"; then echo "the client accepted $bad"; exit 1; fi
+  grep -E "set one budget|does not fit in 32 bits" "$work/bad.err" || { cat "$work/bad.err"; exit 1; }
+done
 "${client[@]}" --expert_count=16 --expert_width=32 > "$work/mita.json"
 "${client[@]}" --protocol=kserve --expert_count=16 --expert_width=32 > "$work/kserve.json"
 "${client[@]}" --protocol=kserve --preset=fast > "$work/kserve_fast.json"

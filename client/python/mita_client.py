@@ -100,6 +100,12 @@ def main():
     parser.add_argument("--stubs", default=os.environ.get("MITA_PYTHON_STUBS", default_stubs),
                         help="folder of the generated *_pb2.py modules")
     args = parser.parse_args()
+    # Checked here, as mita-client does: one budget form, and a top_n that fits the int32 proto field (the server
+    # checks the range against the model's classes).
+    if sum([bool(args.expert_count or args.expert_width), bool(args.preset), args.full_attention]) > 1:
+        parser.error("set one budget: --expert_count/--expert_width, --preset, or --full_attention")
+    if not -2**31 <= args.top_n < 2**31:
+        parser.error(f"--top_n: {args.top_n} does not fit in 32 bits (the server allows [0, classes])")
     load_stubs(args.stubs)
 
     channel = grpc.insecure_channel(args.server)
