@@ -15,6 +15,10 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "server/health_check_call.h"
 
 ABSL_FLAG(std::string, address, "127.0.0.1:50051", "gRPC address of the server, host:port.");
@@ -22,6 +26,16 @@ ABSL_FLAG(std::string, service, "", "Service to check; empty: the server as a wh
 ABSL_FLAG(int32_t, timeout_ms, 2000, "Deadline of the check, milliseconds.");
 
 int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Asks a gRPC server's health service whether it (or --service) is SERVING; exit 0 if so, 1 if not, 2 for a "
+      "bad flag.\n  mita-health-probe [--address=HOST:PORT] [--service=NAME] [--timeout_ms=N]");
+  // --help lists the flags of this file (Abseil would look for a file named after the binary).
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "/server/health_probe.cc");
+  };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
   absl::ParseCommandLine(argc, argv);
   const std::string service = absl::GetFlag(FLAGS_service);
   // gRPC's default health service (mita-server's) cannot parse a request whose service name is longer
@@ -37,7 +51,9 @@ int main(int argc, char** argv) {
       grpc::CreateChannel(absl::GetFlag(FLAGS_address), grpc::InsecureChannelCredentials()), service,
       std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)), &bytes);
   if (!status.ok()) {
-    std::fprintf(stderr, "health check failed: %d %s\n", static_cast<int>(status.error_code()),
+    // gRPC and Abseil share the google.rpc.Code numbering.
+    std::fprintf(stderr, "health check failed: %s: %s\n",
+                 absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code())).c_str(),
                  status.error_message().c_str());
     return 1;
   }

@@ -145,7 +145,7 @@ int main(int argc, char** argv) {
   usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
   absl::SetFlagsUsageConfig(usage_config);
   absl::SetProgramUsageMessage(
-      "mita-bench-documents: latency and peak memory of one 4K-64K-token document, MiTA vs full attention.");
+      "Latency and peak memory of one 4K-64K-token document, MiTA vs full attention.");
   absl::ParseCommandLine(argc, argv);
   if (absl::GetFlag(FLAGS_child)) return RunChild();
 

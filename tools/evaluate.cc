@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
   usage_config.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "/evaluate.cc"); };
   usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
   absl::SetFlagsUsageConfig(usage_config);
-  absl::SetProgramUsageMessage("mita-eval: Fashion-MNIST test accuracy and latency of a model package per budget. Flags below.");
+  absl::SetProgramUsageMessage("Fashion-MNIST test accuracy and latency of a model package per budget. Flags below.");
   absl::ParseCommandLine(argc, argv);
   mita::kernels::SetIntraOpThreads(absl::GetFlag(FLAGS_threads));
   auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));

@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
   };
   usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
   absl::SetFlagsUsageConfig(usage_config);
-  absl::SetProgramUsageMessage("mita-eval-documents: held-out accuracy of a document model per budget. Flags below.");
+  absl::SetProgramUsageMessage("Held-out accuracy of a document model per budget. Flags below.");
   absl::ParseCommandLine(argc, argv);
   mita::kernels::SetIntraOpThreads(absl::GetFlag(FLAGS_threads));
 

@@ -26,7 +26,7 @@ int main(int argc, char** argv) {
   usage_config.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "/export_images.cc"); };
   usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
   absl::SetFlagsUsageConfig(usage_config);
-  absl::SetProgramUsageMessage("mita-export-images: writes Fashion-MNIST images as PNG plus manifest.csv. Flags below.");
+  absl::SetProgramUsageMessage("Writes Fashion-MNIST images as PNG plus manifest.csv. Flags below.");
   absl::ParseCommandLine(argc, argv);
   const std::string out = absl::GetFlag(FLAGS_out);
   if (out.empty()) {

@@ -169,7 +169,7 @@ int main(int argc, char** argv) {
   usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
   absl::SetFlagsUsageConfig(usage_config);
   absl::SetProgramUsageMessage(
-      "mita-kernel-bench: MiTA CPU kernel vs GEMM rate, full attention and the reference kernel. Flags below.");
+      "MiTA CPU kernel vs GEMM rate, full attention and the reference kernel. Flags below.");
   absl::ParseCommandLine(argc, argv);
 
   int threads = absl::GetFlag(FLAGS_threads);
