@@ -62,7 +62,7 @@ struct ConnectionOptions {
 };
 
 // A channel for `options`. Errors: INVALID_ARGUMENT for an empty target or only one of the client
-// certificate files; NOT_FOUND when a file cannot be read.
+// certificate files; a certificate file's ReadFileBytes error.
 absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateChannel(const ConnectionOptions& options);
 
 // Reads the whole file at `path` (images, documents, certificates, tokens). Errors: NOT_FOUND when it cannot
@@ -70,8 +70,8 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateChannel(const ConnectionOpt
 // Each message names the path.
 absl::StatusOr<std::string> ReadFileBytes(const std::string& path);
 
-// Reads a bearer token from a file (its content without surrounding whitespace). Errors: NOT_FOUND when
-// unreadable, INVALID_ARGUMENT when empty.
+// Reads a bearer token from a file (its content without surrounding whitespace). Errors: those of
+// ReadFileBytes; INVALID_ARGUMENT when empty.
 absl::StatusOr<std::string> ReadBearerToken(const std::string& path);
 
 // Adds "authorization: Bearer <token>" to `context` unless `token` is empty.
