@@ -11,11 +11,12 @@
 //      score first, then lower key index"; a key that cannot beat the current k-th best is never stored. When
 //      all keys fit one block (no compaction), the selection runs on plain scores and one pass in key order
 //      takes the keys above the k-th score and the lowest-index ties, already sorted.
-//   3. gate: G_block = Q_block l^T (GEMM), e(n) = first argmax; queries are grouped by expert (counting sort).
+//   3. gate: G_block = Q_block l^T (GEMM), e(n) = first argmax; queries counted per expert.
 //   4. the output, by one of two paths with the same logits and weights (up to rounding):
-//      - per routed expert (RoutedExpertOutput): its k keys and values are gathered once; its queries, in
-//        chunks, get their M + k logits from two GEMMs into one row buffer, one max-subtracted softmax, and the
-//        output from two GEMMs (weights x A, weights x V_expert), normalised by the softmax sum;
+//      - per routed expert (RoutedExpertOutput): queries grouped by expert (counting sort); each expert's k
+//        keys and values are gathered once; its queries, in chunks, get their M + k logits from two GEMMs into
+//        one row buffer, one max-subtracted softmax, and the output from two GEMMs (weights x A,
+//        weights x V_expert), normalised by the softmax sum;
 //      - small inputs (SmallInputOutput, where SmallInputPathApplies: e.g. 50 tokens at M = 9, k = 16): one
 //        GEMM for all N^2 scores q K^T, the compressed logits from the gate (G s^2), and two GEMMs with dense
 //        weight matrices (Wc x A, W x V), instead of 4 BLAS calls of a few hundred multiply-adds per expert.
@@ -292,14 +293,19 @@ struct HeadWorkspace {
 };
 
 // Step 4 of MitaHead, per routed expert: gather its keys and values once, then all its queries in chunks.
-// Needs the key pass (shared_output), the selected keys (expert_keys, unless width == tokens) and the grouping of
-// queries by expert (expert_offsets, query_order).
+// Needs the key pass (shared_output), the selected keys (expert_keys, unless width == tokens), the routing
+// (expert_of_query) and each expert's first position in query order (expert_offsets).
 template <typename T>
 void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
   const int64_t head_dim = problem.head_dim, expert_count = problem.expert_count, width = problem.width;
   const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
   const bool shared = problem.include_shared_expert;
   const bool all_keys = width == problem.tokens;
+  // Queries grouped by expert (counting sort): those of expert i are query_order[expert_offsets[i],
+  // expert_offsets[i + 1]), ascending.
+  work.next_slot.assign(work.expert_offsets.begin(), work.expert_offsets.end() - 1);
+  work.query_order.resize(problem.tokens);
+  for (int64_t n = 0; n < problem.tokens; ++n) work.query_order[work.next_slot[work.expert_of_query[n]]++] = n;
   // Queries are scaled by s when gathered and landmarks by s once: (s q) . (s l) = q . l s^2 (compressed
   // logits) and (s q) . k = q . k s (routed logits).
   if (shared) {
@@ -497,7 +503,7 @@ void MitaHead(const HeadProblem<T>& problem, HeadWorkspace<T>& work, HeadCounts*
       work.expert_of_query[start + n] = best;
     }
   }
-  // Queries of expert i: query_order[expert_offsets[i], expert_offsets[i + 1]), ascending.
+  // Queries per expert (statistics), and where each expert's queries start in query order (expert_offsets).
   work.expert_offsets.assign(expert_count + 1, 0);
   for (int64_t n = 0; n < tokens; ++n) ++work.expert_offsets[work.expert_of_query[n] + 1];
   counts->queries_per_expert.resize(expert_count);
@@ -505,9 +511,6 @@ void MitaHead(const HeadProblem<T>& problem, HeadWorkspace<T>& work, HeadCounts*
     counts->queries_per_expert[i] = work.expert_offsets[i + 1];
     work.expert_offsets[i + 1] += work.expert_offsets[i];
   }
-  work.next_slot.assign(work.expert_offsets.begin(), work.expert_offsets.end() - 1);
-  work.query_order.resize(tokens);
-  for (int64_t n = 0; n < tokens; ++n) work.query_order[work.next_slot[work.expert_of_query[n]]++] = n;
 
   // 4. The output.
   if (problem.small_input_path &&
