@@ -15,7 +15,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <map>
 #include <memory>
 #include <string>
 
@@ -30,7 +29,6 @@ struct Fixture {
   std::unique_ptr<mita::server::ModelRegistry> registry;
   std::unique_ptr<mita::server::ServerMetrics> metrics;
   std::unique_ptr<mita::server::ClassifyService> service;
-  std::map<std::string, int64_t> label_counts;  // model name -> labels
 };
 
 Fixture* fixture = nullptr;
@@ -50,9 +48,6 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
       mita::server::ModelRegistry::LoadFromDirectory(path);
   if (!registry.ok()) Die(registry.status().ToString());
   fixture->registry = *std::move(registry);
-  for (const mita::models::ModelPackage* package : fixture->registry->packages()) {
-    fixture->label_counts[package->name] = static_cast<int64_t>(package->labels.size());
-  }
   fixture->metrics =
       std::make_unique<mita::server::ServerMetrics>(mita::server::MetricsModelInfos(*fixture->registry));
   mita::server::ServiceOptions options;
@@ -79,10 +74,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   switch (status.error_code()) {
     case grpc::StatusCode::OK: {
       if (response.classes_size() < 1 || response.classes_size() > 10) Die("OK with a wrong number of classes");
-      const auto labels = fixture->label_counts.find(response.model());
-      if (labels == fixture->label_counts.end()) Die("OK naming an unknown model '" + response.model() + "'");
+      const absl::StatusOr<const mita::models::ModelPackage*> package = fixture->registry->Lookup(response.model());
+      if (!package.ok()) Die("OK naming an unknown model '" + response.model() + "'");
+      const int64_t label_count = static_cast<int64_t>((*package)->labels.size());
       for (const mita::v1::ClassScore& score : response.classes()) {
-        if (!(score.score() >= 0 && score.score() <= 1) || score.index() < 0 || score.index() >= labels->second) {
+        if (!(score.score() >= 0 && score.score() <= 1) || score.index() < 0 || score.index() >= label_count) {
           Die("OK with a score or index out of range");
         }
       }
