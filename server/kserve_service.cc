@@ -24,6 +24,10 @@ using InputTensor = inference::ModelInferRequest::InferInputTensor;
 using OutputTensor = inference::ModelInferResponse::InferOutputTensor;
 
 constexpr char kPlatform[] = "mita_safetensors";
+// The declared input tensors (ModelMetadata): an image model's, a document model's two.
+constexpr char kImageInput[] = "image";
+constexpr char kTextInput[] = "text";
+constexpr char kTokenIdsInput[] = "token_ids";
 constexpr char kParameterPrefix[] = "mita_";
 constexpr char kExpertCount[] = "mita_expert_count";
 constexpr char kExpertWidth[] = "mita_expert_width";
@@ -202,10 +206,11 @@ absl::StatusOr<v1::ClassifyRequest> ToClassifyRequest(const inference::ModelInfe
           "input '", input.name(), "': BYTES shape ", shape, " with ", elements->size(), " elements; model '",
           model.name(), "' takes one element per request (send concurrent requests; the server batches them)"));
     }
-    // An input named as one of the protocol's inputs ("image", "text") goes to that request field, so that a
-    // model of the other kind answers as over mita.v1 ("takes a document ..., not an image"); any other name goes
-    // by the model's kind.
-    const bool document = input.name() == "text" || (input.name() != "image" && IsDocumentModel(model));
+    // An input named as a declared BYTES input (image, text) goes to that request field, so that a model of the
+    // other kind answers as over mita.v1 ("takes a document ..., not an image"); any other name goes by the
+    // model's kind.
+    const bool document =
+        input.name() == kTextInput || (input.name() != kImageInput && IsDocumentModel(model));
     if (document) {
       classify.mutable_document()->set_text(std::move((*elements)[0]));
     } else {
@@ -385,10 +390,10 @@ inference::ModelMetadataResponse ToModelMetadataResponse(const v1::ModelMetadata
     for (int64_t dimension : shape) tensor->add_shape(dimension);
   };
   if (IsDocumentModel(model)) {
-    add(response.mutable_inputs(), "text", "BYTES", {1});
-    add(response.mutable_inputs(), "token_ids", "INT64", {-1});
+    add(response.mutable_inputs(), kTextInput, "BYTES", {1});
+    add(response.mutable_inputs(), kTokenIdsInput, "INT64", {-1});
   } else {
-    add(response.mutable_inputs(), "image", "BYTES", {1});
+    add(response.mutable_inputs(), kImageInput, "BYTES", {1});
   }
   add(response.mutable_outputs(), kScoresOutput, "FP32", {model.labels_size()});
   add(response.mutable_outputs(), kLabelsOutput, "BYTES", {-1});
