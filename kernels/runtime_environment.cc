@@ -15,7 +15,17 @@ namespace mita::kernels {
 void ReexecWithPassiveOpenMpWaitIfUnset(char** argv) {
   if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
   if (setenv("OMP_WAIT_POLICY", "passive", /*overwrite=*/1) != 0) return;
-  execv("/proc/self/exe", argv);
+  // The binary's real path, not /proc/self/exe itself: the kernel names a process after the file it executes,
+  // and a process named "exe" is not found by pgrep, pidof or pkill mita-server. /proc/self/exe when the path
+  // cannot be read or the file is gone (a deleted binary reads "... (deleted)").
+  const char* program = "/proc/self/exe";
+  char path[PATH_MAX];
+  const ssize_t length = readlink("/proc/self/exe", path, sizeof(path) - 1);
+  if (length > 0) {
+    path[length] = '\0';
+    if (access(path, X_OK) == 0) program = path;
+  }
+  execv(program, argv);
   std::perror("re-executing with OMP_WAIT_POLICY=passive failed; continuing with the default policy");
 }
 

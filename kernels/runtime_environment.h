@@ -10,8 +10,9 @@
 
 namespace mita::kernels {
 
-// If OMP_WAIT_POLICY is not set, sets it to "passive" and re-executes the current program (/proc/self/exe)
-// with the same arguments, so that libgomp starts with it; an operator's explicit choice is kept. Call first
+// If OMP_WAIT_POLICY is not set, sets it to "passive" and re-executes the current program (the file
+// /proc/self/exe points to, so that the process keeps its name) with the same arguments, so that libgomp starts
+// with it; an operator's explicit choice is kept. Call first
 // thing in main(). Returns only when no re-execution was needed or it failed (then the process goes on with
 // libgomp's default policy).
 void ReexecWithPassiveOpenMpWaitIfUnset(char** argv);

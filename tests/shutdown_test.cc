@@ -98,6 +98,8 @@ TEST(ShutdownTest, SigtermDrainsAdmittedWorkRefusesNewCallsAndExitsZero) {
   ASSERT_GT(server.pid, 0);
   ASSERT_NE(server.port, 0) << "the server did not start; log:\n" << ReadFile(log_path);
   const pid_t pid = server.pid;
+  // It re-executed itself (OMP_WAIT_POLICY) under its own name, so pgrep / pidof / pkill mita-server find it.
+  EXPECT_EQ(ReadFile(absl::StrCat("/proc/", pid, "/comm")), "mita-server\n");
   const int port = server.port;
   const std::string target = absl::StrCat("127.0.0.1:", port);
 
