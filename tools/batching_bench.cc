@@ -1,0 +1,300 @@
+// mita-batching-bench: how much batching can gain inside the image model itself, on this machine
+// (docs/serving.md, "How far batching can go here"). Google Benchmark, one intra-op thread (LibTorch and OpenBLAS),
+// as mita-server runs with --torch_threads=1:
+//
+//   build/tools/mita-batching-bench                          # batch sizes 1 and 16, budget 9x16, 5 repetitions
+//   build/tools/mita-batching-bench --batch_sizes=1,4,8,16,32 --budget=16x32 --benchmark_repetitions=9
+//
+// Benchmarks, each over --batch_sizes (B):
+//   forward/B        VitClassifier::Forward on B real Fashion-MNIST test images (the t10k split, preprocessed as
+//                    the server does) at --budget for every item, with the attention statistics the server asks
+//                    for. Inputs are stacked before the clock starts.
+//   dense_layers/B   only the model's dense layers: per block, at::linear for qkv [C -> 3C], proj [C -> C], fc1
+//                    [C -> hidden] and fc2 [hidden -> C] on [B, N, C] / [B, N, hidden] inputs, weights and
+//                    inputs ~ N(0, 1) of the package's shapes (the GEMMs' speed does not depend on the values).
+// Each benchmark reports its time per image (real time / B, "per_image_us"). Google Benchmark's own flags
+// (--benchmark_filter, --benchmark_repetitions, --benchmark_min_time, ...) are accepted beside the flags below;
+// by default 5 repetitions, interleaved at random so that the machine's drift hits every batch size alike.
+// (Debian's libbenchmark prints "Library was built as DEBUG": that is the benchmark library's own build, not the
+// code it times.)
+//
+// After the runs it prints, from the medians over repetitions, for the smallest batch size b and the largest B:
+//   T_b, T_B    forward time per image;        D_b, D_B  dense-layer time per image;
+//   ratio       T_b / T_B: what batching gains in the model (a server adds per-request work it cannot share);
+//   saving      T_b - T_B: the time per image that batching removes (per-call costs shared by B images, and
+//               GEMMs running faster on B N rows than on N);
+//   bound       1 + (T_b - T_B) / D_B. Removing a per-image cost (attention, norms, copies) lowers T_b and T_B
+//               alike and leaves the saving as it is; the most any such change can reach is T_B = D_B, where
+//               the ratio is (D_B + saving) / D_B. So the model's batching ratio stays under this bound unless
+//               the dense layers themselves get faster at batch B (another BLAS, another machine) or the
+//               per-call costs grow.
+//   for 2x      T_B <= saving: what is left per image for everything but the dense layers (saving - D_B),
+//               against what it takes now (T_B - D_B).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/stack.h>
+#include <benchmark/benchmark.h>
+#include <c10/core/InferenceMode.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "kernels/runtime_environment.h"
+#include "models/image_decoder.h"
+#include "models/model_package.h"
+#include "tools/fashion_mnist.h"
+
+ABSL_FLAG(std::string, model, "models/repository/fashion-mnist-vit", "image model package folder");
+ABSL_FLAG(std::string, budget, "9x16", "expert_count x expert_width of every item, or 'full' for full attention");
+ABSL_FLAG(std::string, batch_sizes, "1,16", "comma-separated batch sizes (images per forward), each >= 1");
+
+namespace {
+
+// The benchmarks' shared inputs, set up once in main before any benchmark runs.
+struct Setup {
+  mita::models::ModelPackage package;
+  mita::models::AttentionBudget budget;
+  std::vector<at::Tensor> images;  // preprocessed test images, [in_channels, side, side] each
+};
+Setup* setup = nullptr;
+
+void Forward(benchmark::State& state) {
+  const int64_t batch = state.range(0);
+  c10::InferenceMode inference_mode;
+  std::vector<at::Tensor> chosen;
+  for (int64_t i = 0; i < batch; ++i) chosen.push_back(setup->images[i % setup->images.size()]);
+  const at::Tensor input = at::stack(chosen);
+  const std::vector<mita::models::AttentionBudget> budgets(batch, setup->budget);
+  for (auto _ : state) {
+    auto output = setup->package.model->Forward(input, budgets, /*want_statistics=*/true);
+    if (!output.ok()) {
+      state.SkipWithError(output.status().ToString().c_str());
+      return;
+    }
+    benchmark::DoNotOptimize(output->logits.data_ptr<float>());
+  }
+  state.counters["per_image_us"] =
+      benchmark::Counter(static_cast<double>(batch), benchmark::Counter::kIsIterationInvariantRate |
+                                                         benchmark::Counter::kInvert);
+}
+
+void DenseLayers(benchmark::State& state) {
+  const int64_t batch = state.range(0);
+  const mita::models::VitConfig& config = setup->package.config;
+  const int64_t tokens = config.tokens(), channels = config.embed_dim, hidden = config.mlp_hidden_dim;
+  c10::InferenceMode inference_mode;
+  struct Layer {
+    at::Tensor weight, bias;
+  };
+  auto layer = [](int64_t out, int64_t in) { return Layer{at::randn({out, in}), at::randn({out})}; };
+  std::vector<Layer> layers;  // per block: qkv, proj, fc1, fc2
+  for (int64_t block = 0; block < config.depth; ++block) {
+    layers.push_back(layer(3 * channels, channels));
+    layers.push_back(layer(channels, channels));
+    layers.push_back(layer(hidden, channels));
+    layers.push_back(layer(channels, hidden));
+  }
+  const at::Tensor x = at::randn({batch, tokens, channels});
+  const at::Tensor h = at::randn({batch, tokens, hidden});
+  for (auto _ : state) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const at::Tensor out = at::linear(i % 4 == 3 ? h : x, layers[i].weight, layers[i].bias);
+      benchmark::DoNotOptimize(out.data_ptr<float>());
+    }
+  }
+  state.counters["per_image_us"] =
+      benchmark::Counter(static_cast<double>(batch), benchmark::Counter::kIsIterationInvariantRate |
+                                                         benchmark::Counter::kInvert);
+}
+
+// Collects per_image_us of every (non-aggregate) run by benchmark name ("forward/16/real_time"), beside the
+// console output.
+class CollectingReporter : public benchmark::ConsoleReporter {
+ public:
+  explicit CollectingReporter(OutputOptions options) : ConsoleReporter(options) {}
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const Run& run : runs) {
+      if (run.run_type != Run::RT_Iteration || run.error_occurred) continue;
+      const auto counter = run.counters.find("per_image_us");
+      if (counter != run.counters.end()) per_image_us_[run.benchmark_name()].push_back(counter->second.value * 1e6);
+    }
+    ConsoleReporter::ReportRuns(runs);
+  }
+  // Median per-image time of `name` in microseconds, or a negative value when it did not run.
+  double MedianUs(const std::string& name) const {
+    const auto found = per_image_us_.find(name);
+    if (found == per_image_us_.end() || found->second.empty()) return -1;
+    std::vector<double> values = found->second;
+    std::sort(values.begin(), values.end());
+    const size_t middle = values.size() / 2;
+    return values.size() % 2 == 1 ? values[middle] : (values[middle - 1] + values[middle]) / 2;
+  }
+  size_t Repetitions(const std::string& name) const {
+    const auto found = per_image_us_.find(name);
+    return found == per_image_us_.end() ? 0 : found->second.size();
+  }
+
+ private:
+  std::map<std::string, std::vector<double>> per_image_us_;
+};
+
+// Whether argv asks for help: then Abseil prints the flags (Google Benchmark would print only its own).
+bool AsksForHelp(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view arg = argv[i];
+    if (arg == "--help" || arg == "-help" || arg == "--helpfull" || arg == "--helpshort" ||
+        absl::StartsWith(arg, "--helpon") || absl::StartsWith(arg, "--helpmatch")) {
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  mita::kernels::ReexecWithPassiveOpenMpWaitIfUnset(argv);
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "/batching_bench.cc"); };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
+  absl::SetProgramUsageMessage(
+      "How much batching gains inside the image model, and the most it could gain on this machine (tools/"
+      "batching_bench.cc says how). Google Benchmark's --benchmark_* flags are accepted too. Flags below.");
+  // Google Benchmark's defaults for this tool, before its own parsing (flags given on the command line win).
+  std::vector<char*> arguments(argv, argv + argc);
+  std::string repetitions = "--benchmark_repetitions=5", interleave = "--benchmark_enable_random_interleaving=true";
+  std::string min_time = "--benchmark_min_time=0.5";
+  const bool help = AsksForHelp(argc, argv);
+  if (!help) arguments.insert(arguments.begin() + 1, {repetitions.data(), interleave.data(), min_time.data()});
+  int count = static_cast<int>(arguments.size());
+  if (!help) benchmark::Initialize(&count, arguments.data());
+  absl::ParseCommandLine(count, arguments.data());
+
+  std::vector<int64_t> batch_sizes;
+  for (absl::string_view item : absl::StrSplit(absl::GetFlag(FLAGS_batch_sizes), ',', absl::SkipEmpty())) {
+    int64_t size = 0;
+    if (!absl::SimpleAtoi(item, &size) || size < 1 || size > 4096) {
+      std::fprintf(stderr, "--batch_sizes: '%s' is not a batch size in [1, 4096]\n", std::string(item).c_str());
+      return 2;
+    }
+    batch_sizes.push_back(size);
+  }
+  if (batch_sizes.size() < 2) {
+    std::fprintf(stderr, "--batch_sizes: give at least two batch sizes (e.g. 1,16)\n");
+    return 2;
+  }
+  std::sort(batch_sizes.begin(), batch_sizes.end());
+
+  Setup shared;
+  const std::string budget_text = absl::GetFlag(FLAGS_budget);
+  if (budget_text == "full") {
+    shared.budget.full_attention = true;
+  } else {
+    std::vector<std::string> parts = absl::StrSplit(budget_text, 'x');
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &shared.budget.expert_count) ||
+        !absl::SimpleAtoi(parts[1], &shared.budget.expert_width)) {
+      std::fprintf(stderr, "--budget: '%s' is not expert_count x expert_width (e.g. 9x16) or 'full'\n",
+                   budget_text.c_str());
+      return 2;
+    }
+  }
+  mita::kernels::SetIntraOpThreads(1);
+  auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));
+  if (!package.ok()) {
+    std::fprintf(stderr, "--model: %s\n", package.status().ToString().c_str());
+    return 1;
+  }
+  if (package->model == nullptr) {
+    std::fprintf(stderr, "--model: '%s' is not an image model\n", absl::GetFlag(FLAGS_model).c_str());
+    return 2;
+  }
+  shared.package = *std::move(package);
+  if (!shared.budget.full_attention) {
+    if (absl::Status valid = mita::models::ValidateBudget(shared.package.config, shared.budget); !valid.ok()) {
+      std::fprintf(stderr, "--budget: %s\n", valid.ToString().c_str());
+      return 2;
+    }
+  }
+  auto data = mita::datasets::ReadFashionMnist("t10k");
+  if (!data.ok()) {
+    std::fprintf(stderr, "%s\n", data.status().ToString().c_str());
+    return 1;
+  }
+  const int64_t pixels_per_image = data->rows * data->columns;
+  const int64_t image_count = std::min<int64_t>(data->count, batch_sizes.back());
+  for (int64_t i = 0; i < image_count; ++i) {
+    mita::models::DecodedImage image;
+    image.width = data->columns;
+    image.height = data->rows;
+    image.channels = 1;
+    image.pixels.assign(data->pixels.begin() + i * pixels_per_image,
+                        data->pixels.begin() + (i + 1) * pixels_per_image);
+    auto tensor = mita::models::PreprocessImage(image, shared.package.config);
+    if (!tensor.ok()) {
+      std::fprintf(stderr, "%s\n", tensor.status().ToString().c_str());
+      return 1;
+    }
+    shared.images.push_back(*tensor);
+  }
+  setup = &shared;
+
+  benchmark::internal::Benchmark* forward = benchmark::RegisterBenchmark("forward", Forward);
+  benchmark::internal::Benchmark* dense_layers = benchmark::RegisterBenchmark("dense_layers", DenseLayers);
+  for (benchmark::internal::Benchmark* registered : {forward, dense_layers}) {
+    for (int64_t size : batch_sizes) registered->Arg(size);
+    registered->Unit(benchmark::kMicrosecond)->UseRealTime();
+  }
+  const char* coretype = std::getenv("OPENBLAS_CORETYPE");
+  std::printf("model %s, budget %s, N = %lld tokens, 1 intra-op thread, OPENBLAS_CORETYPE=%s\n",
+              absl::GetFlag(FLAGS_model).c_str(), budget_text.c_str(),
+              static_cast<long long>(shared.package.config.tokens()), coretype != nullptr ? coretype : "(unset)");
+  std::fflush(stdout);
+  // Colours only on a terminal (a custom reporter does not follow --benchmark_color).
+  CollectingReporter reporter(isatty(fileno(stdout)) != 0 ? benchmark::ConsoleReporter::OO_ColorTabular
+                                                          : benchmark::ConsoleReporter::OO_Tabular);
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+
+  const int64_t small = batch_sizes.front(), large = batch_sizes.back();
+  auto name = [](const char* kind, int64_t size) { return absl::StrCat(kind, "/", size, "/real_time"); };
+  const double forward_small = reporter.MedianUs(name("forward", small));
+  const double forward_large = reporter.MedianUs(name("forward", large));
+  const double dense_small = reporter.MedianUs(name("dense_layers", small));
+  const double dense_large = reporter.MedianUs(name("dense_layers", large));
+  if (forward_small <= 0 || forward_large <= 0 || dense_small <= 0 || dense_large <= 0) {
+    std::printf("summary: needs forward/%lld, forward/%lld, dense_layers/%lld and dense_layers/%lld (a "
+                "--benchmark_filter left one out, or one failed)\n",
+                static_cast<long long>(small), static_cast<long long>(large), static_cast<long long>(small),
+                static_cast<long long>(large));
+    return 0;
+  }
+  const double saving = forward_small - forward_large;
+  std::printf("\nper image, median of %zu repetitions: forward %.1f us at batch size %lld, %.1f us at %lld; "
+              "dense layers %.1f us and %.1f us\n",
+              reporter.Repetitions(name("forward", large)), forward_small, static_cast<long long>(small),
+              forward_large, static_cast<long long>(large), dense_small, dense_large);
+  std::printf("batching ratio of the model (batch size %lld against %lld): %.2fx; batching saves %.1f us per image\n",
+              static_cast<long long>(large), static_cast<long long>(small), forward_small / forward_large, saving);
+  std::printf("upper bound on that ratio (only the dense layers left at batch size %lld, the saving as it is): "
+              "1 + %.1f / %.1f = %.2fx\n",
+              static_cast<long long>(large), saving, dense_large, 1 + saving / dense_large);
+  std::printf("for 2x: at most %.1f us per image at batch size %lld (the saving); the dense layers take %.1f us of "
+              "it, which leaves %.1f us per image for everything else (now %.1f us)\n",
+              saving, static_cast<long long>(large), dense_large, saving - dense_large, forward_large - dense_large);
+  return 0;
+}
