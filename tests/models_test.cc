@@ -23,7 +23,6 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "models/classifier_errors.h"
-#include "models/image_decoder.h"
 #include "models/model_config.h"
 #include "models/model_package.h"
 #include "models/safetensors.h"
@@ -31,6 +30,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/test_util.h"
 #include "tools/fashion_mnist.h"
+#include "tools/fashion_mnist_inputs.h"
 
 namespace mita::models {
 namespace {
@@ -561,19 +561,9 @@ TEST(VitClassifierTest, TinyModelRunsAllBudgetsAndReportsStatistics) {
 absl::StatusOr<at::Tensor> FashionMnistBatch(const VitConfig& config, int64_t count) {
   absl::StatusOr<datasets::FashionMnist> data = datasets::ReadFashionMnist("t10k");
   if (!data.ok()) return data.status();
-  std::vector<at::Tensor> images;
-  for (int64_t i = 0; i < count; ++i) {
-    DecodedImage image;
-    image.width = data->columns;
-    image.height = data->rows;
-    image.channels = 1;
-    const auto begin = data->pixels.begin() + i * data->rows * data->columns;
-    image.pixels.assign(begin, begin + data->rows * data->columns);
-    absl::StatusOr<at::Tensor> tensor = PreprocessImage(image, config);
-    if (!tensor.ok()) return tensor.status();
-    images.push_back(*tensor);
-  }
-  return at::stack(images);
+  absl::StatusOr<std::vector<at::Tensor>> images = datasets::PreprocessedImages(*data, config, count);
+  if (!images.ok()) return images.status();
+  return at::stack(*images);
 }
 
 Json BudgetJson(const AttentionBudget& budget) {

@@ -55,9 +55,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "kernels/runtime_environment.h"
-#include "models/image_decoder.h"
 #include "models/model_package.h"
 #include "tools/fashion_mnist.h"
+#include "tools/fashion_mnist_inputs.h"
 
 ABSL_FLAG(std::string, model, "models/repository/fashion-mnist-vit", "image model package folder");
 ABSL_FLAG(std::string, budget, "9x16", "expert_count x expert_width of every item, or 'full' for full attention");
@@ -236,22 +236,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", data.status().ToString().c_str());
     return 1;
   }
-  const int64_t pixels_per_image = data->rows * data->columns;
-  const int64_t image_count = std::min<int64_t>(data->count, batch_sizes.back());
-  for (int64_t i = 0; i < image_count; ++i) {
-    mita::models::DecodedImage image;
-    image.width = data->columns;
-    image.height = data->rows;
-    image.channels = 1;
-    image.pixels.assign(data->pixels.begin() + i * pixels_per_image,
-                        data->pixels.begin() + (i + 1) * pixels_per_image);
-    auto tensor = mita::models::PreprocessImage(image, shared.package.config);
-    if (!tensor.ok()) {
-      std::fprintf(stderr, "%s\n", tensor.status().ToString().c_str());
-      return 1;
-    }
-    shared.images.push_back(*tensor);
+  auto images = mita::datasets::PreprocessedImages(*data, shared.package.config, batch_sizes.back());
+  if (!images.ok()) {
+    std::fprintf(stderr, "%s\n", images.status().ToString().c_str());
+    return 1;
   }
+  shared.images = *std::move(images);
   setup = &shared;
 
   benchmark::internal::Benchmark* forward = benchmark::RegisterBenchmark("forward", Forward);

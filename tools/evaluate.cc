@@ -27,9 +27,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "kernels/runtime_environment.h"
-#include "models/image_decoder.h"
 #include "models/model_package.h"
 #include "tools/fashion_mnist.h"
+#include "tools/fashion_mnist_inputs.h"
 
 ABSL_FLAG(std::string, model, "models/repository/fashion-mnist-vit", "model package folder");
 ABSL_FLAG(std::string, budgets, "1x50,4x8,9x16,16x32,25x50",
@@ -71,23 +71,12 @@ int main(int argc, char** argv) {
     return 1;
   }
   const int64_t count = std::min<int64_t>(absl::GetFlag(FLAGS_images), data->count);
-  const int64_t pixels_per_image = data->rows * data->columns;
-  std::vector<at::Tensor> inputs;
-  inputs.reserve(count);
-  for (int64_t i = 0; i < count; ++i) {
-    mita::models::DecodedImage image;
-    image.width = data->columns;
-    image.height = data->rows;
-    image.channels = 1;
-    image.pixels.assign(data->pixels.begin() + i * pixels_per_image,
-                        data->pixels.begin() + (i + 1) * pixels_per_image);
-    auto tensor = mita::models::PreprocessImage(image, package->config);
-    if (!tensor.ok()) {
-      std::fprintf(stderr, "%s\n", tensor.status().ToString().c_str());
-      return 1;
-    }
-    inputs.push_back(*tensor);
+  auto preprocessed = mita::datasets::PreprocessedImages(*data, package->config, count);
+  if (!preprocessed.ok()) {
+    std::fprintf(stderr, "%s\n", preprocessed.status().ToString().c_str());
+    return 1;
   }
+  const std::vector<at::Tensor> inputs = *std::move(preprocessed);
 
   std::vector<std::pair<std::string, mita::models::AttentionBudget>> budgets;
   for (absl::string_view item : absl::StrSplit(absl::GetFlag(FLAGS_budgets), ',', absl::SkipEmpty())) {
