@@ -29,7 +29,10 @@
 //               the dense layers themselves get faster at batch B (another BLAS, another machine) or the
 //               per-call costs grow.
 //   for 2x      T_B <= saving: what is left per image for everything but the dense layers (saving - D_B),
-//               against what it takes now (T_B - D_B).
+//               against what it takes now (T_B - D_B); "out of reach" when the dense layers alone take more than
+//               the saving. No bound when T_B >= T_b (batching saves nothing).
+// Exit status: 0 done (also when a --benchmark_filter leaves out what the summary needs: it says so), 1 a forward
+// failed or no benchmark matched, 2 a bad flag (including --model).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/randn.h>
@@ -60,8 +63,10 @@
 #include "tools/fashion_mnist_inputs.h"
 
 ABSL_FLAG(std::string, model, "models/repository/fashion-mnist-vit", "image model package folder");
-ABSL_FLAG(std::string, budget, "9x16", "expert_count x expert_width of every item, or 'full' for full attention");
-ABSL_FLAG(std::string, batch_sizes, "1,16", "comma-separated batch sizes (images per forward), each >= 1");
+ABSL_FLAG(std::string, budget, "9x16",
+          "expert_count x expert_width of every item (explicit values, as in a preset), or 'full' for full attention");
+ABSL_FLAG(std::string, batch_sizes, "1,16",
+          "comma-separated batch sizes (images per forward), each in [1, 4096] and given once");
 
 namespace {
 
@@ -129,6 +134,7 @@ class CollectingReporter : public benchmark::ConsoleReporter {
   explicit CollectingReporter(OutputOptions options) : ConsoleReporter(options) {}
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const Run& run : runs) {
+      any_failed_ |= run.error_occurred;
       if (run.run_type != Run::RT_Iteration || run.error_occurred) continue;
       const auto counter = run.counters.find("per_image_us");
       if (counter != run.counters.end()) per_image_us_[run.benchmark_name()].push_back(counter->second.value * 1e6);
@@ -144,6 +150,8 @@ class CollectingReporter : public benchmark::ConsoleReporter {
     const size_t middle = values.size() / 2;
     return values.size() % 2 == 1 ? values[middle] : (values[middle - 1] + values[middle]) / 2;
   }
+  // Whether a run reported an error (state.SkipWithError: the forward failed).
+  bool AnyFailed() const { return any_failed_; }
   size_t Repetitions(const std::string& name) const {
     const auto found = per_image_us_.find(name);
     return found == per_image_us_.end() ? 0 : found->second.size();
@@ -151,6 +159,7 @@ class CollectingReporter : public benchmark::ConsoleReporter {
 
  private:
   std::map<std::string, std::vector<double>> per_image_us_;
+  bool any_failed_ = false;
 };
 
 // Whether argv asks for help: then Abseil prints the flags (Google Benchmark would print only its own).
@@ -174,8 +183,13 @@ int main(int argc, char** argv) {
   usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
   absl::SetFlagsUsageConfig(usage_config);
   absl::SetProgramUsageMessage(
-      "How much batching gains inside the image model, and the most it could gain on this machine (tools/"
-      "batching_bench.cc says how). Google Benchmark's --benchmark_* flags are accepted too. Flags below.");
+      "How much batching gains inside the image model, and the most it could gain on this machine "
+      "(tools/batching_bench.cc says how; run it on an otherwise idle machine). Run from the repository root, or "
+      "pass --model. Google Benchmark's flags work too; this tool's defaults for them: "
+      "--benchmark_repetitions=5 --benchmark_min_time=0.5 (seconds per repetition) "
+      "--benchmark_enable_random_interleaving=true; also --benchmark_filter=REGEX and "
+      "--benchmark_out=FILE --benchmark_out_format=json|csv|console (the screen shows the console format only). "
+      "Exit status: 0 done, 1 a run failed or nothing ran, 2 a bad flag. Flags below.");
   // Google Benchmark's defaults for this tool, before its own parsing (flags given on the command line win).
   std::vector<char*> arguments(argv, argv + argc);
   std::string repetitions = "--benchmark_repetitions=5", interleave = "--benchmark_enable_random_interleaving=true";
@@ -184,13 +198,37 @@ int main(int argc, char** argv) {
   if (!help) arguments.insert(arguments.begin() + 1, {repetitions.data(), interleave.data(), min_time.data()});
   int count = static_cast<int>(arguments.size());
   if (!help) benchmark::Initialize(&count, arguments.data());
-  absl::ParseCommandLine(count, arguments.data());
+  // Google Benchmark leaves a --benchmark_* flag it could not read (a bad value) in place.
+  for (int i = 1; i < count; ++i) {
+    if (absl::StartsWith(arguments[i], "--benchmark_")) {
+      std::fprintf(stderr, "%s: not a valid value for this Google Benchmark flag (see --help)\n", arguments[i]);
+      return 2;
+    }
+  }
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view arg = argv[i];
+    if (absl::StartsWith(arg, "--benchmark_format=") && arg != "--benchmark_format=console") {
+      std::fprintf(stderr, "%s: the screen shows the console format only; use --benchmark_out=FILE "
+                           "--benchmark_out_format=json (or csv) for another format\n", argv[i]);
+      return 2;
+    }
+  }
+  const std::vector<char*> positional = absl::ParseCommandLine(count, arguments.data());
+  if (positional.size() > 1) {
+    std::fprintf(stderr, "'%s': unexpected argument (every input is a --flag; see --help)\n", positional[1]);
+    return 2;
+  }
 
   std::vector<int64_t> batch_sizes;
   for (absl::string_view item : absl::StrSplit(absl::GetFlag(FLAGS_batch_sizes), ',', absl::SkipEmpty())) {
     int64_t size = 0;
     if (!absl::SimpleAtoi(item, &size) || size < 1 || size > 4096) {
       std::fprintf(stderr, "--batch_sizes: '%s' is not a batch size in [1, 4096]\n", std::string(item).c_str());
+      return 2;
+    }
+    if (std::find(batch_sizes.begin(), batch_sizes.end(), size) != batch_sizes.end()) {
+      std::fprintf(stderr, "--batch_sizes: %lld is given twice; give each batch size once\n",
+                   static_cast<long long>(size));
       return 2;
     }
     batch_sizes.push_back(size);
@@ -218,7 +256,7 @@ int main(int argc, char** argv) {
   auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));
   if (!package.ok()) {
     std::fprintf(stderr, "--model: %s\n", package.status().ToString().c_str());
-    return 1;
+    return 2;
   }
   if (package->model == nullptr) {
     std::fprintf(stderr, "--model: '%s' is not an image model\n", absl::GetFlag(FLAGS_model).c_str());
@@ -258,7 +296,17 @@ int main(int argc, char** argv) {
   // Colours only on a terminal (a custom reporter does not follow --benchmark_color).
   CollectingReporter reporter(isatty(fileno(stdout)) != 0 ? benchmark::ConsoleReporter::OO_ColorTabular
                                                           : benchmark::ConsoleReporter::OO_Tabular);
-  benchmark::RunSpecifiedBenchmarks(&reporter);
+  const size_t benchmarks_run = benchmark::RunSpecifiedBenchmarks(&reporter);
+  bool listing_only = false;  // --benchmark_list_tests: names printed, nothing run
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view arg = argv[i];
+    listing_only |= arg == "--benchmark_list_tests" || arg == "--benchmark_list_tests=true";
+  }
+  if (listing_only) return 0;
+  if (benchmarks_run == 0) {
+    std::fprintf(stderr, "no benchmark ran (--benchmark_filter matched none)\n");
+    return 1;
+  }
 
   const int64_t small = batch_sizes.front(), large = batch_sizes.back();
   auto name = [](const char* kind, int64_t size) { return absl::StrCat(kind, "/", size, "/real_time"); };
@@ -267,11 +315,11 @@ int main(int argc, char** argv) {
   const double dense_small = reporter.MedianUs(name("dense_layers", small));
   const double dense_large = reporter.MedianUs(name("dense_layers", large));
   if (forward_small <= 0 || forward_large <= 0 || dense_small <= 0 || dense_large <= 0) {
-    std::printf("summary: needs forward/%lld, forward/%lld, dense_layers/%lld and dense_layers/%lld (a "
-                "--benchmark_filter left one out, or one failed)\n",
+    std::printf("no summary: it needs forward/%lld, forward/%lld, dense_layers/%lld and dense_layers/%lld, and "
+                "--benchmark_filter left one out or one failed\n",
                 static_cast<long long>(small), static_cast<long long>(large), static_cast<long long>(small),
                 static_cast<long long>(large));
-    return 0;
+    return reporter.AnyFailed() ? 1 : 0;
   }
   const double saving = forward_small - forward_large;
   std::printf("\nper image, median of %zu repetitions: forward %.1f us at batch size %lld, %.1f us at %lld; "
@@ -280,11 +328,24 @@ int main(int argc, char** argv) {
               forward_large, static_cast<long long>(large), dense_small, dense_large);
   std::printf("batching ratio of the model (batch size %lld against %lld): %.2fx; batching saves %.1f us per image\n",
               static_cast<long long>(large), static_cast<long long>(small), forward_small / forward_large, saving);
+  if (saving <= 0) {
+    std::printf("no bound: batch size %lld is not faster per image than %lld here, so batching saves nothing to "
+                "build on\n",
+                static_cast<long long>(large), static_cast<long long>(small));
+    return 0;
+  }
   std::printf("upper bound on that ratio (only the dense layers left at batch size %lld, the saving as it is): "
               "1 + %.1f / %.1f = %.2fx\n",
               static_cast<long long>(large), saving, dense_large, 1 + saving / dense_large);
-  std::printf("for 2x: at most %.1f us per image at batch size %lld (the saving); the dense layers take %.1f us of "
-              "it, which leaves %.1f us per image for everything else (now %.1f us)\n",
-              saving, static_cast<long long>(large), dense_large, saving - dense_large, forward_large - dense_large);
+  if (saving <= dense_large) {
+    std::printf("for 2x: out of reach here; it needs at most %.1f us per image at batch size %lld (the saving), "
+                "and the dense layers alone take %.1f us\n",
+                saving, static_cast<long long>(large), dense_large);
+  } else {
+    std::printf("for 2x: at most %.1f us per image at batch size %lld (the saving); the dense layers take %.1f us "
+                "of it, which leaves %.1f us per image for everything else (now %.1f us)\n",
+                saving, static_cast<long long>(large), dense_large, saving - dense_large,
+                forward_large - dense_large);
+  }
   return 0;
 }
