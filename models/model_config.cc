@@ -9,7 +9,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "nlohmann/json.hpp"
 
@@ -452,6 +454,26 @@ std::vector<int64_t> AllowedExpertCounts(const VitConfig& config) {
   std::vector<int64_t> counts;
   for (int64_t side = 1; side <= config.grid_side(); ++side) counts.push_back(side * side);
   return counts;
+}
+
+absl::StatusOr<AttentionBudget> ParseBudget(absl::string_view text) {
+  AttentionBudget budget;
+  if (text == "full") {
+    budget.full_attention = true;
+    return budget;
+  }
+  const std::vector<std::string> parts = absl::StrSplit(text, 'x');
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &budget.expert_count) ||
+      !absl::SimpleAtoi(parts[1], &budget.expert_width)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("budget '", text, "' is not expert_count x expert_width (e.g. 9x16) or 'full'"));
+  }
+  return budget;
+}
+
+std::string BudgetName(const AttentionBudget& budget) {
+  if (budget.full_attention) return "full attention";
+  return absl::StrCat("MiTA m=", budget.expert_count, " k=", budget.expert_width);
 }
 
 absl::Status ValidateBudget(const VitConfig& config, const AttentionBudget& budget) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace mita::models {
 
@@ -68,6 +69,14 @@ struct VitConfig {
 // width in [1, tokens]), e.g. "config.json: attention.presets.fast.expert_count 10 is not allowed: use one of
 // 1, 4, 9, 16, 25, 36, 49".
 absl::StatusOr<VitConfig> ParseVitConfig(std::string_view json_text);
+
+// Parses the budget text the tools take on the command line: "MxK" (expert_count x expert_width, e.g. "9x16")
+// or "full" (full attention). Only the form is checked; ValidateBudget / ValidateDocumentBudget check the values
+// against a model. Errors: INVALID_ARGUMENT quoting the text and the expected form.
+absl::StatusOr<AttentionBudget> ParseBudget(absl::string_view text);
+
+// A budget's name in tables and logs: "MiTA m=9 k=16" or "full attention".
+std::string BudgetName(const AttentionBudget& budget);
 
 // Checks a budget against the model's ranges (a full-attention budget is always valid). Errors:
 // INVALID_ARGUMENT naming the proto field and the allowed values, e.g. "budget.experts.expert_count 10 is not

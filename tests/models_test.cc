@@ -211,6 +211,28 @@ TEST(ModelConfigTest, InvalidJsonIsInvalidArgument) {
                "config.json: invalid JSON");
 }
 
+// The tools' budget text: "MxK" or "full"; only the form is checked (values are ValidateBudget's).
+TEST(ModelConfigTest, ParseBudgetReadsMxKAndFullAndNamesThem) {
+  absl::StatusOr<AttentionBudget> budget = ParseBudget("9x16");
+  ASSERT_TRUE(budget.ok()) << budget.status();
+  EXPECT_FALSE(budget->full_attention);
+  EXPECT_EQ(budget->expert_count, 9);
+  EXPECT_EQ(budget->expert_width, 16);
+  EXPECT_EQ(BudgetName(*budget), "MiTA m=9 k=16");
+  budget = ParseBudget("10x0");  // the form is right; ValidateBudget rejects the values
+  ASSERT_TRUE(budget.ok()) << budget.status();
+  EXPECT_EQ(budget->expert_count, 10);
+  EXPECT_EQ(budget->expert_width, 0);
+  budget = ParseBudget("full");
+  ASSERT_TRUE(budget.ok()) << budget.status();
+  EXPECT_TRUE(budget->full_attention);
+  EXPECT_EQ(BudgetName(*budget), "full attention");
+  for (const char* bad : {"", "9", "9x", "x16", "9x16x2", "9*16", "ninexsixteen", "Full"}) {
+    ExpectStatus(ParseBudget(bad).status(), absl::StatusCode::kInvalidArgument,
+                 absl::StrCat("budget '", bad, "' is not expert_count x expert_width (e.g. 9x16) or 'full'"));
+  }
+}
+
 TEST(ModelConfigTest, ValidateBudgetAcceptsTheAllowedRanges) {
   absl::StatusOr<VitConfig> config = ParseVitConfig(ValidConfigJson().dump());
   ASSERT_TRUE(config.ok());

@@ -241,17 +241,12 @@ int main(int argc, char** argv) {
 
   Setup shared;
   const std::string budget_text = absl::GetFlag(FLAGS_budget);
-  if (budget_text == "full") {
-    shared.budget.full_attention = true;
-  } else {
-    std::vector<std::string> parts = absl::StrSplit(budget_text, 'x');
-    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &shared.budget.expert_count) ||
-        !absl::SimpleAtoi(parts[1], &shared.budget.expert_width)) {
-      std::fprintf(stderr, "--budget: '%s' is not expert_count x expert_width (e.g. 9x16) or 'full'\n",
-                   budget_text.c_str());
-      return 2;
-    }
+  absl::StatusOr<mita::models::AttentionBudget> budget = mita::models::ParseBudget(budget_text);
+  if (!budget.ok()) {
+    std::fprintf(stderr, "--budget: %s\n", budget.status().ToString().c_str());
+    return 2;
   }
+  shared.budget = *budget;
   mita::kernels::SetIntraOpThreads(1);
   auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));
   if (!package.ok()) {

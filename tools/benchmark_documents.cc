@@ -66,20 +66,6 @@ int64_t MaxRssKilobytes() {
   return usage.ru_maxrss;
 }
 
-absl::StatusOr<mita::models::AttentionBudget> ParseBudget(absl::string_view text) {
-  mita::models::AttentionBudget budget;
-  if (text == "full") {
-    budget.full_attention = true;
-    return budget;
-  }
-  std::vector<std::string> parts = absl::StrSplit(text, 'x');
-  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &budget.expert_count) ||
-      !absl::SimpleAtoi(parts[1], &budget.expert_width)) {
-    return absl::InvalidArgumentError(absl::StrCat("budget '", text, "' is not expert_count x expert_width"));
-  }
-  return budget;
-}
-
 // One case in this (child) process: prints "RESULT median_ms=... baseline_kb=... peak_kb=...".
 int RunChild() {
   if (absl::GetFlag(FLAGS_keep_freed_memory)) mita::kernels::KeepFreedMemoryForReuse();
@@ -93,7 +79,7 @@ int RunChild() {
   std::vector<int64_t> ids;
   int64_t id = 0;
   while (file.read(reinterpret_cast<char*>(&id), sizeof(id))) ids.push_back(id);
-  auto budget = ParseBudget(absl::GetFlag(FLAGS_budget));
+  auto budget = mita::models::ParseBudget(absl::GetFlag(FLAGS_budget));
   if (!budget.ok()) {
     std::fprintf(stderr, "child: %s\n", budget.status().ToString().c_str());
     return 1;
@@ -166,7 +152,7 @@ int main(int argc, char** argv) {
   }
   std::vector<std::string> budgets;
   for (absl::string_view entry : absl::StrSplit(absl::GetFlag(FLAGS_budgets), ',', absl::SkipEmpty())) {
-    auto budget = ParseBudget(entry);
+    auto budget = mita::models::ParseBudget(entry);
     if (!budget.ok() || !mita::models::ValidateDocumentBudget(package->document_config, *budget).ok()) {
       std::fprintf(stderr, "--budgets: '%s' is not a valid budget of this model\n", std::string(entry).c_str());
       return 1;
@@ -251,8 +237,7 @@ int main(int argc, char** argv) {
     const CaseResult& full = results[{length, "full"}];
     for (const std::string& budget : budgets) {
       const CaseResult& result = results[{length, budget}];
-      std::vector<std::string> parts = absl::StrSplit(budget, 'x');
-      const std::string name = budget == "full" ? "full attention" : absl::StrCat("MiTA m=", parts[0], " k=", parts[1]);
+      const std::string name = mita::models::BudgetName(*mita::models::ParseBudget(budget));  // parsed above
       std::printf("| %lld | %s | %.1f | %d | %.1fx | %.1f | %.1f |\n", static_cast<long long>(length), name.c_str(),
                   result.median_ms, result.runs, full.median_ms / result.median_ms, result.peak_kb / 1024.0,
                   (result.peak_kb - result.baseline_kb) / 1024.0);

@@ -23,8 +23,6 @@
 #include "absl/strings/match.h"
 #include "absl/flags/usage_config.h"
 #include "absl/flags/usage.h"
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "kernels/runtime_environment.h"
 #include "models/model_package.h"
@@ -80,24 +78,22 @@ int main(int argc, char** argv) {
 
   std::vector<std::pair<std::string, mita::models::AttentionBudget>> budgets;
   for (absl::string_view item : absl::StrSplit(absl::GetFlag(FLAGS_budgets), ',', absl::SkipEmpty())) {
-    std::vector<std::string> parts = absl::StrSplit(item, 'x');
-    mita::models::AttentionBudget budget;
-    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &budget.expert_count) ||
-        !absl::SimpleAtoi(parts[1], &budget.expert_width)) {
-      std::fprintf(stderr, "--budgets: '%s' is not expert_count x expert_width (e.g. 9x16)\n",
-                   std::string(item).c_str());
+    absl::StatusOr<mita::models::AttentionBudget> budget = mita::models::ParseBudget(item);
+    if (!budget.ok() || budget->full_attention) {
+      std::fprintf(stderr, "--budgets: '%s' is not expert_count x expert_width (e.g. 9x16; full attention is "
+                           "--full_attention)\n", std::string(item).c_str());
       return 2;
     }
-    if (absl::Status valid = mita::models::ValidateBudget(package->config, budget); !valid.ok()) {
+    if (absl::Status valid = mita::models::ValidateBudget(package->config, *budget); !valid.ok()) {
       std::fprintf(stderr, "--budgets: %s\n", valid.ToString().c_str());
       return 2;
     }
-    budgets.emplace_back(absl::StrFormat("MiTA m=%d k=%d", budget.expert_count, budget.expert_width), budget);
+    budgets.emplace_back(mita::models::BudgetName(*budget), *budget);
   }
   if (absl::GetFlag(FLAGS_full_attention)) {
     mita::models::AttentionBudget full;
     full.full_attention = true;
-    budgets.emplace_back("full attention", full);
+    budgets.emplace_back(mita::models::BudgetName(full), full);
   }
 
   std::printf("model %s, %lld test images, tokens N=%lld, %d threads\n", absl::GetFlag(FLAGS_model).c_str(),

@@ -23,7 +23,6 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "kernels/runtime_environment.h"
 #include "models/model_package.h"
@@ -85,22 +84,21 @@ int main(int argc, char** argv) {
   std::vector<mita::models::AttentionBudget> budgets;
   std::vector<std::string> names;
   for (absl::string_view entry : absl::StrSplit(absl::GetFlag(FLAGS_budgets), ',', absl::SkipEmpty())) {
-    std::vector<std::string> parts = absl::StrSplit(entry, 'x');
-    mita::models::AttentionBudget budget;
-    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &budget.expert_count) ||
-        !absl::SimpleAtoi(parts[1], &budget.expert_width)) {
-      std::fprintf(stderr, "--budgets: '%s' is not expert_count x expert_width\n", std::string(entry).c_str());
+    absl::StatusOr<mita::models::AttentionBudget> budget = mita::models::ParseBudget(entry);
+    if (!budget.ok() || budget->full_attention) {
+      std::fprintf(stderr, "--budgets: '%s' is not expert_count x expert_width (full attention is always added)\n",
+                   std::string(entry).c_str());
       return 1;
     }
-    if (auto status = mita::models::ValidateDocumentBudget(config, budget); !status.ok()) {
+    if (auto status = mita::models::ValidateDocumentBudget(config, *budget); !status.ok()) {
       std::fprintf(stderr, "--budgets: %s\n", status.ToString().c_str());
       return 1;
     }
-    budgets.push_back(budget);
-    names.push_back("MiTA m=" + parts[0] + " k=" + parts[1]);
+    budgets.push_back(*budget);
+    names.push_back(mita::models::BudgetName(*budget));
   }
   budgets.push_back({true, 0, 0});
-  names.push_back("full attention");
+  names.push_back(mita::models::BudgetName(budgets.back()));
 
   // Tokenize (validate UTF-8 first, as the server does) and cut to max_tokens.
   std::vector<Tokenized> inputs;
