@@ -78,6 +78,14 @@ struct Setup {
 };
 Setup* setup = nullptr;
 
+// Adds the counter "per_image_us": real time per iteration / images per iteration (Google Benchmark shows it in
+// seconds with a unit prefix; CollectingReporter reads it back).
+void ReportTimePerImage(benchmark::State& state, int64_t images_per_iteration) {
+  state.counters["per_image_us"] =
+      benchmark::Counter(static_cast<double>(images_per_iteration),
+                         benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+
 void Forward(benchmark::State& state) {
   const int64_t batch = state.range(0);
   c10::InferenceMode inference_mode;
@@ -93,9 +101,7 @@ void Forward(benchmark::State& state) {
     }
     benchmark::DoNotOptimize(output->logits.data_ptr<float>());
   }
-  state.counters["per_image_us"] =
-      benchmark::Counter(static_cast<double>(batch), benchmark::Counter::kIsIterationInvariantRate |
-                                                         benchmark::Counter::kInvert);
+  ReportTimePerImage(state, batch);
 }
 
 void DenseLayers(benchmark::State& state) {
@@ -103,28 +109,29 @@ void DenseLayers(benchmark::State& state) {
   const mita::models::VitConfig& config = setup->package.config;
   const int64_t tokens = config.tokens(), channels = config.embed_dim, hidden = config.mlp_hidden_dim;
   c10::InferenceMode inference_mode;
+  const at::Tensor x = at::randn({batch, tokens, channels});  // a block's input, [B, N, C]
+  const at::Tensor h = at::randn({batch, tokens, hidden});    // the MLP's hidden activations, [B, N, hidden]
   struct Layer {
+    const at::Tensor* input;
     at::Tensor weight, bias;
   };
-  auto layer = [](int64_t out, int64_t in) { return Layer{at::randn({out, in}), at::randn({out})}; };
-  std::vector<Layer> layers;  // per block: qkv, proj, fc1, fc2
+  auto layer = [](const at::Tensor& input, int64_t out) {
+    return Layer{&input, at::randn({out, input.size(-1)}), at::randn({out})};
+  };
+  std::vector<Layer> layers;
   for (int64_t block = 0; block < config.depth; ++block) {
-    layers.push_back(layer(3 * channels, channels));
-    layers.push_back(layer(channels, channels));
-    layers.push_back(layer(hidden, channels));
-    layers.push_back(layer(channels, hidden));
+    layers.push_back(layer(x, 3 * channels));  // qkv
+    layers.push_back(layer(x, channels));      // proj
+    layers.push_back(layer(x, hidden));        // fc1
+    layers.push_back(layer(h, channels));      // fc2
   }
-  const at::Tensor x = at::randn({batch, tokens, channels});
-  const at::Tensor h = at::randn({batch, tokens, hidden});
   for (auto _ : state) {
-    for (size_t i = 0; i < layers.size(); ++i) {
-      const at::Tensor out = at::linear(i % 4 == 3 ? h : x, layers[i].weight, layers[i].bias);
+    for (const Layer& dense : layers) {
+      const at::Tensor out = at::linear(*dense.input, dense.weight, dense.bias);
       benchmark::DoNotOptimize(out.data_ptr<float>());
     }
   }
-  state.counters["per_image_us"] =
-      benchmark::Counter(static_cast<double>(batch), benchmark::Counter::kIsIterationInvariantRate |
-                                                         benchmark::Counter::kInvert);
+  ReportTimePerImage(state, batch);
 }
 
 // Collects per_image_us of every (non-aggregate) run by benchmark name ("forward/16/real_time"), beside the
