@@ -2,6 +2,7 @@
 // tools/mita_reference.py; both follow shared/DESIGN.md section 2 and must agree to float32 rounding.
 #include "models/document_classifier.h"
 
+#include <algorithm>
 #include <exception>
 #include <utility>
 
@@ -21,24 +22,48 @@
 #include "kernels/aten_errors.h"
 #include "models/classifier_errors.h"
 #include "models/classifier_weights.h"
+#include "models/request_error.h"
 
 namespace mita::models {
 
 struct DocumentClassifier::Block : internal::TransformerBlockWeights {};
 
-DocumentClassifier::DocumentClassifier(DocumentConfig config) : config_(std::move(config)) {}
+DocumentClassifier::DocumentClassifier(std::string name, DocumentConfig config, std::vector<std::string> labels,
+                                       std::unique_ptr<Tokenizer> tokenizer)
+    : config_(std::move(config)), tokenizer_(std::move(tokenizer)) {
+  description_.name = std::move(name);
+  description_.architecture = config_.architecture;
+  description_.input_kind = InputKind::kDocument;
+  description_.document = DocumentInputDescription{
+      config_.max_tokens, config_.vocab_size, tokenizer_ != nullptr ? tokenizer_->name() : config_.tokenizer};
+  description_.labels = std::move(labels);
+  description_.knobs = DocumentKnobs(config_);
+  description_.layers = config_.depth;
+  description_.heads = config_.num_heads;
+  description_.embed_dim = config_.embed_dim;
+  description_.tokens_per_input = 0;
+}
 DocumentClassifier::~DocumentClassifier() = default;
 
 absl::StatusOr<std::unique_ptr<DocumentClassifier>> DocumentClassifier::Create(
-    const DocumentConfig& config, std::map<std::string, at::Tensor> weights) {
+    std::string name, const DocumentConfig& config, std::vector<std::string> labels,
+    std::map<std::string, at::Tensor> weights, std::unique_ptr<Tokenizer> tokenizer) {
   if (config.embed_dim <= 0 || config.num_heads <= 0 || config.embed_dim % config.num_heads != 0 ||
       config.depth <= 0 || config.vocab_size <= 0 || config.num_classes <= 0 || config.max_tokens <= 0 ||
       config.position_kernel_size <= 0 || config.position_kernel_size % 2 == 0 || config.mlp_hidden_dim <= 0) {
     return absl::InvalidArgumentError("config: inconsistent model dimensions (use ParseDocumentConfig)");
   }
+  if (static_cast<int64_t>(labels.size()) != config.num_classes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("labels: ", labels.size(), " labels for ", config.num_classes, " classes"));
+  }
+  if (tokenizer != nullptr) {
+    if (absl::Status fits = CheckTokenizerFits(*tokenizer, config); !fits.ok()) return fits;
+  }
   const int64_t channels = config.embed_dim;
   const int64_t hidden = config.mlp_hidden_dim;
-  std::unique_ptr<DocumentClassifier> model(new DocumentClassifier(config));
+  std::unique_ptr<DocumentClassifier> model(
+      new DocumentClassifier(std::move(name), config, std::move(labels), std::move(tokenizer)));
   internal::WeightTaker taker(weights);
   taker.Take("token_embedding.weight", {config.vocab_size, channels}, model->token_embedding_);
   taker.Take("position_conv.weight", {channels, 1, config.position_kernel_size}, model->position_weight_);
@@ -83,13 +108,13 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
     }
     total += lengths[b];
     const AttentionBudget& budget = budgets[b];
-    if (absl::Status status = ValidateDocumentBudget(config_, budget); !status.ok()) {
+    if (absl::Status status = CheckBudget(description_.knobs, budget); !status.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("budgets[", b, "]: ", status.message()));
     }
     if (!budget.full_attention && (budget.expert_count > lengths[b] || budget.expert_width > lengths[b])) {
       return absl::InvalidArgumentError(absl::StrCat(
           "budgets[", b, "]: expert_count ", budget.expert_count, " and expert_width ", budget.expert_width,
-          " must not exceed the document's ", lengths[b], " tokens (apply ApplyDocumentBudget first)"));
+          " must not exceed the document's ", lengths[b], " tokens (apply ApplyBudget first)"));
     }
   }
   if (total != token_ids.size(0)) {
@@ -181,6 +206,94 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
     return kernels::CurrentExceptionStatus(absl::StrCat("document forward (", total, " tokens)"));
   }
   return output;
+}
+
+absl::StatusOr<Classifier::PreparedInput> DocumentClassifier::PrepareInput(const ClassifierInput& input,
+                                                                           const InputLimits& limits) const {
+  constexpr char kEmpty[] = "the document is empty; a document needs at least 1 token";
+  std::vector<int64_t> ids;
+  RequestField field = RequestField::kDocumentText;
+  if (input.kind == ClassifierInput::Kind::kText) {
+    const std::string_view text = input.bytes;
+    if (text.empty()) return InvalidRequest(field, kEmpty);
+    if (absl::Status status = ValidateUtf8(text); !status.ok()) {
+      return InvalidRequest(field, std::string(status.message()));
+    }
+    if (tokenizer_ == nullptr) return InvalidRequest(field, "this model has no tokenizer: send token ids");
+    absl::StatusOr<std::vector<int64_t>> encoded = tokenizer_->Encode(text);
+    if (!encoded.ok()) {
+      if (absl::IsResourceExhausted(encoded.status())) return encoded.status();
+      return InvalidRequest(field, std::string(encoded.status().message()));
+    }
+    ids = *std::move(encoded);
+    if (ids.empty()) {
+      return InvalidRequest(field, absl::StrCat("the ", text.size(), "-byte text has no tokens (tokenizer ",
+                                                tokenizer_->name(), "); a document needs at least 1 token"));
+    }
+  } else {
+    field = RequestField::kDocumentTokenIds;
+    const absl::Span<const int64_t> sent = input.token_ids;
+    if (sent.empty()) return InvalidRequest(field, kEmpty);
+    for (size_t i = 0; i < sent.size(); ++i) {
+      if (sent[i] < 0 || sent[i] >= config_.vocab_size) {
+        return InvalidRequest(
+            field, absl::StrCat(sent[i], " is out of range: allowed [0, ", config_.vocab_size - 1, "]"),
+            static_cast<int64_t>(i));
+      }
+    }
+    ids.assign(sent.begin(), sent.end());
+  }
+  const int64_t input_tokens = static_cast<int64_t>(ids.size());
+  const int64_t max_tokens = std::min(config_.max_tokens, limits.max_tokens);
+  if (input_tokens > max_tokens) {
+    if (!input.truncate) {
+      const std::string source =
+          config_.max_tokens <= limits.max_tokens ? std::string("the model's max_tokens") : limits.max_tokens_source;
+      return InvalidRequest({{field, -1,
+                              absl::StrCat("the document has ", input_tokens, " tokens, over the limit of ",
+                                           max_tokens, " tokens (", source, ")")},
+                             {RequestField::kTruncate, -1,
+                              absl::StrCat("set it to classify the first ", max_tokens, " tokens")}});
+    }
+    ids.resize(static_cast<size_t>(max_tokens));
+  }
+  try {
+    const int64_t tokens = static_cast<int64_t>(ids.size());
+    at::Tensor tensor = at::empty({tokens}, at::TensorOptions().dtype(at::kLong));
+    std::copy(ids.begin(), ids.end(), tensor.data_ptr<int64_t>());
+    return PreparedInput{std::move(tensor), tokens, input_tokens};
+  } catch (const std::exception&) {
+    return kernels::CurrentExceptionStatus("document token ids");
+  }
+}
+
+absl::StatusOr<ClassifierOutput> DocumentClassifier::Run(absl::Span<const BatchItem* const> items,
+                                                         bool want_statistics) const {
+  if (items.empty()) return absl::InvalidArgumentError("items: the batch is empty");
+  // A packed batch without padding: the documents' token ids back to back, [T]; the dense layers run on all T
+  // tokens at once, attention per document with its own N, m and k.
+  int64_t total = 0;
+  for (const BatchItem* item : items) total += item->tokens;
+  std::vector<int64_t> lengths;
+  std::vector<AttentionBudget> budgets;
+  at::Tensor token_ids;
+  try {
+    token_ids = at::empty({total}, at::TensorOptions().dtype(at::kLong));
+    int64_t* packed = token_ids.data_ptr<int64_t>();
+    for (const BatchItem* item : items) {
+      const at::Tensor ids = item->input.contiguous();
+      if (ids.dim() != 1 || ids.scalar_type() != at::kLong || ids.size(0) != item->tokens) {
+        return absl::InvalidArgumentError("items: not prepared by this document classifier");
+      }
+      std::copy(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + item->tokens, packed);
+      packed += item->tokens;
+      lengths.push_back(item->tokens);
+      budgets.push_back(item->budget.budget);
+    }
+  } catch (const std::exception&) {
+    return kernels::CurrentExceptionStatus("packing the batch's documents");
+  }
+  return Forward(token_ids, lengths, budgets, want_statistics);
 }
 
 }  // namespace mita::models

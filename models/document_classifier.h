@@ -13,7 +13,8 @@
 #include "absl/types/span.h"
 #include "kernels/mita_attention.h"
 #include "models/model_config.h"
-#include "models/vit_classifier.h"  // ClassifierOutput
+#include "models/classifier.h"
+#include "models/tokenizer.h"
 
 namespace mita::models {
 
@@ -33,16 +34,22 @@ namespace mita::models {
 // blocks.{i}.norm1.{weight,bias}, blocks.{i}.attn.qkv.{weight,bias}, blocks.{i}.attn.proj.{weight,bias},
 // blocks.{i}.norm2.{weight,bias}, blocks.{i}.mlp.fc1.{weight,bias}, blocks.{i}.mlp.fc2.{weight,bias},
 // norm.{weight,bias}, head.{weight,bias}. The PyTorch twin is MitaDocument in tools/mita_reference.py.
-class DocumentClassifier {
+// As a Classifier it takes UTF-8 text (tokenized by its tokenizer) or token ids (Prepare).
+class DocumentClassifier final : public Classifier {
  public:
-  // Errors: INVALID_ARGUMENT naming a missing tensor, one of the wrong shape (expected and found in the
-  // message), dtype or device, or an unexpected extra tensor; INVALID_ARGUMENT for an inconsistent config.
-  static absl::StatusOr<std::unique_ptr<DocumentClassifier>> Create(const DocumentConfig& config,
-                                                                    std::map<std::string, at::Tensor> weights);
+  // `name`: the model's name in its description; `labels`: num_classes entries; `tokenizer`: turns text into
+  // ids (null: the model takes token ids only). Errors: INVALID_ARGUMENT naming a missing tensor, one of the
+  // wrong shape (expected and found in the message), dtype or device, or an unexpected extra tensor;
+  // INVALID_ARGUMENT for an inconsistent config, a label count other than num_classes, or a tokenizer whose
+  // vocabulary is larger than vocab_size.
+  static absl::StatusOr<std::unique_ptr<DocumentClassifier>> Create(std::string name, const DocumentConfig& config,
+                                                                    std::vector<std::string> labels,
+                                                                    std::map<std::string, at::Tensor> weights,
+                                                                    std::unique_ptr<Tokenizer> tokenizer);
 
   // Packed (ragged) batch without padding. token_ids: [T] int64 on the CPU holding B documents back to back;
   // lengths: B entries, each in [1, max_tokens], summing to T; budgets: B entries, each valid
-  // (ValidateDocumentBudget) and already applied to its length (ApplyDocumentBudget: expert_count and
+  // (CheckBudget against DocumentKnobs) and already applied to its length (ApplyBudget: expert_count and
   // expert_width <= the document's length). Dense layers (embedding, LayerNorms, qkv, proj, MLP) run on all T
   // tokens at once; the position convolution, attention and pooling run per document with its own N, m and k,
   // so a document's logits do not depend on the other documents of the batch (up to float rounding).
@@ -57,14 +64,32 @@ class DocumentClassifier {
                                            kernels::MitaBackend backend = kernels::MitaBackend::kAuto) const;
 
   const DocumentConfig& config() const { return config_; }
+  const ClassifierDescription& description() const override { return description_; }
+  // The tokenizer of text inputs; null when the model takes token ids only.
+  const Tokenizer* tokenizer() const { return tokenizer_.get(); }
 
-  ~DocumentClassifier();
+  // Packs the items' token ids back to back [T] and runs Forward with their lengths and budgets.
+  absl::StatusOr<ClassifierOutput> Run(absl::Span<const BatchItem* const> items,
+                                       bool want_statistics) const override;
+
+  ~DocumentClassifier() override;
+
+ protected:
+  // Text: checked as UTF-8 and tokenized; token ids: range-checked against vocab_size. A document longer than
+  // min(max_tokens, limits.max_tokens) is cut to that many tokens when input.truncate is set, refused otherwise.
+  // Errors: INVALID_ARGUMENT carrying kDocumentText / kDocumentTokenIds problems (empty, invalid UTF-8 with
+  // its byte offset, an id out of range with its index, too long: the limit, who sets it, and a kTruncate
+  // hint); RESOURCE_EXHAUSTED when the ids cannot be allocated.
+  absl::StatusOr<PreparedInput> PrepareInput(const ClassifierInput& input, const InputLimits& limits) const override;
 
  private:
   struct Block;
-  explicit DocumentClassifier(DocumentConfig config);
+  DocumentClassifier(std::string name, DocumentConfig config, std::vector<std::string> labels,
+                     std::unique_ptr<Tokenizer> tokenizer);
 
   DocumentConfig config_;
+  ClassifierDescription description_;
+  std::unique_ptr<Tokenizer> tokenizer_;
   std::vector<Block> blocks_;  // defined in the .cc
   at::Tensor token_embedding_, position_weight_, position_bias_, norm_weight_, norm_bias_, head_weight_, head_bias_;
 };

@@ -41,6 +41,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "models/request_error.h"
 
 namespace mita::models {
 namespace {
@@ -49,7 +50,7 @@ constexpr unsigned char kPngSignature[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1
 constexpr size_t kMessageCapacity = 256;
 
 absl::Status Invalid(absl::string_view message) {
-  return absl::InvalidArgumentError(absl::StrCat("image: ", message));
+  return InvalidRequest(RequestField::kImage, std::string(message));
 }
 
 absl::Status CheckDeclaredSize(absl::string_view format, int64_t width, int64_t height,
@@ -211,11 +212,11 @@ absl::StatusOr<DecodedImage> DecodePng(absl::string_view bytes, int64_t channels
   context.data = reinterpret_cast<const unsigned char*>(bytes.data());
   context.size = bytes.size();
   png_structp png = png_create_read_struct(PNG_LIBPNG_VER_STRING, &context, PngError, PngWarning);
-  if (png == nullptr) return absl::ResourceExhaustedError("image: cannot create the PNG decoder");
+  if (png == nullptr) return absl::ResourceExhaustedError("cannot create the PNG decoder");
   png_infop info = png_create_info_struct(png);
   if (info == nullptr) {
     png_destroy_read_struct(&png, nullptr, nullptr);
-    return absl::ResourceExhaustedError("image: cannot create the PNG decoder");
+    return absl::ResourceExhaustedError("cannot create the PNG decoder");
   }
   struct Cleanup {
     png_structp* png;

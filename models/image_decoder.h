@@ -34,10 +34,10 @@ struct DecodedImage {
 // checked against `limits` before any pixel buffer is allocated (for PNG straight from the IHDR bytes).
 // Every libpng/libjpeg warning is an error. Against decompression bombs: PNG ancillary chunks other than tRNS
 // are skipped without being inflated, and a JPEG with more than 500 scans is rejected.
-// Errors: INVALID_ARGUMENT for empty input, an unknown format, `channels` not 1 or 3, a declared size over the
-// limits (the message gives the size and the limits), a JPEG of more than 500 scans, or any decoder error or
-// warning (truncated or corrupt data is an error, never a grey-filled image); RESOURCE_EXHAUSTED when a
-// decoder cannot be created.
+// Errors: INVALID_ARGUMENT carrying a RequestField::kImage problem (models/request_error.h) for empty input, an
+// unknown format, `channels` not 1 or 3, a declared size over the limits (the detail gives the size and the
+// limits), a JPEG of more than 500 scans, or any decoder error or warning (truncated or corrupt data is an
+// error, never a grey-filled image); RESOURCE_EXHAUSTED when a decoder cannot be created.
 absl::StatusOr<DecodedImage> DecodeImage(std::string_view bytes, int64_t channels, const ImageDecodeLimits& limits);
 
 // Converts a decoded image to the model input [C, image_size, image_size] float32 (C = in_channels), CPU.
@@ -45,8 +45,8 @@ absl::StatusOr<DecodedImage> DecodeImage(std::string_view bytes, int64_t channel
 // integer ratios, windows [floor(i*L/T), ceil((i+1)*L/T)) otherwise); each shorter axis is then enlarged
 // bilinearly (at::upsample_bilinear2d, align_corners = false: half-pixel centres, as PIL and OpenCV). A
 // non-square image is stretched, not cropped. Then x = (pixel / 255 - mean[c]) / std[c].
-// Errors: INVALID_ARGUMENT when the channel count differs from the config's in_channels or the pixel buffer
-// does not hold width x height x channels bytes; INTERNAL if ATen fails.
+// Errors: INVALID_ARGUMENT (a kImage problem) when the channel count differs from the config's in_channels or the
+// pixel buffer does not hold width x height x channels bytes; INTERNAL if ATen fails.
 absl::StatusOr<at::Tensor> PreprocessImage(const DecodedImage& image, const VitConfig& config);
 
 }  // namespace mita::models

@@ -1,4 +1,4 @@
-// config.json parsing and budget validation (see model_config.h).
+// config.json parsing (see model_config.h).
 #include "models/model_config.h"
 
 #include <algorithm>
@@ -13,6 +13,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "kernels/status_macros.h"
+#include "models/request_error.h"
 #include "nlohmann/json.hpp"
 
 namespace mita::models {
@@ -124,18 +126,22 @@ absl::StatusOr<AttentionBudget> ReadBudget(const Json& value, const std::string&
   return budget;
 }
 
-// Checks a budget declared in config.json against the model's ranges; the message names the config field.
-// Reads attention.default_budget (required) and attention.presets (optional: an object of name -> budget),
-// each checked by `check(budget, field)` against the model's ranges. Errors: INVALID_ARGUMENT naming the field.
-absl::Status ReadDefaultBudgetAndPresets(
-    const Json& attention, const std::function<absl::Status(const AttentionBudget&, const std::string&)>& check,
-    AttentionBudget& default_budget, std::map<std::string, AttentionBudget>& presets) {
+// Reads attention.default_budget (required) and attention.presets (optional: an object of name -> budget) into
+// `config`, each checked against `knobs` (CheckBudget). Errors: INVALID_ARGUMENT naming the config field, e.g.
+// "config.json: attention.presets.fast.expert_count 10 is not allowed: use one of 1, 4, 9".
+absl::Status ReadDefaultBudgetAndPresets(const Json& attention, const BudgetKnobs& knobs, EncoderConfig& config) {
+  auto check = [&knobs](const AttentionBudget& budget, const std::string& field) -> absl::Status {
+    const std::vector<FieldProblem> problems = FieldProblems(CheckBudget(knobs, budget));
+    if (problems.empty()) return absl::OkStatus();
+    const FieldProblem& first = problems.front();
+    return Invalid(absl::StrCat(field, ".", RequestFieldName(first.field), " ", first.detail));
+  };
   const Json* default_value = Find(attention, "default_budget");
   if (default_value == nullptr) return Invalid("missing required field attention.default_budget");
   absl::StatusOr<AttentionBudget> budget = ReadBudget(*default_value, "attention.default_budget");
   if (!budget.ok()) return budget.status();
-  if (absl::Status status = check(*budget, "attention.default_budget"); !status.ok()) return status;
-  default_budget = *budget;
+  RETURN_IF_ERROR(check(*budget, "attention.default_budget"));
+  config.default_budget = *budget;
   if (const Json* values = Find(attention, "presets"); values != nullptr) {
     if (!values->is_object()) return Invalid("attention.presets must be an object of name -> budget");
     for (const auto& [name, value] : values->items()) {
@@ -143,227 +149,116 @@ absl::Status ReadDefaultBudgetAndPresets(
       if (name.empty()) return Invalid("attention.presets has an empty preset name");
       absl::StatusOr<AttentionBudget> preset = ReadBudget(value, field);
       if (!preset.ok()) return preset.status();
-      if (absl::Status status = check(*preset, field); !status.ok()) return status;
-      presets.emplace(name, *preset);
+      RETURN_IF_ERROR(check(*preset, field));
+      config.presets.emplace(name, *preset);
     }
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckConfigBudget(const VitConfig& config, const AttentionBudget& budget, const std::string& field) {
-  if (budget.full_attention) return absl::OkStatus();
-  const std::vector<int64_t> counts = AllowedExpertCounts(config);
-  bool count_allowed = false;
-  for (int64_t count : counts) count_allowed |= count == budget.expert_count;
-  if (!count_allowed) {
-    return Invalid(absl::StrCat(field, ".expert_count ", budget.expert_count, " is not allowed: use one of ",
-                                absl::StrJoin(counts, ", ")));
+// Reads the fields both architectures share, except the budgets (they need the kind's knobs): architecture
+// (must be `architecture`), task (optional, must be `task`), embed_dim, depth, num_heads (divides embed_dim),
+// mlp_hidden_dim, layer_norm_eps (optional), num_classes, and attention.type ("mita"). Returns the attention
+// object. Errors: INVALID_ARGUMENT naming the field.
+absl::StatusOr<const Json*> ReadEncoder(const Json& root, absl::string_view architecture, absl::string_view task,
+                                        EncoderConfig& config) {
+  if (!root.is_object()) return Invalid("the top level must be a JSON object");
+  ASSIGN_OR_RETURN(config.architecture, ReadString(root, "", "architecture"));
+  if (config.architecture != architecture) {
+    return Invalid(absl::StrCat("architecture \"", config.architecture, "\" is not supported: use \"", architecture,
+                                "\""));
   }
-  if (budget.expert_width < 1 || budget.expert_width > config.tokens()) {
-    return Invalid(absl::StrCat(field, ".expert_width ", budget.expert_width, " is out of range [1, ",
-                                config.tokens(), "]"));
+  if (const Json* value = Find(root, "task"); value != nullptr) {
+    if (!value->is_string() || value->get<std::string>() != task) {
+      return Invalid(absl::StrCat("task ", value->dump(), " is not supported: use \"", task, "\""));
+    }
   }
-  return absl::OkStatus();
+  // Upper bounds keep products such as tokens x channels and weight sizes far from int64 overflow.
+  ASSIGN_OR_RETURN(config.embed_dim, ReadInteger(root, "", "embed_dim", 1, 1 << 16));
+  ASSIGN_OR_RETURN(config.depth, ReadInteger(root, "", "depth", 1, 1024));
+  ASSIGN_OR_RETURN(config.num_heads, ReadInteger(root, "", "num_heads", 1, config.embed_dim));
+  if (config.embed_dim % config.num_heads != 0) {
+    return Invalid(absl::StrCat("num_heads ", config.num_heads, " does not divide embed_dim ", config.embed_dim));
+  }
+  ASSIGN_OR_RETURN(config.mlp_hidden_dim, ReadInteger(root, "", "mlp_hidden_dim", 1, 1 << 20));
+  if (const Json* eps = Find(root, "layer_norm_eps"); eps != nullptr) {
+    ASSIGN_OR_RETURN(const double value, ReadNumber(*eps, "layer_norm_eps"));
+    if (!(value > 0)) return Invalid(absl::StrCat("layer_norm_eps must be > 0, found ", value));
+    config.layer_norm_eps = value;
+  }
+  ASSIGN_OR_RETURN(config.num_classes, ReadInteger(root, "", "num_classes", 1, 1 << 20));
+  ASSIGN_OR_RETURN(const Json* attention, ReadObject(root, "", "attention"));
+  ASSIGN_OR_RETURN(const std::string type, ReadString(*attention, "attention", "type"));
+  if (type != "mita") return Invalid(absl::StrCat("attention.type \"", type, "\" is not supported: use \"mita\""));
+  return attention;
 }
 
 absl::StatusOr<VitConfig> ParseValidated(const Json& root) {
-  if (!root.is_object()) return Invalid("the top level must be a JSON object");
   VitConfig config;
-
-  absl::StatusOr<std::string> architecture = ReadString(root, "", "architecture");
-  if (!architecture.ok()) return architecture.status();
-  if (*architecture != "mita_vit") {
-    return Invalid(absl::StrCat("architecture \"", *architecture, "\" is not supported: use \"mita_vit\""));
-  }
-  config.architecture = *architecture;
-  if (const Json* task = Find(root, "task"); task != nullptr) {
-    if (!task->is_string() || task->get<std::string>() != "image_classification") {
-      return Invalid(absl::StrCat("task ", task->dump(), " is not supported: use \"image_classification\""));
-    }
-  }
-
-  // Upper bounds keep products such as tokens() and weight sizes far from int64 overflow.
+  ASSIGN_OR_RETURN(const Json* attention, ReadEncoder(root, "mita_vit", "image_classification", config));
   constexpr int64_t kMaxSide = 1 << 14;
-  absl::StatusOr<int64_t> image_size = ReadInteger(root, "", "image_size", 1, kMaxSide);
-  if (!image_size.ok()) return image_size.status();
-  absl::StatusOr<int64_t> patch_size = ReadInteger(root, "", "patch_size", 1, *image_size);
-  if (!patch_size.ok()) return patch_size.status();
-  if (*image_size % *patch_size != 0) {
-    return Invalid(absl::StrCat("patch_size ", *patch_size, " does not divide image_size ", *image_size));
+  ASSIGN_OR_RETURN(config.image_size, ReadInteger(root, "", "image_size", 1, kMaxSide));
+  ASSIGN_OR_RETURN(config.patch_size, ReadInteger(root, "", "patch_size", 1, config.image_size));
+  if (config.image_size % config.patch_size != 0) {
+    return Invalid(absl::StrCat("patch_size ", config.patch_size, " does not divide image_size ", config.image_size));
   }
-  config.image_size = *image_size;
-  config.patch_size = *patch_size;
   if (config.tokens() > (int64_t{1} << 20)) {
     return Invalid(absl::StrCat("image_size / patch_size gives ", config.tokens(), " tokens, more than ",
                                 int64_t{1} << 20));
   }
+  ASSIGN_OR_RETURN(config.in_channels, ReadInteger(root, "", "in_channels", 1, 3));
+  if (config.in_channels == 2) return Invalid("in_channels 2 is not supported: use 1 (grayscale) or 3 (RGB)");
 
-  absl::StatusOr<int64_t> in_channels = ReadInteger(root, "", "in_channels", 1, 3);
-  if (!in_channels.ok()) return in_channels.status();
-  if (*in_channels == 2) return Invalid("in_channels 2 is not supported: use 1 (grayscale) or 3 (RGB)");
-  config.in_channels = *in_channels;
+  ASSIGN_OR_RETURN(const Json* normalization, ReadObject(root, "", "normalization"));
+  ASSIGN_OR_RETURN(config.mean,
+                   ReadChannelVector(*normalization, "normalization", "mean", config.in_channels, /*positive=*/false));
+  ASSIGN_OR_RETURN(config.std,
+                   ReadChannelVector(*normalization, "normalization", "std", config.in_channels, /*positive=*/true));
 
-  absl::StatusOr<int64_t> embed_dim = ReadInteger(root, "", "embed_dim", 1, 1 << 16);
-  if (!embed_dim.ok()) return embed_dim.status();
-  config.embed_dim = *embed_dim;
-  absl::StatusOr<int64_t> depth = ReadInteger(root, "", "depth", 1, 1024);
-  if (!depth.ok()) return depth.status();
-  config.depth = *depth;
-  absl::StatusOr<int64_t> num_heads = ReadInteger(root, "", "num_heads", 1, config.embed_dim);
-  if (!num_heads.ok()) return num_heads.status();
-  if (config.embed_dim % *num_heads != 0) {
-    return Invalid(absl::StrCat("num_heads ", *num_heads, " does not divide embed_dim ", config.embed_dim));
-  }
-  config.num_heads = *num_heads;
-  absl::StatusOr<int64_t> mlp_hidden_dim = ReadInteger(root, "", "mlp_hidden_dim", 1, 1 << 20);
-  if (!mlp_hidden_dim.ok()) return mlp_hidden_dim.status();
-  config.mlp_hidden_dim = *mlp_hidden_dim;
-
-  if (const Json* eps = Find(root, "layer_norm_eps"); eps != nullptr) {
-    absl::StatusOr<double> value = ReadNumber(*eps, "layer_norm_eps");
-    if (!value.ok()) return value.status();
-    if (!(*value > 0)) return Invalid(absl::StrCat("layer_norm_eps must be > 0, found ", *value));
-    config.layer_norm_eps = *value;
-  }
-  absl::StatusOr<int64_t> num_classes = ReadInteger(root, "", "num_classes", 1, 1 << 20);
-  if (!num_classes.ok()) return num_classes.status();
-  config.num_classes = *num_classes;
-
-  absl::StatusOr<const Json*> normalization = ReadObject(root, "", "normalization");
-  if (!normalization.ok()) return normalization.status();
-  absl::StatusOr<std::vector<float>> mean =
-      ReadChannelVector(**normalization, "normalization", "mean", config.in_channels, /*positive=*/false);
-  if (!mean.ok()) return mean.status();
-  absl::StatusOr<std::vector<float>> deviation =
-      ReadChannelVector(**normalization, "normalization", "std", config.in_channels, /*positive=*/true);
-  if (!deviation.ok()) return deviation.status();
-  config.mean = *std::move(mean);
-  config.std = *std::move(deviation);
-
-  absl::StatusOr<const Json*> attention = ReadObject(root, "", "attention");
-  if (!attention.ok()) return attention.status();
-  absl::StatusOr<std::string> type = ReadString(**attention, "attention", "type");
-  if (!type.ok()) return type.status();
-  if (*type != "mita") return Invalid(absl::StrCat("attention.type \"", *type, "\" is not supported: use \"mita\""));
-  if (const Json* dwc = Find(**attention, "depthwise_conv"); dwc != nullptr) {
+  if (const Json* dwc = Find(*attention, "depthwise_conv"); dwc != nullptr) {
     if (!dwc->is_boolean()) {
       return Invalid(absl::StrCat("attention.depthwise_conv must be a boolean, found ", dwc->dump()));
     }
     config.depthwise_conv = dwc->get<bool>();
   }
-  if (absl::Status status = ReadDefaultBudgetAndPresets(
-          **attention, [&config](const AttentionBudget& budget, const std::string& field) {
-            return CheckConfigBudget(config, budget, field);
-          },
-          config.default_budget, config.presets);
-      !status.ok()) {
-    return status;
-  }
+  RETURN_IF_ERROR(ReadDefaultBudgetAndPresets(*attention, ImageKnobs(config), config));
 
   if (Find(root, "max_image_side") != nullptr) {
-    absl::StatusOr<int64_t> max_side = ReadInteger(root, "", "max_image_side", 1, 1 << 16);
-    if (!max_side.ok()) return max_side.status();
-    config.max_image_side = *max_side;
+    ASSIGN_OR_RETURN(config.max_image_side, ReadInteger(root, "", "max_image_side", 1, 1 << 16));
   }
   return config;
 }
 
-// Checks a budget declared in a document config.json against max_expert_count / max_expert_width.
-absl::Status CheckDocumentConfigBudget(const DocumentConfig& config, const AttentionBudget& budget,
-                                       const std::string& field) {
-  if (budget.full_attention) return absl::OkStatus();
-  if (budget.expert_count < 1 || budget.expert_count > config.max_expert_count) {
-    return Invalid(absl::StrCat(field, ".expert_count ", budget.expert_count, " is out of range [1, ",
-                                config.max_expert_count, "]"));
-  }
-  if (budget.expert_width < 1 || budget.expert_width > config.max_expert_width) {
-    return Invalid(absl::StrCat(field, ".expert_width ", budget.expert_width, " is out of range [1, ",
-                                config.max_expert_width, "]"));
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<DocumentConfig> ParseValidatedDocument(const Json& root) {
-  if (!root.is_object()) return Invalid("the top level must be a JSON object");
   DocumentConfig config;
-  absl::StatusOr<std::string> architecture = ReadString(root, "", "architecture");
-  if (!architecture.ok()) return architecture.status();
-  if (*architecture != "mita_document") {
-    return Invalid(absl::StrCat("architecture \"", *architecture, "\" is not supported: use \"mita_document\""));
+  ASSIGN_OR_RETURN(const Json* attention, ReadEncoder(root, "mita_document", "document_classification", config));
+  ASSIGN_OR_RETURN(config.vocab_size, ReadInteger(root, "", "vocab_size", 1, int64_t{1} << 24));
+  ASSIGN_OR_RETURN(config.max_tokens, ReadInteger(root, "", "max_tokens", 1, int64_t{1} << 24));
+  ASSIGN_OR_RETURN(config.tokenizer, ReadString(root, "", "tokenizer"));
+  if (config.tokenizer != "bytes" && config.tokenizer != "sentencepiece") {
+    return Invalid(
+        absl::StrCat("tokenizer \"", config.tokenizer, "\" is not supported: use \"bytes\" or \"sentencepiece\""));
   }
-  config.architecture = *architecture;
-  if (const Json* task = Find(root, "task"); task != nullptr) {
-    if (!task->is_string() || task->get<std::string>() != "document_classification") {
-      return Invalid(absl::StrCat("task ", task->dump(), " is not supported: use \"document_classification\""));
-    }
-  }
-  // Upper bounds keep products (tokens x channels, weight sizes) far from int64 overflow.
-  struct IntegerField {
-    const char* key;
-    int64_t max_value;
-    int64_t* target;
-  };
-  for (const IntegerField& field : {IntegerField{"vocab_size", int64_t{1} << 24, &config.vocab_size},
-                                    IntegerField{"embed_dim", 1 << 16, &config.embed_dim},
-                                    IntegerField{"depth", 1024, &config.depth},
-                                    IntegerField{"num_heads", 1 << 16, &config.num_heads},
-                                    IntegerField{"mlp_hidden_dim", 1 << 20, &config.mlp_hidden_dim},
-                                    IntegerField{"num_classes", 1 << 20, &config.num_classes},
-                                    IntegerField{"max_tokens", int64_t{1} << 24, &config.max_tokens}}) {
-    absl::StatusOr<int64_t> value = ReadInteger(root, "", field.key, 1, field.max_value);
-    if (!value.ok()) return value.status();
-    *field.target = *value;
-  }
-  if (config.num_heads > config.embed_dim || config.embed_dim % config.num_heads != 0) {
-    return Invalid(absl::StrCat("num_heads ", config.num_heads, " does not divide embed_dim ", config.embed_dim));
-  }
-  if (const Json* eps = Find(root, "layer_norm_eps"); eps != nullptr) {
-    absl::StatusOr<double> value = ReadNumber(*eps, "layer_norm_eps");
-    if (!value.ok()) return value.status();
-    if (!(*value > 0)) return Invalid(absl::StrCat("layer_norm_eps must be > 0, found ", *value));
-    config.layer_norm_eps = *value;
-  }
-  absl::StatusOr<std::string> tokenizer = ReadString(root, "", "tokenizer");
-  if (!tokenizer.ok()) return tokenizer.status();
-  if (*tokenizer != "bytes" && *tokenizer != "sentencepiece") {
-    return Invalid(absl::StrCat("tokenizer \"", *tokenizer, "\" is not supported: use \"bytes\" or \"sentencepiece\""));
-  }
-  if (*tokenizer == "bytes" && config.vocab_size < 256) {
+  if (config.tokenizer == "bytes" && config.vocab_size < 256) {
     return Invalid(absl::StrCat("vocab_size ", config.vocab_size, " is too small for tokenizer \"bytes\" (needs 256)"));
   }
-  config.tokenizer = *tokenizer;
 
-  absl::StatusOr<const Json*> position = ReadObject(root, "", "position_encoding");
-  if (!position.ok()) return position.status();
-  absl::StatusOr<std::string> position_type = ReadString(**position, "position_encoding", "type");
-  if (!position_type.ok()) return position_type.status();
-  if (*position_type != "convolution") {
-    return Invalid(absl::StrCat("position_encoding.type \"", *position_type, "\" is not supported: use \"convolution\""));
+  ASSIGN_OR_RETURN(const Json* position, ReadObject(root, "", "position_encoding"));
+  ASSIGN_OR_RETURN(const std::string position_type, ReadString(*position, "position_encoding", "type"));
+  if (position_type != "convolution") {
+    return Invalid(
+        absl::StrCat("position_encoding.type \"", position_type, "\" is not supported: use \"convolution\""));
   }
-  absl::StatusOr<int64_t> kernel_size = ReadInteger(**position, "position_encoding", "kernel_size", 1, 255);
-  if (!kernel_size.ok()) return kernel_size.status();
-  if (*kernel_size % 2 == 0) return Invalid(absl::StrCat("position_encoding.kernel_size ", *kernel_size, " must be odd"));
-  config.position_kernel_size = *kernel_size;
+  ASSIGN_OR_RETURN(config.position_kernel_size, ReadInteger(*position, "position_encoding", "kernel_size", 1, 255));
+  if (config.position_kernel_size % 2 == 0) {
+    return Invalid(absl::StrCat("position_encoding.kernel_size ", config.position_kernel_size, " must be odd"));
+  }
 
-  absl::StatusOr<const Json*> attention = ReadObject(root, "", "attention");
-  if (!attention.ok()) return attention.status();
-  absl::StatusOr<std::string> type = ReadString(**attention, "attention", "type");
-  if (!type.ok()) return type.status();
-  if (*type != "mita") return Invalid(absl::StrCat("attention.type \"", *type, "\" is not supported: use \"mita\""));
-  absl::StatusOr<int64_t> max_count = ReadInteger(**attention, "attention", "max_expert_count", 1, config.max_tokens);
-  if (!max_count.ok()) return max_count.status();
-  config.max_expert_count = *max_count;
-  absl::StatusOr<int64_t> max_width = ReadInteger(**attention, "attention", "max_expert_width", 1, config.max_tokens);
-  if (!max_width.ok()) return max_width.status();
-  config.max_expert_width = *max_width;
-  if (absl::Status status = ReadDefaultBudgetAndPresets(
-          **attention, [&config](const AttentionBudget& budget, const std::string& field) {
-            return CheckDocumentConfigBudget(config, budget, field);
-          },
-          config.default_budget, config.presets);
-      !status.ok()) {
-    return status;
-  }
+  ASSIGN_OR_RETURN(config.max_expert_count,
+                   ReadInteger(*attention, "attention", "max_expert_count", 1, config.max_tokens));
+  ASSIGN_OR_RETURN(config.max_expert_width,
+                   ReadInteger(*attention, "attention", "max_expert_width", 1, config.max_tokens));
+  RETURN_IF_ERROR(ReadDefaultBudgetAndPresets(*attention, DocumentKnobs(config), config));
   return config;
 }
 
@@ -392,50 +287,41 @@ absl::StatusOr<DocumentConfig> ParseDocumentConfig(std::string_view json_text) {
   }
 }
 
-absl::StatusOr<ModelKind> ParseModelKind(std::string_view json_text) {
-  absl::StatusOr<Json> root = ParseJson(json_text);
-  if (!root.ok()) return root.status();
-  if (!root->is_object()) return Invalid("the top level must be a JSON object");
-  absl::StatusOr<std::string> architecture = ReadString(*root, "", "architecture");
-  if (!architecture.ok()) return architecture.status();
-  if (*architecture == "mita_vit") return ModelKind::kImage;
-  if (*architecture == "mita_document") return ModelKind::kDocument;
-  return Invalid(absl::StrCat("architecture \"", *architecture,
-                              "\" is not supported: use \"mita_vit\" or \"mita_document\""));
+absl::StatusOr<std::string> ParseArchitecture(std::string_view json_text) {
+  ASSIGN_OR_RETURN(const Json root, ParseJson(json_text));
+  if (!root.is_object()) return Invalid("the top level must be a JSON object");
+  return ReadString(root, "", "architecture");
 }
 
 namespace {
 
-// INVALID_ARGUMENT listing every problem of a budget ("; " between them), or OK when there is none.
-absl::Status BudgetProblems(const std::vector<std::string>& problems) {
-  if (problems.empty()) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrJoin(problems, "; "));
-}
-
-// "budget.experts.expert_width 51 is out of range: allowed [1, 50]" when `value` is outside [1, maximum].
-void CheckKnobRange(const char* field, int64_t value, int64_t maximum, std::vector<std::string>* problems) {
-  if (value < 1 || value > maximum) {
-    problems->push_back(
-        absl::StrCat("budget.experts.", field, " ", value, " is out of range: allowed [1, ", maximum, "]"));
-  }
+// The knobs every model has, from its config: the default budget and the presets.
+BudgetKnobs KnobsWithBudgets(const EncoderConfig& config) {
+  BudgetKnobs knobs;
+  knobs.default_budget = config.default_budget;
+  knobs.presets = config.presets;
+  return knobs;
 }
 
 }  // namespace
 
-absl::Status ValidateDocumentBudget(const DocumentConfig& config, const AttentionBudget& budget) {
-  if (budget.full_attention) return absl::OkStatus();
-  std::vector<std::string> problems;
-  CheckKnobRange("expert_count", budget.expert_count, config.max_expert_count, &problems);
-  CheckKnobRange("expert_width", budget.expert_width, config.max_expert_width, &problems);
-  return BudgetProblems(problems);
+BudgetKnobs DocumentKnobs(const DocumentConfig& config) {
+  BudgetKnobs knobs = KnobsWithBudgets(config);
+  knobs.min_expert_count = 1;
+  knobs.max_expert_count = config.max_expert_count;
+  knobs.min_expert_width = 1;
+  knobs.max_expert_width = config.max_expert_width;
+  return knobs;
 }
 
-AttentionBudget ApplyDocumentBudget(const AttentionBudget& budget, int64_t tokens) {
-  if (budget.full_attention) return budget;
-  AttentionBudget applied = budget;
-  applied.expert_count = std::min(budget.expert_count, tokens);
-  applied.expert_width = std::min(budget.expert_width, tokens);
-  return applied;
+BudgetKnobs ImageKnobs(const VitConfig& config) {
+  BudgetKnobs knobs = KnobsWithBudgets(config);
+  for (int64_t side = 1; side <= config.grid_side(); ++side) knobs.allowed_expert_counts.push_back(side * side);
+  knobs.min_expert_count = 1;
+  knobs.max_expert_count = config.grid_side() * config.grid_side();
+  knobs.min_expert_width = 1;
+  knobs.max_expert_width = config.tokens();
+  return knobs;
 }
 
 absl::StatusOr<VitConfig> ParseVitConfig(std::string_view json_text) {
@@ -448,44 +334,6 @@ absl::StatusOr<VitConfig> ParseVitConfig(std::string_view json_text) {
     // Every access above checks the type first; this is a guard, not an expected path.
     return Invalid(absl::StrCat("unexpected JSON structure: ", error.what()));
   }
-}
-
-std::vector<int64_t> AllowedExpertCounts(const VitConfig& config) {
-  std::vector<int64_t> counts;
-  for (int64_t side = 1; side <= config.grid_side(); ++side) counts.push_back(side * side);
-  return counts;
-}
-
-absl::StatusOr<AttentionBudget> ParseBudget(absl::string_view text) {
-  AttentionBudget budget;
-  if (text == "full") {
-    budget.full_attention = true;
-    return budget;
-  }
-  const std::vector<std::string> parts = absl::StrSplit(text, 'x');
-  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &budget.expert_count) ||
-      !absl::SimpleAtoi(parts[1], &budget.expert_width)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("budget '", text, "' is not expert_count x expert_width (e.g. 9x16) or 'full'"));
-  }
-  return budget;
-}
-
-std::string BudgetName(const AttentionBudget& budget) {
-  if (budget.full_attention) return "full attention";
-  return absl::StrCat("MiTA m=", budget.expert_count, " k=", budget.expert_width);
-}
-
-absl::Status ValidateBudget(const VitConfig& config, const AttentionBudget& budget) {
-  if (budget.full_attention) return absl::OkStatus();
-  const std::vector<int64_t> counts = AllowedExpertCounts(config);
-  std::vector<std::string> problems;
-  if (std::find(counts.begin(), counts.end(), budget.expert_count) == counts.end()) {
-    problems.push_back(absl::StrCat("budget.experts.expert_count ", budget.expert_count,
-                                    " is not allowed: use one of ", absl::StrJoin(counts, ", ")));
-  }
-  CheckKnobRange("expert_width", budget.expert_width, config.tokens(), &problems);
-  return BudgetProblems(problems);
 }
 
 }  // namespace mita::models

@@ -9,18 +9,23 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "models/budget.h"
 
 namespace mita::models {
 
-// What a model package classifies (config.json "architecture": "mita_vit" or "mita_document").
-enum class ModelKind { kImage, kDocument };
+// The fields both architectures share: a pre-norm Transformer encoder whose attention is MiTA.
+struct EncoderConfig {
+  std::string architecture;  // "mita_vit" or "mita_document"
+  int64_t embed_dim = 0;     // C; C % num_heads == 0
+  int64_t depth = 0;         // transformer blocks
+  int64_t num_heads = 0;     // H
+  int64_t mlp_hidden_dim = 0;
+  double layer_norm_eps = 1e-6;
+  int64_t num_classes = 0;
+  AttentionBudget default_budget;
+  std::map<std::string, AttentionBudget> presets;
 
-// A MiTA budget: expert count m (number of landmarks = routed experts) and expert width k (keys per routed
-// expert), or full softmax attention with the same weights.
-struct AttentionBudget {
-  bool full_attention = false;
-  int64_t expert_count = 0;
-  int64_t expert_width = 0;
+  int64_t head_dim() const { return embed_dim / num_heads; }
 };
 
 // config.json of a "mita_vit" package. Example (models/repository/fashion-mnist-vit/config.json):
@@ -31,29 +36,19 @@ struct AttentionBudget {
 //                  "default_budget": {"expert_count": 9, "expert_width": 16},
 //                  "presets": {"fast": {"expert_count": 4, "expert_width": 8}}},
 //    "max_image_side": 4096}
-struct VitConfig {
-  std::string architecture;  // "mita_vit"
+struct VitConfig : EncoderConfig {
   int64_t image_size = 0;    // input side, pixels (square inputs)
   int64_t patch_size = 0;    // patch side, pixels; image_size % patch_size == 0
   int64_t in_channels = 0;   // 1 (grayscale) or 3 (RGB)
-  int64_t embed_dim = 0;     // C; C % num_heads == 0
-  int64_t depth = 0;         // transformer blocks
-  int64_t num_heads = 0;     // H
-  int64_t mlp_hidden_dim = 0;
-  double layer_norm_eps = 1e-6;
-  int64_t num_classes = 0;
   std::vector<float> mean;  // per channel, on [0, 1] pixel values
   std::vector<float> std;   // per channel
   bool depthwise_conv = false;  // MiTA "DWC" variant: depthwise 3x3 conv on v of the patch tokens
-  AttentionBudget default_budget;
-  std::map<std::string, AttentionBudget> presets;
   int64_t max_image_side = 4096;  // largest accepted declared width or height, pixels
 
   // Patches per side S = image_size / patch_size.
   int64_t grid_side() const { return image_size / patch_size; }
   // Tokens N = S * S + 1 (patches + cls).
   int64_t tokens() const { return grid_side() * grid_side() + 1; }
-  int64_t head_dim() const { return embed_dim / num_heads; }
 };
 
 // Parses and validates config.json text. Required: architecture ("mita_vit"), image_size, patch_size (divides
@@ -70,22 +65,9 @@ struct VitConfig {
 // 1, 4, 9, 16, 25, 36, 49".
 absl::StatusOr<VitConfig> ParseVitConfig(std::string_view json_text);
 
-// Parses the budget text the tools take on the command line: "MxK" (expert_count x expert_width, e.g. "9x16")
-// or "full" (full attention). Only the form is checked; ValidateBudget / ValidateDocumentBudget check the values
-// against a model. Errors: INVALID_ARGUMENT quoting the text and the expected form.
-absl::StatusOr<AttentionBudget> ParseBudget(absl::string_view text);
-
-// A budget's name in tables and logs: "MiTA m=9 k=16" or "full attention".
-std::string BudgetName(const AttentionBudget& budget);
-
-// Checks a budget against the model's ranges (a full-attention budget is always valid). Errors:
-// INVALID_ARGUMENT naming the proto field and the allowed values, e.g. "budget.experts.expert_count 10 is not
-// allowed: use one of 1, 4, 9, 16, 25, 36, 49" or "budget.experts.expert_width 51 is out of range: allowed
-// [1, 50]"; when both knobs are wrong, both problems, joined by "; ".
-absl::Status ValidateBudget(const VitConfig& config, const AttentionBudget& budget);
-
-// Expert counts an image model accepts: P*P for P in 1 .. grid side.
-std::vector<int64_t> AllowedExpertCounts(const VitConfig& config);
+// The budget knobs of an image model: expert counts P*P for P in 1 .. grid side (a P x P landmark grid), expert
+// width in [1, tokens], its default budget and presets.
+BudgetKnobs ImageKnobs(const VitConfig& config);
 
 // config.json of a "mita_document" package (a long-document classifier, models/document_classifier.h).
 // Example (tools/mita_reference.py document_config):
@@ -96,24 +78,13 @@ std::vector<int64_t> AllowedExpertCounts(const VitConfig& config);
 //    "attention": {"type": "mita", "default_budget": {"expert_count": 16, "expert_width": 64},
 //                  "presets": {"fast": {"expert_count": 8, "expert_width": 32}, "exact": {"full_attention": true}},
 //                  "max_expert_count": 256, "max_expert_width": 1024}}
-struct DocumentConfig {
-  std::string architecture;  // "mita_document"
+struct DocumentConfig : EncoderConfig {
   int64_t vocab_size = 0;    // token ids are in [0, vocab_size)
-  int64_t embed_dim = 0;     // C; C % num_heads == 0
-  int64_t depth = 0;         // transformer blocks
-  int64_t num_heads = 0;     // H
-  int64_t mlp_hidden_dim = 0;
-  int64_t num_classes = 0;
-  double layer_norm_eps = 1e-6;
   int64_t max_tokens = 0;     // longest accepted document, tokens
   std::string tokenizer;      // "bytes" (UTF-8 bytes, vocab_size >= 256) or "sentencepiece" (tokenizer.model)
   int64_t position_kernel_size = 0;  // odd width of the depthwise 1-D position convolution, tokens
-  AttentionBudget default_budget;
-  std::map<std::string, AttentionBudget> presets;
   int64_t max_expert_count = 0;  // requests may use expert_count in [1, max_expert_count]
   int64_t max_expert_width = 0;  // requests may use expert_width in [1, max_expert_width]
-
-  int64_t head_dim() const { return embed_dim / num_heads; }
 };
 
 // Parses and validates the config.json text of a document package. Required: architecture ("mita_document"),
@@ -124,23 +95,16 @@ struct DocumentConfig {
 // Optional: task ("document_classification"), layer_norm_eps (> 0, default 1e-6), attention.presets. The
 // default budget and presets must lie within the max_expert_* ranges. Integers must be JSON integers; unknown
 // fields are ignored. Errors: INVALID_ARGUMENT prefixed "config.json: " naming the field, e.g.
-// "config.json: attention.presets.fast.expert_width 5000 is out of range [1, 1024]".
+// "config.json: attention.presets.fast.expert_width 5000 is out of range: allowed [1, 1024]".
 absl::StatusOr<DocumentConfig> ParseDocumentConfig(std::string_view json_text);
 
-// Checks a requested budget against the model's ranges (full attention is always valid). Errors:
-// INVALID_ARGUMENT naming the proto field and the allowed range, e.g.
-// "budget.experts.expert_width 5000 is out of range: allowed [1, 1024]"; when both knobs are wrong, both
-// problems, joined by "; ".
-absl::Status ValidateDocumentBudget(const DocumentConfig& config, const AttentionBudget& budget);
+// The budget knobs of a document model: expert count in [1, max_expert_count], expert width in
+// [1, max_expert_width], its default budget and presets. A document shorter than m or k runs with
+// ApplyBudget's min(m, N) and min(k, N).
+BudgetKnobs DocumentKnobs(const DocumentConfig& config);
 
-// The budget actually applied to a document of `tokens` (>= 1) tokens: expert_count = min(m, tokens),
-// expert_width = min(k, tokens); a full-attention budget is returned unchanged. A document shorter than the
-// budget thus runs with every token as a landmark and/or every key in each routed expert.
-AttentionBudget ApplyDocumentBudget(const AttentionBudget& budget, int64_t tokens);
-
-// The "architecture" field of config.json text ("mita_vit" -> kImage, "mita_document" -> kDocument).
-// Errors: INVALID_ARGUMENT "config.json: ..." for invalid JSON, a missing or non-string architecture, or an
-// unknown one.
-absl::StatusOr<ModelKind> ParseModelKind(std::string_view json_text);
+// The "architecture" field of config.json text (e.g. "mita_vit", "mita_document"), for choosing the loader.
+// Errors: INVALID_ARGUMENT "config.json: ..." for invalid JSON or a missing or non-string architecture.
+absl::StatusOr<std::string> ParseArchitecture(std::string_view json_text);
 
 }  // namespace mita::models

@@ -4,11 +4,16 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
+#include <vector>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/status_macros.h"
 #include "models/safetensors.h"
+#include "models/tokenizer.h"
 
 namespace mita::models {
 namespace {
@@ -53,66 +58,111 @@ absl::StatusOr<std::vector<std::string>> ParseLabels(const std::string& text, in
   return labels;
 }
 
+// What every package has: its folder, name, and config.json and labels.txt texts (the weights are read after
+// the config is known to be valid: model.safetensors is the large file).
+struct PackageFiles {
+  std::filesystem::path root;
+  std::string name;
+  std::string config_text;
+  std::string labels_text;
+};
+
+// Reads config.json and labels.txt of the package in `directory`.
+absl::StatusOr<PackageFiles> ReadPackageFiles(const std::string& directory) {
+  PackageFiles files;
+  files.root = std::filesystem::path(directory);
+  std::error_code error;
+  if (!std::filesystem::is_directory(files.root, error)) {
+    return absl::NotFoundError(absl::StrCat("model package: no folder ", directory));
+  }
+  files.name = files.root.filename().string();
+  if (files.name.empty()) files.name = files.root.parent_path().filename().string();  // "dir/" form
+  ASSIGN_OR_RETURN(files.config_text, ReadFile(files.root / "config.json"));
+  ASSIGN_OR_RETURN(files.labels_text, ReadFile(files.root / "labels.txt"));
+  return files;
+}
+
+// The tensors of the package's model.safetensors.
+absl::StatusOr<std::map<std::string, at::Tensor>> ReadWeights(const PackageFiles& files) {
+  ASSIGN_OR_RETURN(const std::string bytes, ReadFile(files.root / "model.safetensors"));
+  absl::StatusOr<std::map<std::string, at::Tensor>> weights = ParseSafetensors(bytes);
+  if (!weights.ok()) return Prefixed(weights.status(), "model.safetensors: ");
+  return weights;
+}
+
+absl::StatusOr<std::unique_ptr<VitClassifier>> LoadVit(PackageFiles files) {
+  ASSIGN_OR_RETURN(VitConfig config, ParseVitConfig(files.config_text));
+  ASSIGN_OR_RETURN(std::vector<std::string> labels, ParseLabels(files.labels_text, config.num_classes));
+  ASSIGN_OR_RETURN(auto weights, ReadWeights(files));
+  absl::StatusOr<std::unique_ptr<VitClassifier>> model =
+      VitClassifier::Create(files.name, config, std::move(labels), std::move(weights));
+  if (!model.ok()) return Prefixed(model.status(), "model.safetensors: ");
+  return model;
+}
+
+absl::StatusOr<std::unique_ptr<DocumentClassifier>> LoadDocument(PackageFiles files) {
+  ASSIGN_OR_RETURN(DocumentConfig config, ParseDocumentConfig(files.config_text));
+  ASSIGN_OR_RETURN(std::vector<std::string> labels, ParseLabels(files.labels_text, config.num_classes));
+  ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tokenizer, LoadTokenizer(config, files.root.string()));
+  ASSIGN_OR_RETURN(auto weights, ReadWeights(files));
+  absl::StatusOr<std::unique_ptr<DocumentClassifier>> model = DocumentClassifier::Create(
+      files.name, config, std::move(labels), std::move(weights), std::move(tokenizer));
+  if (!model.ok()) return Prefixed(model.status(), "model.safetensors: ");
+  return model;
+}
+
+// The loader of each architecture.
+struct Architecture {
+  const char* name;
+  absl::StatusOr<std::unique_ptr<Classifier>> (*load)(PackageFiles files);
+};
+constexpr Architecture kArchitectures[] = {
+    {"mita_vit", [](PackageFiles files) -> absl::StatusOr<std::unique_ptr<Classifier>> {
+       ASSIGN_OR_RETURN(std::unique_ptr<VitClassifier> model, LoadVit(std::move(files)));
+       return std::unique_ptr<Classifier>(std::move(model));
+     }},
+    {"mita_document", [](PackageFiles files) -> absl::StatusOr<std::unique_ptr<Classifier>> {
+       ASSIGN_OR_RETURN(std::unique_ptr<DocumentClassifier> model, LoadDocument(std::move(files)));
+       return std::unique_ptr<Classifier>(std::move(model));
+     }},
+};
+
+// INVALID_ARGUMENT when `files` are not of `architecture`.
+absl::Status CheckArchitecture(const PackageFiles& files, absl::string_view architecture) {
+  ASSIGN_OR_RETURN(const std::string found, ParseArchitecture(files.config_text));
+  if (found == architecture) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("config.json: architecture \"", found, "\" is not \"", architecture,
+                                                 "\""));
+}
+
 }  // namespace
 
 absl::StatusOr<ModelPackage> LoadModelPackage(const std::string& directory) {
-  const std::filesystem::path root(directory);
-  std::error_code error;
-  if (!std::filesystem::is_directory(root, error)) {
-    return absl::NotFoundError(absl::StrCat("model package: no folder ", directory));
+  ASSIGN_OR_RETURN(PackageFiles files, ReadPackageFiles(directory));
+  ASSIGN_OR_RETURN(const std::string architecture, ParseArchitecture(files.config_text));
+  std::vector<std::string> known;
+  for (const Architecture& candidate : kArchitectures) {
+    known.push_back(absl::StrCat("\"", candidate.name, "\""));
+    if (architecture != candidate.name) continue;
+    ModelPackage package;
+    package.name = files.name;
+    ASSIGN_OR_RETURN(package.classifier, candidate.load(std::move(files)));
+    return package;
   }
-  ModelPackage package;
-  package.name = root.filename().string();
-  if (package.name.empty()) package.name = root.parent_path().filename().string();  // "dir/" form
+  return absl::InvalidArgumentError(absl::StrCat("config.json: architecture \"", architecture,
+                                                 "\" is not supported: use ", absl::StrJoin(known, " or ")));
+}
 
-  absl::StatusOr<std::string> config_text = ReadFile(root / "config.json");
-  if (!config_text.ok()) return config_text.status();
-  absl::StatusOr<ModelKind> kind = ParseModelKind(*config_text);
-  if (!kind.ok()) return kind.status();  // already prefixed with "config.json: "
-  package.kind = *kind;
-  int64_t num_classes = 0;
-  if (package.kind == ModelKind::kImage) {
-    absl::StatusOr<VitConfig> config = ParseVitConfig(*config_text);
-    if (!config.ok()) return config.status();
-    package.config = *std::move(config);
-    num_classes = package.config.num_classes;
-  } else {
-    absl::StatusOr<DocumentConfig> config = ParseDocumentConfig(*config_text);
-    if (!config.ok()) return config.status();
-    package.document_config = *std::move(config);
-    num_classes = package.document_config.num_classes;
-  }
+absl::StatusOr<std::unique_ptr<VitClassifier>> LoadVitClassifier(const std::string& directory) {
+  ASSIGN_OR_RETURN(PackageFiles files, ReadPackageFiles(directory));
+  RETURN_IF_ERROR(CheckArchitecture(files, "mita_vit"));
+  return LoadVit(std::move(files));
+}
 
-  absl::StatusOr<std::string> labels_text = ReadFile(root / "labels.txt");
-  if (!labels_text.ok()) return labels_text.status();
-  absl::StatusOr<std::vector<std::string>> labels = ParseLabels(*labels_text, num_classes);
-  if (!labels.ok()) return labels.status();
-  package.labels = *std::move(labels);
-
-  if (package.kind == ModelKind::kDocument) {
-    absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadTokenizer(package.document_config, root.string());
-    if (!tokenizer.ok()) return tokenizer.status();
-    package.tokenizer = *std::move(tokenizer);
-  }
-
-  absl::StatusOr<std::string> weights_bytes = ReadFile(root / "model.safetensors");
-  if (!weights_bytes.ok()) return weights_bytes.status();
-  absl::StatusOr<std::map<std::string, at::Tensor>> weights = ParseSafetensors(*weights_bytes);
-  if (!weights.ok()) return Prefixed(weights.status(), "model.safetensors: ");
-  weights_bytes->clear();
-  weights_bytes->shrink_to_fit();
-  if (package.kind == ModelKind::kImage) {
-    absl::StatusOr<std::unique_ptr<VitClassifier>> model =
-        VitClassifier::Create(package.config, *std::move(weights));
-    if (!model.ok()) return Prefixed(model.status(), "model.safetensors: ");
-    package.model = *std::move(model);
-  } else {
-    absl::StatusOr<std::unique_ptr<DocumentClassifier>> model =
-        DocumentClassifier::Create(package.document_config, *std::move(weights));
-    if (!model.ok()) return Prefixed(model.status(), "model.safetensors: ");
-    package.document_model = *std::move(model);
-  }
-  return package;
+absl::StatusOr<std::unique_ptr<DocumentClassifier>> LoadDocumentClassifier(const std::string& directory) {
+  ASSIGN_OR_RETURN(PackageFiles files, ReadPackageFiles(directory));
+  RETURN_IF_ERROR(CheckArchitecture(files, "mita_document"));
+  return LoadDocument(std::move(files));
 }
 
 }  // namespace mita::models

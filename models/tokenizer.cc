@@ -157,17 +157,21 @@ size_t WellFormedSequenceLength(std::string_view text, size_t i) {
 
 Tokenizer::~Tokenizer() = default;
 
-absl::Status ValidateUtf8(std::string_view text, std::string_view field) {
+absl::Status ValidateUtf8(std::string_view text) {
   size_t i = 0;
   while (i < text.size()) {
     const size_t length = WellFormedSequenceLength(text, i);
-    if (length == 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(absl::string_view(field.data(), field.size()), ": invalid UTF-8 at byte offset ", i));
-    }
+    if (length == 0) return absl::InvalidArgumentError(absl::StrCat("invalid UTF-8 at byte offset ", i));
     i += length;
   }
   return absl::OkStatus();
+}
+
+absl::Status CheckTokenizerFits(const Tokenizer& tokenizer, const DocumentConfig& config) {
+  if (tokenizer.vocab_size() <= config.vocab_size) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("tokenizer.model: the ", tokenizer.name(), " tokenizer has ",
+                                                 tokenizer.vocab_size(), " tokens, config.json vocab_size is ",
+                                                 config.vocab_size));
 }
 
 std::unique_ptr<Tokenizer> MakeBytesTokenizer() { return std::make_unique<BytesTokenizer>(); }
@@ -204,11 +208,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const DocumentConfig& c
     return absl::InvalidArgumentError(absl::StrCat("config.json: tokenizer \"", config.tokenizer,
                                                    "\" is not supported: use \"bytes\" or \"sentencepiece\""));
   }
-  if (tokenizer->vocab_size() > config.vocab_size) {
-    return absl::InvalidArgumentError(absl::StrCat("tokenizer.model: the ", tokenizer->name(), " tokenizer has ",
-                                                   tokenizer->vocab_size(), " tokens, config.json vocab_size is ",
-                                                   config.vocab_size));
-  }
+  if (absl::Status fits = CheckTokenizerFits(*tokenizer, config); !fits.ok()) return fits;
   return tokenizer;
 }
 

@@ -15,8 +15,8 @@ namespace mita::models {
 
 // Checks that `text` is well-formed UTF-8 (RFC 3629: no overlong forms, no surrogates U+D800..U+DFFF, nothing
 // above U+10FFFF, no truncated sequence). OK for the empty text. Errors: INVALID_ARGUMENT
-// "<field>: invalid UTF-8 at byte offset <n>" where n is the offset of the first byte of the first bad sequence.
-absl::Status ValidateUtf8(std::string_view text, std::string_view field);
+// "invalid UTF-8 at byte offset <n>" where n is the offset of the first byte of the first bad sequence.
+absl::Status ValidateUtf8(std::string_view text);
 
 // Turns valid UTF-8 text into token ids. Implementations are immutable after loading and thread-safe.
 class Tokenizer {
@@ -32,6 +32,10 @@ class Tokenizer {
   virtual std::string name() const = 0;
 };
 
+// OK when every id of `tokenizer` fits config.vocab_size (the embedding table). Errors: INVALID_ARGUMENT
+// "tokenizer.model: the sentencepiece tokenizer has 40 tokens, config.json vocab_size is 30".
+absl::Status CheckTokenizerFits(const Tokenizer& tokenizer, const DocumentConfig& config);
+
 // The UTF-8 bytes tokenizer (as in Long Range Arena): id = byte value, vocab_size() = 256, one token per byte.
 std::unique_ptr<Tokenizer> MakeBytesTokenizer();
 
@@ -40,8 +44,8 @@ std::unique_ptr<Tokenizer> MakeBytesTokenizer();
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadSentencePieceTokenizer(const std::string& model_path);
 
 // The tokenizer named by config.tokenizer: "bytes", or "sentencepiece" from `package_directory`/tokenizer.model.
-// Errors: those of LoadSentencePieceTokenizer; INVALID_ARGUMENT when the tokenizer's vocabulary is larger than
-// config.vocab_size (its ids would not fit the embedding table) or the name is unknown.
+// Errors: those of LoadSentencePieceTokenizer; INVALID_ARGUMENT for an unknown name or a vocabulary that does not
+// fit (CheckTokenizerFits).
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const DocumentConfig& config,
                                                          const std::string& package_directory);
 

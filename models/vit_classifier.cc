@@ -12,6 +12,7 @@
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/tensor.h>
 #include <c10/core/InferenceMode.h>
 
@@ -21,6 +22,9 @@
 #include "kernels/aten_errors.h"
 #include "models/classifier_errors.h"
 #include "models/classifier_weights.h"
+#include "kernels/status_macros.h"
+#include "models/image_decoder.h"
+#include "models/request_error.h"
 
 namespace mita::models {
 
@@ -28,18 +32,36 @@ struct VitClassifier::Block : internal::TransformerBlockWeights {
   at::Tensor dwc_weight, dwc_bias;  // [C, 1, 3, 3], [C]; undefined without DWC
 };
 
-VitClassifier::VitClassifier(VitConfig config) : config_(std::move(config)) {}
+VitClassifier::VitClassifier(std::string name, VitConfig config, std::vector<std::string> labels)
+    : config_(std::move(config)) {
+  description_.name = std::move(name);
+  description_.architecture = config_.architecture;
+  description_.input_kind = InputKind::kImage;
+  description_.image = ImageInputDescription{config_.image_size, config_.image_size, config_.in_channels,
+                                             config_.max_image_side, config_.max_image_side};
+  description_.labels = std::move(labels);
+  description_.knobs = ImageKnobs(config_);
+  description_.layers = config_.depth;
+  description_.heads = config_.num_heads;
+  description_.embed_dim = config_.embed_dim;
+  description_.tokens_per_input = config_.tokens();
+}
 VitClassifier::~VitClassifier() = default;
 
-absl::StatusOr<std::unique_ptr<VitClassifier>> VitClassifier::Create(const VitConfig& config,
+absl::StatusOr<std::unique_ptr<VitClassifier>> VitClassifier::Create(std::string name, const VitConfig& config,
+                                                                     std::vector<std::string> labels,
                                                                      std::map<std::string, at::Tensor> weights) {
   if (config.embed_dim <= 0 || config.num_heads <= 0 || config.embed_dim % config.num_heads != 0 ||
       config.patch_size <= 0 || config.image_size % config.patch_size != 0 || config.depth <= 0) {
     return absl::InvalidArgumentError("config: inconsistent model dimensions (use ParseVitConfig)");
   }
+  if (static_cast<int64_t>(labels.size()) != config.num_classes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("labels: ", labels.size(), " labels for ", config.num_classes, " classes"));
+  }
   const int64_t channels = config.embed_dim;
   const int64_t hidden = config.mlp_hidden_dim;
-  std::unique_ptr<VitClassifier> model(new VitClassifier(config));
+  std::unique_ptr<VitClassifier> model(new VitClassifier(std::move(name), config, std::move(labels)));
   internal::WeightTaker taker(weights);
   taker.Take("patch_embed.proj.weight", {channels, config.in_channels, config.patch_size, config.patch_size},
              model->patch_weight_);
@@ -88,9 +110,7 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
     return absl::InvalidArgumentError(
         absl::StrCat("budgets: ", budgets.size(), " entries for a batch of ", batch, " images"));
   }
-  for (const AttentionBudget& budget : budgets) {
-    if (absl::Status status = ValidateBudget(config_, budget); !status.ok()) return status;
-  }
+  for (const AttentionBudget& budget : budgets) RETURN_IF_ERROR(CheckBudget(description_.knobs, budget));
 
   // Items grouped by attention kind and pool side P (landmarks are computed per group, one ImageLandmarks call).
   std::vector<int64_t> full_items, mita_items;
@@ -227,6 +247,47 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
     return kernels::CurrentExceptionStatus("classifier forward");
   }
   return output;
+}
+
+absl::StatusOr<Classifier::PreparedInput> VitClassifier::PrepareInput(const ClassifierInput& input,
+                                                                      const InputLimits& limits) const {
+  const std::string_view bytes = input.bytes;
+  if (bytes.empty()) return InvalidRequest(RequestField::kImage, "empty");
+  if (static_cast<int64_t>(bytes.size()) > limits.max_encoded_image_bytes) {
+    return InvalidRequest(RequestField::kImage, absl::StrCat(bytes.size(), " bytes is over the limit of ",
+                                                             limits.max_encoded_image_bytes, " bytes"));
+  }
+  ImageDecodeLimits decode_limits;
+  decode_limits.max_width = config_.max_image_side;
+  decode_limits.max_height = config_.max_image_side;
+  try {
+    ASSIGN_OR_RETURN(const DecodedImage decoded, DecodeImage(bytes, config_.in_channels, decode_limits));
+    ASSIGN_OR_RETURN(at::Tensor image, PreprocessImage(decoded, config_));
+    return PreparedInput{std::move(image), config_.tokens(), config_.tokens()};
+  } catch (const std::exception& e) {
+    // The bytes are user input: anything the decoder throws is a problem of the image.
+    return InvalidRequest(RequestField::kImage, absl::StrCat("cannot decode: ", e.what()));
+  }
+}
+
+absl::StatusOr<ClassifierOutput> VitClassifier::Run(absl::Span<const BatchItem* const> items,
+                                                    bool want_statistics) const {
+  if (items.empty()) return absl::InvalidArgumentError("items: the batch is empty");
+  std::vector<at::Tensor> images;
+  std::vector<AttentionBudget> budgets;
+  images.reserve(items.size());
+  budgets.reserve(items.size());
+  for (const BatchItem* item : items) {
+    images.push_back(item->input);
+    budgets.push_back(item->budget.budget);
+  }
+  at::Tensor stacked;
+  try {
+    stacked = at::stack(images, 0);
+  } catch (const std::exception&) {
+    return kernels::CurrentExceptionStatus("stacking the batch's images");
+  }
+  return Forward(stacked, budgets, want_statistics);
 }
 
 }  // namespace mita::models

@@ -11,36 +11,32 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kernels/mita_attention.h"
+#include "models/classifier.h"
 #include "models/model_config.h"
 
 namespace mita::models {
-
-// Output of one batched forward.
-struct ClassifierOutput {
-  // Class logits [B, num_classes], float32.
-  at::Tensor logits;
-  // B entries: statistics[b][layer] for item b when requested and item b ran MiTA; statistics[b] empty otherwise.
-  std::vector<std::vector<kernels::MitaItemStatistics>> statistics;
-};
 
 // A timm-style VisionTransformer whose attention is MiTA (optionally with the DWC variant). Forward:
 // patch_embed.proj (conv, stride = patch) -> prepend cls_token -> + pos_embed -> depth x [x + attn(norm1(x));
 // x + mlp(norm2(x))] -> norm -> head on the cls token. attn: qkv = Linear(C, 3C) ([q|k|v], head h owns channels
 // h*d .. h*d+d-1), MiTA per head with image landmarks (kernels::ImageLandmarks), merge heads, (+ DWC on the
 // patch tokens), proj. Dense layers run on all B*N tokens at once; attention runs per item with its own budget.
-class VitClassifier {
+// As a Classifier it takes encoded PNG/JPEG images (decoded and preprocessed by Prepare, models/image_decoder.h).
+class VitClassifier final : public Classifier {
  public:
   // Builds the model from float32 weights named as timm's ViT: patch_embed.proj.{weight,bias}, cls_token,
   // pos_embed, blocks.{i}.norm1.{weight,bias}, blocks.{i}.attn.qkv.{weight,bias}, blocks.{i}.attn.proj.{weight,
   // bias}, blocks.{i}.attn.dwc.{weight,bias} (DWC only), blocks.{i}.norm2, blocks.{i}.mlp.fc1, blocks.{i}.mlp.fc2,
   // norm, head. Errors: INVALID_ARGUMENT naming a missing tensor or one whose shape disagrees with the config
   // (expected and found shapes in the message) or that is not float32 on the CPU; unexpected extra tensors are an
-  // error too (e.g. DWC weights in a package whose config has depthwise_conv false).
-  static absl::StatusOr<std::unique_ptr<VitClassifier>> Create(const VitConfig& config,
+  // error too (e.g. DWC weights in a package whose config has depthwise_conv false). INVALID_ARGUMENT when
+  // `labels` does not hold num_classes entries. `name` is the model's name in its description.
+  static absl::StatusOr<std::unique_ptr<VitClassifier>> Create(std::string name, const VitConfig& config,
+                                                               std::vector<std::string> labels,
                                                                std::map<std::string, at::Tensor> weights);
 
   // images: [B, in_channels, image_size, image_size] float32 on the CPU (PreprocessImage output, stacked).
-  // budgets: B entries, each valid (ValidateBudget, checked again here); items may differ. Item b runs MiTA
+  // budgets: B entries, each valid (CheckBudget against ImageKnobs, checked again here); items may differ. Item b runs MiTA
   // with P = sqrt(expert_count) landmarks per side and expert_width keys per expert, or full softmax attention.
   // The result for an item does not depend on the other items of the batch (up to float rounding).
   // Runs under c10::InferenceMode; the returned logits are ordinary tensors. Thread-safe (const, no state).
@@ -52,15 +48,25 @@ class VitClassifier {
                                            kernels::MitaBackend backend = kernels::MitaBackend::kAuto) const;
 
   const VitConfig& config() const { return config_; }
+  const ClassifierDescription& description() const override { return description_; }
+
+  // Stacks the items' images [B, C, H, W] and runs Forward with their budgets.
+  absl::StatusOr<ClassifierOutput> Run(absl::Span<const BatchItem* const> items,
+                                       bool want_statistics) const override;
+
+  ~VitClassifier() override;
+
+ protected:
+  // Decodes the image (limits: the config's max_image_side, the server's max_encoded_image_bytes) and
+  // preprocesses it to [C, image_size, image_size]; tokens = config().tokens().
+  absl::StatusOr<PreparedInput> PrepareInput(const ClassifierInput& input, const InputLimits& limits) const override;
 
  private:
   struct Block;
-  explicit VitClassifier(VitConfig config);
- public:
-  ~VitClassifier();
+  VitClassifier(std::string name, VitConfig config, std::vector<std::string> labels);
 
- private:
   VitConfig config_;
+  ClassifierDescription description_;
   std::vector<Block> blocks_;  // defined in the .cc
   at::Tensor patch_weight_, patch_bias_, cls_token_, pos_embed_, norm_weight_, norm_bias_, head_weight_, head_bias_;
 };

@@ -18,7 +18,7 @@
 //     k keys of its routed expert; DESIGN.md section 2, cost O(N (M + k) d) per head) and N for full
 //     attention (so N^2). The queue is bounded in compute units (queue_compute_units) and, as a bookkeeping
 //     bound, in tasks (queue_capacity).
-// The batcher only adds these numbers up; what they mean is the caller's (server/classify_service.cc).
+// The batcher only adds these numbers up; what they mean is the caller's (models/budget.h ComputeUnits).
 //
 // Admission (Enqueue / Submit), one check for every limit, failing fast: a task that would take the queue
 // over queue_capacity tasks or queue_compute_units compute units is refused with RESOURCE_EXHAUSTED naming

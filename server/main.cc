@@ -16,7 +16,8 @@
 //   --batch_threads=1                      Batch threads per model.
 //   --torch_threads=0                      Intra-op threads of LibTorch and OpenBLAS; 0: the hardware concurrency
 //                                          (LibTorch 1.13 otherwise starts with half the cores).
-//   --grpc_max_pollers=64                  gRPC handler threads kept waiting for calls (gRPC's MAX_POLLERS).
+//   --preparation_threads=0                Threads decoding and tokenizing inputs; 0: the hardware concurrency.
+//   --preparation_queue_capacity=1024      Requests waiting for a preparation thread before RESOURCE_EXHAUSTED.
 //   --keep_freed_memory=true               Keep freed memory in the C heap for the next request instead of
 //                                          unmapping it (kernels/runtime_environment.h: a 64K-token document
 //                                          took 3.9x less server CPU here; resident memory stays at its
@@ -67,8 +68,10 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kernels/runtime_environment.h"
-#include "server/classify_service.h"
-#include "server/kserve_service.h"
+#include "server/call_outcome.h"
+#include "server/inference_engine.h"
+#include "server/mita_v1_service.h"
+#include "server/open_inference_service.h"
 #include "server/message_limits.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
@@ -91,9 +94,10 @@ ABSL_FLAG(int64_t, queue_compute_units, int64_t{1} << 32,
 ABSL_FLAG(int32_t, batch_threads, 1, "Threads forming and running batches, per model.");
 ABSL_FLAG(int32_t, torch_threads, 0,
           "Intra-op threads of LibTorch and of the BLAS library (OpenBLAS); 0: the hardware concurrency.");
-ABSL_FLAG(int32_t, grpc_max_pollers, 64,
-          "gRPC handler threads kept waiting for new calls (gRPC's MAX_POLLERS); a thread that finishes a call "
-          "beyond this many ends, and the next call then starts a new one.");
+ABSL_FLAG(int32_t, preparation_threads, 0,
+          "Threads that decode images and tokenize documents before admission; 0: the hardware concurrency.");
+ABSL_FLAG(int64_t, preparation_queue_capacity, 1024,
+          "Requests waiting for a preparation thread before new ones get RESOURCE_EXHAUSTED.");
 ABSL_FLAG(bool, keep_freed_memory, true,
           "Keep freed memory in the C heap for reuse by the next request (no per-block mmap, no trimming): long "
           "documents skip re-faulting their buffers in; resident memory stays at its high-water mark.");
@@ -162,13 +166,15 @@ int main(int argc, char** argv) {
   const int blas_threads = mita::kernels::SetIntraOpThreads(torch_threads);
   const bool keep_freed_memory =
       absl::GetFlag(FLAGS_keep_freed_memory) && mita::kernels::KeepFreedMemoryForReuse();
-  const int32_t grpc_max_pollers = absl::GetFlag(FLAGS_grpc_max_pollers);
-  if (grpc_max_pollers < 1) return Fail("--grpc_max_pollers must be >= 1");
+  const int32_t preparation_threads = absl::GetFlag(FLAGS_preparation_threads);
+  if (preparation_threads < 0) return Fail("--preparation_threads must be >= 0");
+  const int64_t preparation_queue_capacity = absl::GetFlag(FLAGS_preparation_queue_capacity);
+  if (preparation_queue_capacity < 1) return Fail("--preparation_queue_capacity must be >= 1");
   // Debian's Abseil is built without NDEBUG, so absl::Mutex records every lock order in a global graph to detect
   // deadlocks (GraphCycles showed in server profiles under load); a serving process does not pay for that.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 
-  mita::server::ServiceOptions options;
+  mita::server::EngineOptions options;
   options.batching.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
   options.batching.max_queue_delay = absl::Microseconds(static_cast<int64_t>(delay_ms * 1000.0));
   options.batching.queue_capacity = absl::GetFlag(FLAGS_queue_capacity);
@@ -178,6 +184,8 @@ int main(int argc, char** argv) {
   options.batching.queue_capacity_source = "flag --queue_capacity";
   options.batching.max_batch_size_source = "flag --max_batch_size";
   options.max_encoded_image_bytes = message_limits.max_receive_bytes;
+  options.preparation_threads = preparation_threads;
+  options.preparation_queue_capacity = preparation_queue_capacity;
   if (absl::Status status = mita::server::ValidateBatcherOptions(options.batching); !status.ok()) {
     return Fail(std::string(status.message()));
   }
@@ -192,7 +200,8 @@ int main(int argc, char** argv) {
     if (!loaded.ok()) return Fail(std::string(loaded.status().message()));
     authenticator = *std::move(loaded);
   }
-  options.authenticator = authenticator.get();
+  mita::server::FrontEndOptions front_end;
+  front_end.authenticator = authenticator.get();
 
   const std::string repository = absl::GetFlag(FLAGS_model_repository);
   const absl::Time load_start = absl::Now();
@@ -202,27 +211,13 @@ int main(int argc, char** argv) {
 
   std::vector<std::string> model_lines;
   for (const mita::models::ModelPackage* package : (*registry)->packages()) {
-    if (package->kind == mita::models::ModelKind::kDocument) {
-      const mita::models::DocumentConfig& config = package->document_config;
-      model_lines.push_back(absl::StrCat(package->name, " (", config.architecture, ", documents up to ",
-                                         config.max_tokens, " tokens, tokenizer ", config.tokenizer, ", ",
-                                         config.depth, " layers, ", config.num_classes,
-                                         " classes, default budget expert_count=", config.default_budget.expert_count,
-                                         " expert_width=", config.default_budget.expert_width, ")"));
-      continue;
-    }
-    const mita::models::VitConfig& config = package->config;
-    model_lines.push_back(absl::StrCat(package->name, " (", config.architecture, ", ", config.image_size, "x",
-                                       config.image_size, "x", config.in_channels, ", ", config.tokens(), " tokens, ",
-                                       config.depth, " layers, ", config.num_classes,
-                                       " classes, default budget expert_count=", config.default_budget.expert_count,
-                                       " expert_width=", config.default_budget.expert_width, ")"));
+    model_lines.push_back(package->classifier->description().Summary());
   }
   Log(absl::StrCat("loaded ", model_lines.size(), " model(s) from ", repository, " in ",
                    absl::FormatDuration(absl::Now() - load_start), ": ", absl::StrJoin(model_lines, "; ")));
 
   mita::server::ServerMetrics metrics(mita::server::MetricsModelInfos(**registry));
-  options.message_size = std::make_shared<mita::server::MessageSizeGuard>(message_limits, metrics.registry().get());
+  front_end.message_size = std::make_shared<mita::server::MessageSizeGuard>(message_limits, metrics.registry().get());
   std::unique_ptr<mita::server::MetricsHttpServer> metrics_server;
   const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   if (!metrics_listen.empty()) {
@@ -232,11 +227,12 @@ int main(int argc, char** argv) {
     metrics_server = *std::move(started);
   }
 
-  absl::StatusOr<std::unique_ptr<mita::server::ClassifyService>> service =
-      mita::server::ClassifyService::Create(registry->get(), &metrics, options);
-  if (!service.ok()) return Fail(service.status().ToString());
-  // Open Inference Protocol (KServe V2) on the same port, translated onto the same ClassifyService.
-  mita::server::KserveService kserve(registry->get(), service->get(), &metrics, "0.1.0");
+  absl::StatusOr<std::unique_ptr<mita::server::InferenceEngine>> engine =
+      mita::server::InferenceEngine::Create(registry->get(), &metrics, options);
+  if (!engine.ok()) return Fail(engine.status().ToString());
+  mita::server::MitaV1Service mita_v1(engine->get(), &metrics, front_end);
+  // Open Inference Protocol (KServe V2) on the same port, on the same engine.
+  mita::server::OpenInferenceService open_inference(engine->get(), &metrics, front_end, "0.1.0");
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -244,12 +240,9 @@ int main(int argc, char** argv) {
   const std::string listen = absl::GetFlag(FLAGS_listen);
   int selected_port = 0;
   builder.AddListeningPort(listen, *credentials, &selected_port);
-  options.message_size->ConfigureServer(builder);
-  // Keep handler threads: each call waits in its handler thread for its batch, so with gRPC's default of 2
-  // pollers every call beyond two in flight created and then ended a thread (docs/serving.md, "Threads").
-  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, grpc_max_pollers);
-  builder.RegisterService(service->get());
-  builder.RegisterService(&kserve);
+  front_end.message_size->ConfigureServer(builder);
+  builder.RegisterService(&mita_v1);
+  builder.RegisterService(&open_inference);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || selected_port == 0) {
     return Fail(absl::StrCat("cannot listen on '", listen, "' (flag --listen)"));
@@ -260,7 +253,7 @@ int main(int argc, char** argv) {
     health->SetServingStatus(mita::v1::MitaService::service_full_name(), true);
     health->SetServingStatus(inference::GRPCInferenceService::service_full_name(), true);
   }
-  kserve.SetReady(true);
+  open_inference.SetReady(true);
   std::string metrics_line = "metrics disabled";
   if (metrics_server != nullptr) {
     metrics_line = absl::StrCat("metrics on http://", metrics_listen, "/metrics (port ", metrics_server->port(), ")");
@@ -277,7 +270,7 @@ int main(int argc, char** argv) {
                    " queue_capacity=", options.batching.queue_capacity,
                    " queue_compute_units=", options.batching.queue_compute_units,
                    " batch_threads=", options.batching.num_batch_threads, " torch_threads=", at::get_num_threads(),
-                   " blas_threads=", blas_threads, " grpc_max_pollers=", grpc_max_pollers,
+                   " blas_threads=", blas_threads, " preparation_threads=", preparation_threads,
                    " keep_freed_memory=", keep_freed_memory ? "true" : "false"));
 
   int signal_number = 0;
@@ -289,12 +282,12 @@ int main(int argc, char** argv) {
     health->SetServingStatus(mita::v1::MitaService::service_full_name(), false);
     health->SetServingStatus(inference::GRPCInferenceService::service_full_name(), false);
   }
-  kserve.SetReady(false);
+  open_inference.SetReady(false);
   const absl::Time drain_start = absl::Now();
   const absl::Time drain_deadline = drain_start + absl::Seconds(drain_timeout_s);
   // New Classify calls get UNAVAILABLE from now on; queued ones run at once; admitted ones finish.
-  (*service)->BeginDrain();
-  const bool idle = (*service)->WaitUntilIdle(drain_deadline);
+  (*engine)->BeginDrain();
+  const bool idle = (*engine)->WaitUntilIdle(drain_deadline);
   // Keep refusing new calls with UNAVAILABLE a little longer: a call that reaches gRPC while it stops is
   // cancelled instead, which tells its caller less (it cannot know whether the request ran).
   if (idle) absl::SleepFor(std::min(kRefuseAfterDrain, std::max(absl::ZeroDuration(), drain_deadline - absl::Now())));
@@ -303,10 +296,10 @@ int main(int argc, char** argv) {
   // queued work back and answer).
   const absl::Time stop_deadline = idle ? std::min(drain_deadline, absl::Now() + absl::Seconds(1)) : absl::Now();
   server->Shutdown(absl::ToChronoTime(stop_deadline));
-  (*service)->Shutdown();
+  (*engine)->Shutdown();
   server->Wait();
   if (metrics_server != nullptr) metrics_server->Stop();
-  const mita::server::ClassifyService::AdmissionCounts counts = (*service)->admission_counts();
+  const mita::server::InferenceEngine::AdmissionCounts counts = (*engine)->admission_counts();
   Log(absl::StrCat("stopped after draining for ", absl::FormatDuration(absl::Now() - drain_start),
                    idle ? "" : " (drain timeout: calls still running were cancelled)", "; requests admitted ",
                    counts.admitted, ", answered ok ", counts.ok, ", answered with an error ", counts.failed));

@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "models/request_error.h"
 #include "server/security.h"
 
 namespace mita::server {
@@ -88,7 +89,7 @@ absl::StatusOr<std::unique_ptr<ModelRegistry>> ModelRegistry::FromPackages(std::
   std::unique_ptr<ModelRegistry> registry(new ModelRegistry());
   for (models::ModelPackage& package : packages) {
     if (package.name.empty()) return absl::InvalidArgumentError("model package without a name");
-    if (package.model == nullptr && package.document_model == nullptr) {
+    if (package.classifier == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("model package '", package.name, "' has no model"));
     }
     std::string name = package.name;
@@ -100,8 +101,8 @@ absl::StatusOr<std::unique_ptr<ModelRegistry>> ModelRegistry::FromPackages(std::
 
 absl::StatusOr<const models::ModelPackage*> ModelRegistry::Lookup(const std::string& name) const {
   if (name.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the model name is empty; available: ", absl::StrJoin(names(), ", ")));
+    return models::InvalidRequest(models::RequestField::kModel,
+                                  absl::StrCat("the model name is empty; available: ", absl::StrJoin(names(), ", ")));
   }
   auto it = packages_.find(name);
   if (it == packages_.end()) {

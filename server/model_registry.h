@@ -25,11 +25,11 @@ class ModelRegistry {
   static absl::StatusOr<std::unique_ptr<ModelRegistry>> LoadFromDirectory(const std::string& repository);
 
   // Builds a registry from already loaded packages (tests). Errors: INVALID_ARGUMENT for an empty or
-  // duplicate name or a package without a model.
+  // duplicate name or a package without a classifier.
   static absl::StatusOr<std::unique_ptr<ModelRegistry>> FromPackages(std::vector<models::ModelPackage> packages);
 
-  // The model called `name`. Errors: INVALID_ARGUMENT for an empty name; NOT_FOUND "model 'x' not found;
-  // available: a, b".
+  // The model called `name`. Errors: INVALID_ARGUMENT (a RequestField::kModel problem) for an empty name;
+  // NOT_FOUND "model 'x' not found; available: a, b".
   absl::StatusOr<const models::ModelPackage*> Lookup(const std::string& name) const;
 
   // Model names, sorted.

@@ -100,7 +100,7 @@ absl::StatusOr<std::unique_ptr<BearerTokenAuthenticator>> BearerTokenAuthenticat
   return std::unique_ptr<BearerTokenAuthenticator>(new BearerTokenAuthenticator(token));
 }
 
-absl::Status BearerTokenAuthenticator::Check(const grpc::ServerContext& context) const {
+absl::Status BearerTokenAuthenticator::Check(const grpc::ServerContextBase& context) const {
   const auto& metadata = context.client_metadata();
   auto it = metadata.find("authorization");
   if (it == metadata.end()) return CheckHeader(nullptr);

@@ -50,7 +50,7 @@ class BearerTokenAuthenticator {
   // OK when the call's metadata has "authorization: Bearer <token>" with this token (the scheme is
   // case-insensitive). Errors: UNAUTHENTICATED "missing ..." when there is no such metadata,
   // UNAUTHENTICATED "invalid bearer token" when the token differs (never echoed).
-  absl::Status Check(const grpc::ServerContext& context) const;
+  absl::Status Check(const grpc::ServerContextBase& context) const;
   // The same check on the value of an "authorization" header; nullptr: absent.
   absl::Status CheckHeader(const std::string* authorization) const;
 

@@ -30,7 +30,7 @@
 #include "client/mita_client.h"
 #include "gtest/gtest.h"
 #include "prometheus/metric_family.h"
-#include "server/classify_service.h"
+#include "server/inference_engine.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
 #include "tests/server_test_util.h"
@@ -58,7 +58,7 @@ bool WaitFor(const std::function<bool()>& condition, absl::Duration bound = absl
 // stub of it.
 struct TestServer {
   std::unique_ptr<test_util::InProcessServer> in_process;
-  ClassifyService* service = nullptr;
+  InferenceEngine* engine = nullptr;
   std::unique_ptr<v1::MitaService::Stub> stub;
 
   const prometheus::Registry& registry() const { return in_process->registry(); }
@@ -90,14 +90,14 @@ class CancellationTest : public ::testing::Test {
 
   static std::unique_ptr<TestServer> Start(int64_t max_batch_size, absl::Duration max_queue_delay) {
     auto server = std::make_unique<TestServer>();
-    ServiceOptions options;
+    EngineOptions options;
     options.batching.max_batch_size = max_batch_size;
     options.batching.max_queue_delay = max_queue_delay;
     options.batching.queue_capacity = 4096;
     server->in_process = std::make_unique<test_util::InProcessServer>(registry_, options);
     EXPECT_TRUE(server->in_process->status().ok()) << server->in_process->status();
     if (!server->in_process->status().ok()) return nullptr;
-    server->service = &server->in_process->service();
+    server->engine = &server->in_process->engine();
     server->stub = v1::MitaService::NewStub(
         grpc::CreateChannel(server->in_process->target(), grpc::InsecureChannelCredentials()));
     return server;
@@ -141,7 +141,7 @@ TEST_F(CancellationTest, CallCancelledWhileItsBatchRunsIsNotCountedAsAnswered) {
   grpc::Status status;
   std::thread caller([&] { status = server->stub->Classify(&context, request, &response); });
   // Admitted and taken by the batch thread (queue empty again), then give the batch time to start computing.
-  ASSERT_TRUE(WaitFor([&] { return server->service->admission_counts().admitted == 1; }));
+  ASSERT_TRUE(WaitFor([&] { return server->engine->admission_counts().admitted == 1; }));
   ASSERT_TRUE(WaitFor([&] { return server->QueueDepth() == 0; }));
   absl::SleepFor(absl::Milliseconds(300));
   ASSERT_EQ(batches(), 0) << "the batch finished before the cancel; the document is too short for this machine";
@@ -151,11 +151,11 @@ TEST_F(CancellationTest, CallCancelledWhileItsBatchRunsIsNotCountedAsAnswered) {
   // The handler answers once the batch is done.
   ASSERT_TRUE(WaitFor([&] { return batches() == 1; }, absl::Seconds(300)));
   ASSERT_TRUE(WaitFor([&] {
-    const ClassifyService::AdmissionCounts counts = server->service->admission_counts();
+    const InferenceEngine::AdmissionCounts counts = server->engine->admission_counts();
     return counts.ok + counts.failed == 1;
   }));
-  EXPECT_EQ(server->service->admission_counts().ok, 0);
-  EXPECT_EQ(server->service->admission_counts().failed, 1);
+  EXPECT_EQ(server->engine->admission_counts().ok, 0);
+  EXPECT_EQ(server->engine->admission_counts().failed, 1);
   EXPECT_EQ(MetricValue(metrics, "mita_requests_total",
                         {{"method", "Classify"}, {"model", kDocumentModel}, {"code", "CANCELLED"}}),
             1);
@@ -179,7 +179,7 @@ TEST_F(CancellationTest, CancelledCallLeavesTheQueueAtOnceAndIsNeverRun) {
   // The server takes the task back: the gauge drops and the server answers CANCELLED, with no batch run.
   EXPECT_TRUE(WaitFor([&] { return server->QueueDepth() == 0; })) << "queue depth " << server->QueueDepth();
   EXPECT_TRUE(WaitFor([&] { return server->Answered("CANCELLED") == 1; }));
-  EXPECT_EQ(server->service->admission_counts().failed, 1);
+  EXPECT_EQ(server->engine->admission_counts().failed, 1);
   EXPECT_EQ(server->Batches(), 0);
   EXPECT_EQ(server->ExecutedAfterCancel(), 0);
   // The freed slot is usable: 16 requests make a full batch, released at once.
@@ -246,7 +246,7 @@ TEST_F(CancellationTest, CancelStormLeavesAnEmptyQueueAndNoWorkAfterCancel) {
   }
   const int64_t cancel_window_us =
       std::max<int64_t>(400000, absl::ToInt64Microseconds(wave_time));
-  const ClassifyService::AdmissionCounts before_storm = server->service->admission_counts();
+  const InferenceEngine::AdmissionCounts before_storm = server->engine->admission_counts();
   struct Call {
     grpc::ClientContext context;
     v1::ClassifyResponse response;
@@ -304,12 +304,12 @@ TEST_F(CancellationTest, CancelStormLeavesAnEmptyQueueAndNoWorkAfterCancel) {
   }
   // The server answers every call exactly once (a client-side cancel returns before the server notices).
   EXPECT_TRUE(WaitFor([&] {
-    return server->service->admission_counts().admitted ==
-           server->service->admission_counts().ok + server->service->admission_counts().failed;
+    return server->engine->admission_counts().admitted ==
+           server->engine->admission_counts().ok + server->engine->admission_counts().failed;
   }));
   EXPECT_TRUE(WaitFor([&] { return server->QueueDepth() == 0; })) << "queue depth " << server->QueueDepth();
   EXPECT_EQ(server->ExecutedAfterCancel(), 0);
-  ClassifyService::AdmissionCounts counts = server->service->admission_counts();
+  InferenceEngine::AdmissionCounts counts = server->engine->admission_counts();
   counts.admitted -= before_storm.admitted;
   counts.ok -= before_storm.ok;
   counts.failed -= before_storm.failed;

@@ -27,6 +27,7 @@
 #include "models/document_classifier.h"
 #include "models/model_config.h"
 #include "models/model_package.h"
+#include "models/request_error.h"
 #include "models/safetensors.h"
 #include "models/tokenizer.h"
 #include "nlohmann/json.hpp"
@@ -92,9 +93,9 @@ TEST(DocumentConfigTest, ValidConfigParses) {
   EXPECT_TRUE(config->presets.at("exact").full_attention);
   EXPECT_EQ(config->max_expert_count, 256);
   EXPECT_EQ(config->max_expert_width, 1024);
-  absl::StatusOr<ModelKind> kind = ParseModelKind(ValidDocumentConfigJson().dump());
-  ASSERT_TRUE(kind.ok());
-  EXPECT_EQ(*kind, ModelKind::kDocument);
+  absl::StatusOr<std::string> architecture = ParseArchitecture(ValidDocumentConfigJson().dump());
+  ASSERT_TRUE(architecture.ok());
+  EXPECT_EQ(*architecture, "mita_document");
 }
 
 TEST(DocumentConfigTest, EachMissingFieldIsNamed) {
@@ -123,8 +124,8 @@ TEST(DocumentConfigTest, BadValuesAreNamedWithTheirRange) {
       "num_heads 3 does not divide embed_dim 32", "max_tokens 0 is out of range [1, 16777216]",
       "tokenizer \"words\" is not supported", "position_encoding.kernel_size 4 must be odd",
       "position_encoding.type \"learned\" is not supported",
-      "attention.default_budget.expert_width 5000 is out of range [1, 1024]",
-      "attention.presets.fast.expert_count 300 is out of range [1, 256]",
+      "attention.default_budget.expert_width 5000 is out of range: allowed [1, 1024]",
+      "attention.presets.fast.expert_count 300 is out of range: allowed [1, 256]",
       "attention.max_expert_width 70000 is out of range [1, 65536]", "architecture \"mita_vit\" is not supported",
       "vocab_size 100 is too small for tokenizer \"bytes\"", "embed_dim must be an integer"};
   for (size_t i = 0; i < cases.size(); ++i) {
@@ -133,49 +134,51 @@ TEST(DocumentConfigTest, BadValuesAreNamedWithTheirRange) {
     ExpectStatus(ParseDocumentConfig(config.dump()).status(), absl::StatusCode::kInvalidArgument, messages[i]);
   }
   ExpectStatus(ParseDocumentConfig("{").status(), absl::StatusCode::kInvalidArgument, "config.json: invalid JSON");
-  ExpectStatus(ParseModelKind(R"({"architecture": "bert"})").status(), absl::StatusCode::kInvalidArgument,
-               "use \"mita_vit\" or \"mita_document\"");
 }
 
-TEST(DocumentBudgetTest, ValidateNamesTheFieldAndRange) {
-  const DocumentConfig config = *ParseDocumentConfig(ValidDocumentConfigJson().dump());
-  EXPECT_TRUE(ValidateDocumentBudget(config, {true, 0, 0}).ok());
-  EXPECT_TRUE(ValidateDocumentBudget(config, {false, 1, 1}).ok());
-  EXPECT_TRUE(ValidateDocumentBudget(config, {false, 256, 1024}).ok());
-  ExpectStatus(ValidateDocumentBudget(config, {false, 16, 5000}), absl::StatusCode::kInvalidArgument,
-               "budget.experts.expert_width 5000 is out of range: allowed [1, 1024]");
-  ExpectStatus(ValidateDocumentBudget(config, {false, 0, 8}), absl::StatusCode::kInvalidArgument,
-               "budget.experts.expert_count 0 is out of range: allowed [1, 256]");
-  ExpectStatus(ValidateDocumentBudget(config, {false, 257, 8}), absl::StatusCode::kInvalidArgument,
-               "budget.experts.expert_count 257 is out of range: allowed [1, 256]");
-  ExpectStatus(ValidateDocumentBudget(config, {false, -1, 5000}), absl::StatusCode::kInvalidArgument,
-               "budget.experts.expert_count -1 is out of range: allowed [1, 256]; "
-               "budget.experts.expert_width 5000 is out of range: allowed [1, 1024]");
+TEST(DocumentBudgetTest, CheckNamesTheKnobAndRange) {
+  const BudgetKnobs knobs = DocumentKnobs(*ParseDocumentConfig(ValidDocumentConfigJson().dump()));
+  EXPECT_TRUE(CheckBudget(knobs, {true, 0, 0}).ok());
+  EXPECT_TRUE(CheckBudget(knobs, {false, 1, 1}).ok());
+  EXPECT_TRUE(CheckBudget(knobs, {false, 256, 1024}).ok());
+  using Problems = std::vector<FieldProblem>;
+  EXPECT_EQ(FieldProblems(CheckBudget(knobs, {false, 16, 5000})),
+            (Problems{{RequestField::kExpertWidth, -1, "5000 is out of range: allowed [1, 1024]"}}));
+  EXPECT_EQ(FieldProblems(CheckBudget(knobs, {false, 0, 8})),
+            (Problems{{RequestField::kExpertCount, -1, "0 is out of range: allowed [1, 256]"}}));
+  EXPECT_EQ(FieldProblems(CheckBudget(knobs, {false, 257, 8})),
+            (Problems{{RequestField::kExpertCount, -1, "257 is out of range: allowed [1, 256]"}}));
+  const absl::Status both = CheckBudget(knobs, {false, -1, 5000});
+  EXPECT_EQ(both.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(FieldProblems(both), (Problems{{RequestField::kExpertCount, -1, "-1 is out of range: allowed [1, 256]"},
+                                           {RequestField::kExpertWidth, -1, "5000 is out of range: allowed [1, 1024]"}}));
+  // The neutral message names each knob too (logs and tools see it).
+  EXPECT_EQ(both.message(), "expert_count: -1 is out of range: allowed [1, 256]; "
+                            "expert_width: 5000 is out of range: allowed [1, 1024]");
 }
 
 TEST(DocumentBudgetTest, ApplyClampsToTheDocumentLength) {
-  const AttentionBudget applied = ApplyDocumentBudget({false, 16, 64}, 40);
+  const AttentionBudget applied = ApplyBudget({false, 16, 64}, 40);
   EXPECT_FALSE(applied.full_attention);
   EXPECT_EQ(applied.expert_count, 16);
   EXPECT_EQ(applied.expert_width, 40);
-  const AttentionBudget tiny = ApplyDocumentBudget({false, 16, 64}, 3);
+  const AttentionBudget tiny = ApplyBudget({false, 16, 64}, 3);
   EXPECT_EQ(tiny.expert_count, 3);
   EXPECT_EQ(tiny.expert_width, 3);
-  const AttentionBudget unchanged = ApplyDocumentBudget({false, 16, 64}, 70000);
+  const AttentionBudget unchanged = ApplyBudget({false, 16, 64}, 70000);
   EXPECT_EQ(unchanged.expert_count, 16);
   EXPECT_EQ(unchanged.expert_width, 64);
-  EXPECT_TRUE(ApplyDocumentBudget({true, 0, 0}, 5).full_attention);
+  EXPECT_TRUE(ApplyBudget({true, 0, 0}, 5).full_attention);
 }
 
 // ----- UTF-8 and tokenizers -----
 
 TEST(Utf8Test, WellFormedTextPasses) {
-  EXPECT_TRUE(ValidateUtf8("", "document.text").ok());
-  EXPECT_TRUE(ValidateUtf8("plain ASCII\n", "document.text").ok());
+  EXPECT_TRUE(ValidateUtf8("").ok());
+  EXPECT_TRUE(ValidateUtf8("plain ASCII\n").ok());
   // 2-, 3- and 4-byte forms at their boundaries: U+0080, U+07FF, U+0800, U+D7FF, U+E000, U+FFFF, U+10000, U+10FFFF.
   EXPECT_TRUE(ValidateUtf8("\xC2\x80\xDF\xBF\xE0\xA0\x80\xED\x9F\xBF\xEE\x80\x80\xEF\xBF\xBF\xF0\x90\x80\x80"
-                           "\xF4\x8F\xBF\xBF",
-                           "document.text")
+                           "\xF4\x8F\xBF\xBF")
                   .ok());
 }
 
@@ -193,8 +196,8 @@ TEST(Utf8Test, EachMalformedSequenceIsReportedAtItsOffset) {
       {"\xC3\xA9\xFF", 2},           // 0xFF after a valid character
   };
   for (const auto& [text, offset] : cases) {
-    ExpectStatus(ValidateUtf8(text, "document.text"), absl::StatusCode::kInvalidArgument,
-                 "document.text: invalid UTF-8 at byte offset " + std::to_string(offset));
+    ExpectStatus(ValidateUtf8(text), absl::StatusCode::kInvalidArgument,
+                 "invalid UTF-8 at byte offset " + std::to_string(offset));
   }
 }
 
@@ -325,7 +328,7 @@ absl::StatusOr<at::Tensor> PythonDocumentLogits(const std::string& package, cons
 
 std::vector<AttentionBudget> Applied(const std::vector<AttentionBudget>& budgets, const std::vector<int64_t>& lengths) {
   std::vector<AttentionBudget> applied;
-  for (size_t b = 0; b < budgets.size(); ++b) applied.push_back(ApplyDocumentBudget(budgets[b], lengths[b]));
+  for (size_t b = 0; b < budgets.size(); ++b) applied.push_back(ApplyBudget(budgets[b], lengths[b]));
   return applied;
 }
 
@@ -349,16 +352,16 @@ class DocumentTwinTest : public ::testing::Test {
                                 "/tools/reference_logits.py make-document-package --seed 3 --out " +
                                 package_directory_ + " 2> " + work_ + "/make_stderr.txt";
     ASSERT_EQ(std::system(command.c_str()), 0) << ReadFile(work_ + "/make_stderr.txt");
-    absl::StatusOr<ModelPackage> package = LoadModelPackage(package_directory_);
-    ASSERT_TRUE(package.ok()) << package.status();
-    package_ = std::move(*package);
+    absl::StatusOr<std::unique_ptr<DocumentClassifier>> model = LoadDocumentClassifier(package_directory_);
+    ASSERT_TRUE(model.ok()) << model.status();
+    model_ = *std::move(model);
   }
 
   // C++ packed forward of all documents vs the twin running each alone; returns the largest difference.
   double CompareWithPython(const std::vector<int64_t>& lengths, const std::vector<AttentionBudget>& budgets,
                            double tolerance, kernels::MitaBackend backend = kernels::MitaBackend::kAuto) {
     const at::Tensor tokens = at::randint(0, 256, {Sum(lengths)}, at::TensorOptions().dtype(at::kLong));
-    absl::StatusOr<ClassifierOutput> output = package_.document_model->Forward(tokens, lengths, budgets, false, backend);
+    absl::StatusOr<ClassifierOutput> output = model_->Forward(tokens, lengths, budgets, false, backend);
     EXPECT_TRUE(output.ok()) << output.status();
     absl::StatusOr<at::Tensor> expected = PythonDocumentLogits(package_directory_, tokens, lengths, budgets, work_);
     EXPECT_TRUE(expected.ok()) << expected.status();
@@ -376,20 +379,91 @@ class DocumentTwinTest : public ::testing::Test {
 
   std::string work_;
   std::string package_directory_;
-  ModelPackage package_;
+  std::unique_ptr<DocumentClassifier> model_;
 };
 
 TEST_F(DocumentTwinTest, PackageLoadsAsADocumentModel) {
-  EXPECT_EQ(package_.kind, ModelKind::kDocument);
-  EXPECT_EQ(package_.name, "package");
-  ASSERT_NE(package_.document_model, nullptr);
-  ASSERT_NE(package_.tokenizer, nullptr);
-  EXPECT_EQ(package_.model, nullptr);
-  EXPECT_EQ(package_.tokenizer->name(), "bytes");
-  EXPECT_EQ(package_.document_config.tokenizer, "bytes");
-  EXPECT_EQ(package_.document_config.max_tokens, 65536);
-  EXPECT_EQ(package_.document_config.vocab_size, 256);
-  EXPECT_THAT(package_.labels, ElementsAre("topic 0", "topic 1", "topic 2", "topic 3"));
+  absl::StatusOr<ModelPackage> package = LoadModelPackage(package_directory_);
+  ASSERT_TRUE(package.ok()) << package.status();
+  EXPECT_EQ(package->name, "package");
+  ASSERT_NE(package->classifier, nullptr);
+  const ClassifierDescription& description = package->classifier->description();
+  EXPECT_EQ(description.name, "package");
+  EXPECT_EQ(description.architecture, "mita_document");
+  EXPECT_EQ(description.input_kind, InputKind::kDocument);
+  EXPECT_FALSE(description.image.has_value());
+  ASSERT_TRUE(description.document.has_value());
+  EXPECT_EQ(description.document->tokenizer, "bytes");
+  EXPECT_EQ(description.document->max_tokens, 65536);
+  EXPECT_EQ(description.document->vocabulary_size, 256);
+  EXPECT_EQ(description.tokens_per_input, 0);
+  EXPECT_EQ(description.knobs.max_expert_count, model_->config().max_expert_count);
+  EXPECT_TRUE(description.knobs.allowed_expert_counts.empty());
+  EXPECT_THAT(description.labels, ElementsAre("topic 0", "topic 1", "topic 2", "topic 3"));
+  ASSERT_NE(model_->tokenizer(), nullptr);
+  EXPECT_EQ(model_->tokenizer()->name(), "bytes");
+  // The typed loader refuses a package of another architecture.
+  ExpectStatus(LoadVitClassifier(package_directory_).status(), absl::StatusCode::kInvalidArgument,
+               "architecture \"mita_document\" is not \"mita_vit\"");
+}
+
+// Through the Classifier interface: Prepare tokenizes, checks and truncates, resolving and applying the budget;
+// Run on the prepared items gives the logits of Forward on the same ids.
+TEST_F(DocumentTwinTest, PrepareAndRunThroughTheClassifierInterface) {
+  const Classifier& classifier = *model_;
+  ClassifierInput text;
+  text.kind = ClassifierInput::Kind::kText;
+  text.bytes = "Hello, packed batches.";  // the bytes tokenizer: one token per byte
+  BudgetRequest experts;
+  experts.choice = BudgetRequest::Choice::kExperts;
+  experts.expert_count = 64;  // more than the 22 tokens: applied as 22
+  absl::StatusOr<BatchItem> item = classifier.Prepare(text, experts, InputLimits{});
+  ASSERT_TRUE(item.ok()) << item.status();
+  EXPECT_EQ(item->tokens, 22);
+  EXPECT_EQ(item->input_tokens, 22);
+  EXPECT_EQ(item->budget.budget, (AttentionBudget{false, 22, 22}));  // default width 64, both cut to the 22 tokens
+  EXPECT_EQ(item->budget.preset, "");
+  EXPECT_EQ(item->compute_units, 22 * 44);
+  // The server's token limit cuts a document when truncation is asked, and says who set it otherwise.
+  InputLimits limits;
+  limits.max_tokens = 10;
+  limits.max_tokens_source = "flag --max_batch_tokens";
+  using Problems = std::vector<FieldProblem>;
+  EXPECT_EQ(FieldProblems(classifier.Prepare(text, {}, limits).status()),
+            (Problems{{RequestField::kDocumentText, -1,
+                       "the document has 22 tokens, over the limit of 10 tokens (flag --max_batch_tokens)"},
+                      {RequestField::kTruncate, -1, "set it to classify the first 10 tokens"}}));
+  text.truncate = true;
+  absl::StatusOr<BatchItem> cut = classifier.Prepare(text, {}, limits);
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  EXPECT_EQ(cut->tokens, 10);
+  EXPECT_EQ(cut->input_tokens, 22);
+  EXPECT_EQ(cut->budget.preset, "default");
+  // Token ids: each is range-checked, naming its position.
+  const std::vector<int64_t> ids = {1, 2, 300};
+  ClassifierInput token_ids;
+  token_ids.kind = ClassifierInput::Kind::kTokenIds;
+  token_ids.token_ids = ids;
+  EXPECT_EQ(FieldProblems(classifier.Prepare(token_ids, {}, InputLimits{}).status()),
+            (Problems{{RequestField::kDocumentTokenIds, 2, "300 is out of range: allowed [0, 255]"}}));
+  ClassifierInput image;
+  image.kind = ClassifierInput::Kind::kImage;
+  image.bytes = "\x89PNG";
+  EXPECT_EQ(FieldProblems(classifier.Prepare(image, {}, InputLimits{}).status()),
+            (Problems{{RequestField::kInput, -1,
+                       "model 'package' takes a document (text or token ids), not an image"}}));
+  // Run on two prepared items equals Forward on the same ids.
+  const std::vector<const BatchItem*> items = {&*item, &*cut};
+  absl::StatusOr<ClassifierOutput> run = classifier.Run(items, /*want_statistics=*/true);
+  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_EQ(run->statistics.size(), 2u);
+  EXPECT_EQ(run->statistics[0].size(), 2u);  // two layers of MiTA
+  for (size_t b = 0; b < items.size(); ++b) {
+    absl::StatusOr<ClassifierOutput> alone =
+        model_->Forward(items[b]->input, {items[b]->tokens}, {items[b]->budget.budget}, false);
+    ASSERT_TRUE(alone.ok()) << alone.status();
+    EXPECT_LE(run->logits[static_cast<int64_t>(b)].sub(alone->logits[0]).abs().max().item<double>(), 1e-5);
+  }
 }
 
 TEST_F(DocumentTwinTest, LogitsMatchPythonAtSeveralBudgetsAndFullAttention) {
@@ -403,7 +477,7 @@ TEST_F(DocumentTwinTest, LogitsMatchPythonAtSeveralBudgetsAndFullAttention) {
                                        AttentionBudget{true, 0, 0}}) {
     for (int64_t length : document_lengths) {
       lengths.push_back(length);
-      budgets.push_back(ApplyDocumentBudget(budget, length));
+      budgets.push_back(ApplyBudget(budget, length));
     }
   }
   const std::vector<AttentionBudget> mixed =
@@ -422,13 +496,13 @@ TEST_F(DocumentTwinTest, MixedPackedBatchEqualsEachDocumentAlone) {
       {{false, 16, 64}, {false, 8, 32}, {true, 0, 0}, {false, 4, 16}, {false, 32, 128}, {false, 1, 1}, {true, 0, 0}},
       lengths);
   const at::Tensor tokens = at::randint(0, 256, {Sum(lengths)}, at::TensorOptions().dtype(at::kLong));
-  absl::StatusOr<ClassifierOutput> batched = package_.document_model->Forward(tokens, lengths, budgets, true);
+  absl::StatusOr<ClassifierOutput> batched = model_->Forward(tokens, lengths, budgets, true);
   ASSERT_TRUE(batched.ok()) << batched.status();
   ASSERT_EQ(batched->logits.size(0), static_cast<int64_t>(lengths.size()));
   ASSERT_EQ(batched->statistics.size(), lengths.size());
   int64_t offset = 0;
   for (size_t b = 0; b < lengths.size(); ++b) {
-    absl::StatusOr<ClassifierOutput> alone = package_.document_model->Forward(
+    absl::StatusOr<ClassifierOutput> alone = model_->Forward(
         tokens.narrow(0, offset, lengths[b]), {lengths[b]}, {budgets[b]}, true);
     offset += lengths[b];
     ASSERT_TRUE(alone.ok()) << alone.status();
@@ -444,7 +518,7 @@ TEST_F(DocumentTwinTest, MixedPackedBatchEqualsEachDocumentAlone) {
 }
 
 TEST_F(DocumentTwinTest, ForwardRejectsBadInputsNamingTheRange) {
-  const DocumentClassifier& model = *package_.document_model;
+  const DocumentClassifier& model = *model_;
   const auto ids = [](std::vector<int64_t> values) { return at::tensor(values, at::TensorOptions().dtype(at::kLong)); };
   const AttentionBudget mita{false, 2, 3};
   ExpectStatus(model.Forward(ids({1, 2, 256, 4}), {4}, {mita}, false).status(), absl::StatusCode::kInvalidArgument,
@@ -461,7 +535,7 @@ TEST_F(DocumentTwinTest, ForwardRejectsBadInputsNamingTheRange) {
                "lengths: the batch has no documents");
   ExpectStatus(model.Forward(ids({1, 2, 3}), {3}, {{false, 2, 5000}}, false).status(),
                absl::StatusCode::kInvalidArgument,
-               "budgets[0]: budget.experts.expert_width 5000 is out of range: allowed [1, 1024]");
+               "budgets[0]: expert_width: 5000 is out of range: allowed [1, 1024]");
   ExpectStatus(model.Forward(ids({1, 2, 3}), {3}, {{false, 16, 64}}, false).status(),
                absl::StatusCode::kInvalidArgument, "must not exceed the document's 3 tokens");
   ExpectStatus(model.Forward(at::tensor(std::vector<int>{1, 2, 3}), {3}, {mita}, false).status(),
@@ -469,10 +543,10 @@ TEST_F(DocumentTwinTest, ForwardRejectsBadInputsNamingTheRange) {
   // max_tokens: the same weights with a 64-token limit.
   absl::StatusOr<std::map<std::string, at::Tensor>> weights = LoadSafetensors(package_directory_ + "/model.safetensors");
   ASSERT_TRUE(weights.ok()) << weights.status();
-  DocumentConfig short_config = package_.document_config;
+  DocumentConfig short_config = model_->config();
   short_config.max_tokens = 64;
-  absl::StatusOr<std::unique_ptr<DocumentClassifier>> short_model =
-      DocumentClassifier::Create(short_config, *std::move(weights));
+  absl::StatusOr<std::unique_ptr<DocumentClassifier>> short_model = DocumentClassifier::Create(
+      "short", short_config, model_->description().labels, *std::move(weights), MakeBytesTokenizer());
   ASSERT_TRUE(short_model.ok()) << short_model.status();
   const at::Tensor tokens = at::randint(0, 256, {65}, at::TensorOptions().dtype(at::kLong));
   ExpectStatus((*short_model)->Forward(tokens, {65}, {{true, 0, 0}}, false).status(),
@@ -486,11 +560,14 @@ TEST_F(DocumentTwinTest, PackageFaultsAreNamed) {
   ASSERT_TRUE(weights.ok());
   std::map<std::string, at::Tensor> missing = *weights;
   missing.erase("position_conv.weight");
-  ExpectStatus(DocumentClassifier::Create(package_.document_config, missing).status(),
+  ExpectStatus(DocumentClassifier::Create("package", model_->config(), model_->description().labels, missing, nullptr)
+                   .status(),
                absl::StatusCode::kInvalidArgument, "weights: missing tensor \"position_conv.weight\" (expected shape [32, 1, 5])");
   std::map<std::string, at::Tensor> extra = *weights;
   extra["pos_embed"] = at::empty({1, 4, 32});
-  ExpectStatus(DocumentClassifier::Create(package_.document_config, extra).status(), absl::StatusCode::kInvalidArgument,
+  ExpectStatus(DocumentClassifier::Create("package", model_->config(), model_->description().labels, extra, nullptr)
+                   .status(),
+               absl::StatusCode::kInvalidArgument,
                "weights: unexpected tensor \"pos_embed\"");
   // A sentencepiece config without tokenizer.model.
   Json config = Json::parse(ReadFile(package_directory_ + "/config.json"));
@@ -506,17 +583,18 @@ TEST(TrainedDocumentPackageTest, LoadsAndMatchesPython) {
   if (!std::filesystem::exists(directory + "/model.safetensors")) {
     GTEST_SKIP() << "no trained package at " << directory << " (train it with tools/train_document.py)";
   }
-  absl::StatusOr<ModelPackage> package = LoadModelPackage(directory);
-  ASSERT_TRUE(package.ok()) << package.status();
-  EXPECT_EQ(package->kind, ModelKind::kDocument);
-  EXPECT_EQ(package->tokenizer->name(), "sentencepiece");
-  EXPECT_EQ(package->tokenizer->vocab_size(), package->document_config.vocab_size);
-  EXPECT_GE(package->document_config.max_tokens, 65536);
-  EXPECT_EQ(static_cast<int64_t>(package->labels.size()), package->document_config.num_classes);
+  absl::StatusOr<std::unique_ptr<DocumentClassifier>> model = LoadDocumentClassifier(directory);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const DocumentClassifier& package = **model;
+  ASSERT_NE(package.tokenizer(), nullptr);
+  EXPECT_EQ(package.tokenizer()->name(), "sentencepiece");
+  EXPECT_EQ(package.tokenizer()->vocab_size(), package.config().vocab_size);
+  EXPECT_GE(package.config().max_tokens, 65536);
+  EXPECT_EQ(static_cast<int64_t>(package.description().labels.size()), package.config().num_classes);
   const std::string text =
       "The I2C bus driver registers an adapter; client drivers bind to devices found in the device tree.\n"
       "Each transfer is a list of messages. The SMBus protocol is a subset of I2C.";
-  absl::StatusOr<std::vector<int64_t>> ids = package->tokenizer->Encode(text);
+  absl::StatusOr<std::vector<int64_t>> ids = package.tokenizer()->Encode(text);
   ASSERT_TRUE(ids.ok()) << ids.status();
   ASSERT_GT(ids->size(), 20u);
   if (!PythonHasTorch()) GTEST_SKIP() << "python3-torch missing: the comparison with the twin is skipped";
@@ -527,10 +605,10 @@ TEST(TrainedDocumentPackageTest, LoadsAndMatchesPython) {
                                        AttentionBudget{false, 32, 128}, AttentionBudget{true, 0, 0}}) {
     all_ids.insert(all_ids.end(), ids->begin(), ids->end());
     lengths.push_back(n);
-    budgets.push_back(ApplyDocumentBudget(budget, n));
+    budgets.push_back(ApplyBudget(budget, n));
   }
   const at::Tensor tokens = at::tensor(all_ids, at::TensorOptions().dtype(at::kLong));
-  absl::StatusOr<ClassifierOutput> output = package->document_model->Forward(tokens, lengths, budgets, false);
+  absl::StatusOr<ClassifierOutput> output = package.Forward(tokens, lengths, budgets, false);
   ASSERT_TRUE(output.ok()) << output.status();
   const std::string work = MakeTempDirectory("trained_document");
   absl::StatusOr<at::Tensor> expected = PythonDocumentLogits(directory, tokens, lengths, budgets, work);

@@ -33,7 +33,7 @@
 #include "models/image_decoder.h"
 #include "models/model_package.h"
 #include "prometheus/registry.h"
-#include "server/classify_service.h"
+#include "server/inference_engine.h"
 #include "server/message_limits.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
@@ -153,8 +153,8 @@ class LimitedServer : public test_util::InProcessServer {
  private:
   static test_util::InProcessServerOptions Options(MessageSizeLimits limits) {
     test_util::InProcessServerOptions options;
-    options.service.batching.max_queue_delay = absl::ZeroDuration();
-    options.service.max_encoded_image_bytes = limits.max_receive_bytes;
+    options.engine.batching.max_queue_delay = absl::ZeroDuration();
+    options.engine.max_encoded_image_bytes = limits.max_receive_bytes;
     options.message_limits = std::move(limits);
     return options;
   }
@@ -360,10 +360,11 @@ TEST(DecompressionBombTest, JpegWithTooManyScansIsRejected) {
 // ----- zero-sized and wrong-rank tensors given to the model -----
 
 TEST(HostileTensorTest, ZeroSizedAndWrongRankImagesAreInvalidArgument) {
-  absl::StatusOr<models::ModelPackage> package = models::LoadModelPackage(RepositoryPath() + "/" + kModel);
-  ASSERT_TRUE(package.ok()) << package.status();
-  const models::VitClassifier& model = *package->model;
-  const std::vector<models::AttentionBudget> one = {package->config.default_budget};
+  absl::StatusOr<std::unique_ptr<models::VitClassifier>> loaded =
+      models::LoadVitClassifier(RepositoryPath() + "/" + kModel);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  const models::VitClassifier& model = **loaded;
+  const std::vector<models::AttentionBudget> one = {model.config().default_budget};
   const std::vector<models::AttentionBudget> none;
   struct Case {
     at::Tensor images;

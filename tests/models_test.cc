@@ -25,6 +25,7 @@
 #include "models/classifier_errors.h"
 #include "models/model_config.h"
 #include "models/model_package.h"
+#include "models/request_error.h"
 #include "models/safetensors.h"
 #include "models/vit_classifier.h"
 #include "nlohmann/json.hpp"
@@ -44,6 +45,7 @@ using test_util::kPython;
 using test_util::MakeTempDirectory;
 using test_util::PythonHasTorch;
 using test_util::ReadFile;
+using test_util::RepositoryPath;
 using test_util::SourceDirectory;
 using test_util::WriteFile;
 
@@ -184,7 +186,8 @@ TEST(ModelConfigTest, OutOfRangeValuesAreNamedWithTheRange) {
       {"/attention/type", "linear", "attention.type \"linear\" is not supported"},
       {"/attention/default_budget/expert_count", 10,
        "attention.default_budget.expert_count 10 is not allowed: use one of 1, 4, 9, 16, 25, 36, 49"},
-      {"/attention/default_budget/expert_width", 51, "attention.default_budget.expert_width 51 is out of range [1, 50]"},
+      {"/attention/default_budget/expert_width", 51,
+       "attention.default_budget.expert_width 51 is out of range: allowed [1, 50]"},
       {"/attention/default_budget/expert_width", 0, "attention.default_budget.expert_width 0 is out of range"},
       {"/attention/presets/fast/expert_count", 64, "attention.presets.fast.expert_count 64 is not allowed"},
       {"/max_image_side", 0, "max_image_side 0 is out of range"},
@@ -207,11 +210,11 @@ TEST(ModelConfigTest, InvalidJsonIsInvalidArgument) {
                absl::StatusCode::kInvalidArgument, "config.json: invalid JSON");
   ExpectStatus(ParseDocumentConfig(R"({"depth": 1e55555})").status(), absl::StatusCode::kInvalidArgument,
                "config.json: invalid JSON");
-  ExpectStatus(ParseModelKind(R"({"architecture": 1e55555})").status(), absl::StatusCode::kInvalidArgument,
+  ExpectStatus(ParseArchitecture(R"({"architecture": 1e55555})").status(), absl::StatusCode::kInvalidArgument,
                "config.json: invalid JSON");
 }
 
-// The tools' budget text: "MxK" or "full"; only the form is checked (values are ValidateBudget's).
+// The tools' budget text: "MxK" or "full"; only the form is checked (values are CheckBudget's).
 TEST(ModelConfigTest, ParseBudgetReadsMxKAndFullAndNamesThem) {
   absl::StatusOr<AttentionBudget> budget = ParseBudget("9x16");
   ASSERT_TRUE(budget.ok()) << budget.status();
@@ -219,7 +222,7 @@ TEST(ModelConfigTest, ParseBudgetReadsMxKAndFullAndNamesThem) {
   EXPECT_EQ(budget->expert_count, 9);
   EXPECT_EQ(budget->expert_width, 16);
   EXPECT_EQ(BudgetName(*budget), "MiTA m=9 k=16");
-  budget = ParseBudget("10x0");  // the form is right; ValidateBudget rejects the values
+  budget = ParseBudget("10x0");  // the form is right; CheckBudget rejects the values
   ASSERT_TRUE(budget.ok()) << budget.status();
   EXPECT_EQ(budget->expert_count, 10);
   EXPECT_EQ(budget->expert_width, 0);
@@ -233,32 +236,91 @@ TEST(ModelConfigTest, ParseBudgetReadsMxKAndFullAndNamesThem) {
   }
 }
 
-TEST(ModelConfigTest, ValidateBudgetAcceptsTheAllowedRanges) {
+TEST(ModelConfigTest, ImageKnobsAcceptTheAllowedRanges) {
   absl::StatusOr<VitConfig> config = ParseVitConfig(ValidConfigJson().dump());
   ASSERT_TRUE(config.ok());
-  EXPECT_EQ(AllowedExpertCounts(*config), (std::vector<int64_t>{1, 4, 9, 16, 25, 36, 49}));
+  const BudgetKnobs knobs = ImageKnobs(*config);
+  EXPECT_EQ(knobs.allowed_expert_counts, (std::vector<int64_t>{1, 4, 9, 16, 25, 36, 49}));
+  EXPECT_EQ(knobs.max_expert_width, 50);
   for (int64_t count : {1, 4, 9, 16, 25, 36, 49}) {
-    for (int64_t width : {1, 16, 50}) EXPECT_TRUE(ValidateBudget(*config, {false, count, width}).ok());
+    for (int64_t width : {1, 16, 50}) EXPECT_TRUE(CheckBudget(knobs, {false, count, width}).ok());
   }
-  EXPECT_TRUE(ValidateBudget(*config, {true, 0, 0}).ok());  // full attention ignores m and k
+  EXPECT_TRUE(CheckBudget(knobs, {true, 0, 0}).ok());  // full attention ignores m and k
 }
 
-TEST(ModelConfigTest, ValidateBudgetRejectsWithTheProtoFieldAndRange) {
+TEST(ModelConfigTest, CheckBudgetRejectsNamingTheKnobAndRange) {
   absl::StatusOr<VitConfig> config = ParseVitConfig(ValidConfigJson().dump());
   ASSERT_TRUE(config.ok());
+  const BudgetKnobs knobs = ImageKnobs(*config);
+  using Problems = std::vector<FieldProblem>;
   for (int64_t count : {0, -4, 2, 10, 64}) {
-    ExpectStatus(ValidateBudget(*config, {false, count, 8}), absl::StatusCode::kInvalidArgument,
-                 "budget.experts.expert_count " + std::to_string(count) +
-                     " is not allowed: use one of 1, 4, 9, 16, 25, 36, 49");
+    EXPECT_EQ(FieldProblems(CheckBudget(knobs, {false, count, 8})),
+              (Problems{{RequestField::kExpertCount, -1,
+                         std::to_string(count) + " is not allowed: use one of 1, 4, 9, 16, 25, 36, 49"}}));
   }
   for (int64_t width : {0, -1, 51, 1000}) {
-    ExpectStatus(ValidateBudget(*config, {false, 9, width}), absl::StatusCode::kInvalidArgument,
-                 "budget.experts.expert_width " + std::to_string(width) + " is out of range: allowed [1, 50]");
+    EXPECT_EQ(FieldProblems(CheckBudget(knobs, {false, 9, width})),
+              (Problems{{RequestField::kExpertWidth, -1, std::to_string(width) + " is out of range: allowed [1, 50]"}}));
   }
   // Both knobs wrong: both are named, so that one answer tells the client everything to fix.
-  ExpectStatus(ValidateBudget(*config, {false, 10, 51}), absl::StatusCode::kInvalidArgument,
-               "budget.experts.expert_count 10 is not allowed: use one of 1, 4, 9, 16, 25, 36, 49; "
-               "budget.experts.expert_width 51 is out of range: allowed [1, 50]");
+  const absl::Status both = CheckBudget(knobs, {false, 10, 51});
+  EXPECT_EQ(both.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(FieldProblems(both),
+            (Problems{{RequestField::kExpertCount, -1, "10 is not allowed: use one of 1, 4, 9, 16, 25, 36, 49"},
+                      {RequestField::kExpertWidth, -1, "51 is out of range: allowed [1, 50]"}}));
+}
+
+// One resolution for every model kind: default, presets ("" and "default" name the default), expert budgets with
+// a knob left at 0 taking the default, full attention; every error a structured field problem.
+TEST(ModelConfigTest, ResolveBudgetFollowsTheRequest) {
+  absl::StatusOr<VitConfig> config = ParseVitConfig(ValidConfigJson().dump());
+  ASSERT_TRUE(config.ok());
+  const BudgetKnobs knobs = ImageKnobs(*config);
+  BudgetRequest request;
+  absl::StatusOr<ResolvedBudget> resolved = ResolveBudget(knobs, request);
+  ASSERT_TRUE(resolved.ok());
+  EXPECT_EQ(resolved->budget, config->default_budget);
+  EXPECT_EQ(resolved->preset, "default");
+  request.choice = BudgetRequest::Choice::kPreset;
+  for (const char* name : {"", "default"}) {
+    request.preset = name;
+    resolved = ResolveBudget(knobs, request);
+    ASSERT_TRUE(resolved.ok());
+    EXPECT_EQ(resolved->budget, config->default_budget);
+    EXPECT_EQ(resolved->preset, "default");
+  }
+  request.preset = "fast";
+  resolved = ResolveBudget(knobs, request);
+  ASSERT_TRUE(resolved.ok());
+  EXPECT_EQ(resolved->budget, config->presets.at("fast"));
+  EXPECT_EQ(resolved->preset, "fast");
+  request.preset = "turbo";
+  using Problems = std::vector<FieldProblem>;
+  EXPECT_EQ(FieldProblems(ResolveBudget(knobs, request).status()),
+            (Problems{{RequestField::kPreset, -1, "unknown preset 'turbo'; available: accurate, balanced, exact, fast"}}));
+  request.choice = BudgetRequest::Choice::kExperts;
+  request.expert_count = 4;
+  request.expert_width = 0;
+  resolved = ResolveBudget(knobs, request);
+  ASSERT_TRUE(resolved.ok());
+  EXPECT_EQ(resolved->budget, (AttentionBudget{false, 4, config->default_budget.expert_width}));
+  EXPECT_EQ(resolved->preset, "");
+  request.expert_count = 10;
+  EXPECT_EQ(FieldProblems(ResolveBudget(knobs, request).status()),
+            (Problems{{RequestField::kExpertCount, -1, "10 is not allowed: use one of 1, 4, 9, 16, 25, 36, 49"}}));
+  request.choice = BudgetRequest::Choice::kFullAttention;
+  resolved = ResolveBudget(knobs, request);
+  ASSERT_TRUE(resolved.ok());
+  EXPECT_TRUE(resolved->budget.full_attention);
+  // A model whose default is full attention needs both knobs of an expert budget.
+  BudgetKnobs full_default = knobs;
+  full_default.default_budget = {true, 0, 0};
+  request.choice = BudgetRequest::Choice::kExperts;
+  request.expert_count = 4;
+  request.expert_width = 0;
+  EXPECT_EQ(FieldProblems(ResolveBudget(full_default, request).status()),
+            (Problems{{RequestField::kExperts, -1,
+                       "the model's default is full attention, so set both expert_count and expert_width"}}));
 }
 
 // ----- safetensors -----
@@ -476,9 +538,12 @@ TEST(ModelPackageTest, ValidPackageLoads) {
   absl::StatusOr<ModelPackage> package = LoadModelPackage(directory);
   ASSERT_TRUE(package.ok()) << package.status();
   EXPECT_EQ(package->name, std::filesystem::path(directory).filename().string());
-  EXPECT_EQ(package->labels, (std::vector<std::string>{"cat", "dog", "bird"}));
-  ASSERT_NE(package->model, nullptr);
-  EXPECT_EQ(package->model->config().num_classes, 3);
+  ASSERT_NE(package->classifier, nullptr);
+  EXPECT_EQ(package->classifier->description().labels, (std::vector<std::string>{"cat", "dog", "bird"}));
+  EXPECT_EQ(package->classifier->description().input_kind, InputKind::kImage);
+  absl::StatusOr<std::unique_ptr<VitClassifier>> typed = LoadVitClassifier(directory);
+  ASSERT_TRUE(typed.ok()) << typed.status();
+  EXPECT_EQ((*typed)->config().num_classes, 3);
   // Loads without a final newline too.
   WriteFile(directory + "/labels.txt", "cat\ndog\nbird");
   EXPECT_TRUE(LoadModelPackage(directory).ok());
@@ -547,7 +612,7 @@ TEST(ModelPackageTest, MalformedFilesArePrefixed) {
 TEST(VitClassifierTest, ForwardRejectsBadInputs) {
   absl::StatusOr<VitConfig> config = ParseVitConfig(TinyConfigJson(true).dump());
   ASSERT_TRUE(config.ok()) << config.status();
-  absl::StatusOr<std::unique_ptr<VitClassifier>> model = VitClassifier::Create(*config, TinyWeights(true));
+  absl::StatusOr<std::unique_ptr<VitClassifier>> model = VitClassifier::Create("tiny", *config, {"cat", "dog", "bird"}, TinyWeights(true));
   ASSERT_TRUE(model.ok()) << model.status();
   const std::vector<AttentionBudget> two = {{false, 1, 2}, {false, 4, 5}};
   ExpectStatus((*model)->Forward(at::randn({2, 1, 8, 8}), two, false).status(), absl::StatusCode::kInvalidArgument,
@@ -556,7 +621,7 @@ TEST(VitClassifierTest, ForwardRejectsBadInputs) {
                "budgets: 2 entries for a batch of 3 images");
   const std::vector<AttentionBudget> bad = {{false, 1, 2}, {false, 9, 2}};
   ExpectStatus((*model)->Forward(at::randn({2, 1, 4, 4}), bad, false).status(), absl::StatusCode::kInvalidArgument,
-               "budget.experts.expert_count 9 is not allowed: use one of 1, 4");
+               "expert_count: 9 is not allowed: use one of 1, 4");
   ExpectStatus((*model)->Forward(at::randn({2, 1, 4, 4}).to(at::kDouble), two, false).status(),
                absl::StatusCode::kInvalidArgument, "float32");
 }
@@ -564,7 +629,7 @@ TEST(VitClassifierTest, ForwardRejectsBadInputs) {
 TEST(VitClassifierTest, TinyModelRunsAllBudgetsAndReportsStatistics) {
   absl::StatusOr<VitConfig> config = ParseVitConfig(TinyConfigJson(true).dump());
   ASSERT_TRUE(config.ok()) << config.status();
-  absl::StatusOr<std::unique_ptr<VitClassifier>> model = VitClassifier::Create(*config, TinyWeights(true));
+  absl::StatusOr<std::unique_ptr<VitClassifier>> model = VitClassifier::Create("tiny", *config, {"cat", "dog", "bird"}, TinyWeights(true));
   ASSERT_TRUE(model.ok()) << model.status();
   const std::vector<AttentionBudget> budgets = {{false, 1, 2}, {true, 0, 0}, {false, 4, 5}};
   absl::StatusOr<ClassifierOutput> output = (*model)->Forward(at::randn({3, 1, 4, 4}), budgets, true);
@@ -577,6 +642,64 @@ TEST(VitClassifierTest, TinyModelRunsAllBudgetsAndReportsStatistics) {
   ASSERT_EQ(output->statistics[2].size(), 1u);
   EXPECT_EQ(output->statistics[2][0].queries_per_expert.size(), 4u);
   output->logits.add_(1);  // callers may modify the logits (not an inference-mode tensor)
+}
+
+// Through the Classifier interface: Prepare decodes and preprocesses a real PNG, resolving and applying the
+// budget; Run on prepared items gives Forward's logits on the same tensors; bad inputs are field problems.
+TEST(VitClassifierTest, PrepareAndRunThroughTheClassifierInterface) {
+  absl::StatusOr<std::unique_ptr<VitClassifier>> model = LoadVitClassifier(RepositoryPath() + "/fashion-mnist-vit");
+  ASSERT_TRUE(model.ok()) << model.status();
+  const Classifier& classifier = **model;
+  absl::StatusOr<test_util::TestImages> images = test_util::FashionMnistTestPngs(2);
+  ASSERT_TRUE(images.ok()) << images.status();
+  ClassifierInput input;
+  input.kind = ClassifierInput::Kind::kImage;
+  input.bytes = images->pngs[0];
+  BudgetRequest preset;
+  preset.choice = BudgetRequest::Choice::kPreset;
+  preset.preset = "fast";
+  absl::StatusOr<BatchItem> first = classifier.Prepare(input, preset, InputLimits{});
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->tokens, 50);
+  EXPECT_EQ(first->input_tokens, 50);
+  EXPECT_EQ(first->budget.preset, "fast");
+  EXPECT_EQ(first->budget.budget, (*model)->config().presets.at("fast"));
+  EXPECT_EQ(first->compute_units, ComputeUnits(50, first->budget.budget));
+  EXPECT_EQ(first->input.sizes(), at::IntArrayRef({1, 28, 28}));
+  input.bytes = images->pngs[1];
+  BudgetRequest full;
+  full.choice = BudgetRequest::Choice::kFullAttention;
+  absl::StatusOr<BatchItem> second = classifier.Prepare(input, full, InputLimits{});
+  ASSERT_TRUE(second.ok()) << second.status();
+  const std::vector<const BatchItem*> items = {&*first, &*second};
+  absl::StatusOr<ClassifierOutput> run = classifier.Run(items, /*want_statistics=*/true);
+  ASSERT_TRUE(run.ok()) << run.status();
+  absl::StatusOr<ClassifierOutput> forward = (*model)->Forward(
+      at::stack({first->input, second->input}), {first->budget.budget, second->budget.budget}, false);
+  ASSERT_TRUE(forward.ok()) << forward.status();
+  EXPECT_LE(run->logits.sub(forward->logits).abs().max().item<double>(), 1e-5);
+  EXPECT_EQ(run->statistics[0].size(), 4u);  // MiTA in 4 layers
+  EXPECT_TRUE(run->statistics[1].empty());   // full attention has no routing
+  using Problems = std::vector<FieldProblem>;
+  input.bytes = "";
+  EXPECT_EQ(FieldProblems(classifier.Prepare(input, {}, InputLimits{}).status()),
+            (Problems{{RequestField::kImage, -1, "empty"}}));
+  input.bytes = images->pngs[0];
+  InputLimits small;
+  small.max_encoded_image_bytes = 10;
+  EXPECT_EQ(FieldProblems(classifier.Prepare(input, {}, small).status()),
+            (Problems{{RequestField::kImage, -1,
+                       absl::StrCat(images->pngs[0].size(), " bytes is over the limit of 10 bytes")}}));
+  input.bytes = "not an image";
+  EXPECT_EQ(FieldProblems(classifier.Prepare(input, {}, InputLimits{}).status()),
+            (Problems{{RequestField::kImage, -1, "unknown format: expected PNG or JPEG (by signature)"}}));
+  ClassifierInput text;
+  text.kind = ClassifierInput::Kind::kText;
+  text.bytes = "a document";
+  EXPECT_EQ(FieldProblems(classifier.Prepare(text, {}, InputLimits{}).status()),
+            (Problems{{RequestField::kInput, -1, "model 'fashion-mnist-vit' takes an image, not a document"}}));
+  EXPECT_EQ(FieldProblems(classifier.Prepare(ClassifierInput{}, {}, InputLimits{}).status()),
+            (Problems{{RequestField::kInput, -1, "model 'fashion-mnist-vit' takes an image and none was set"}}));
 }
 
 // The images the Python comparison uses: the first `count` Fashion-MNIST test images, preprocessed.
@@ -638,24 +761,24 @@ class PythonTwinTest : public ::testing::TestWithParam<bool> {
                                 "/tools/reference_logits.py make-package --seed 3 --out " + package_ +
                                 (no_dwc ? " --no-dwc" : "") + " 2> " + work_ + "/make_stderr.txt";
     ASSERT_EQ(std::system(command.c_str()), 0) << ReadFile(work_ + "/make_stderr.txt");
-    absl::StatusOr<ModelPackage> package = LoadModelPackage(package_);
-    ASSERT_TRUE(package.ok()) << package.status();
-    ASSERT_EQ(package->config.depthwise_conv, !no_dwc);
-    package_value_ = std::move(*package);
+    absl::StatusOr<std::unique_ptr<VitClassifier>> model = LoadVitClassifier(package_);
+    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_EQ((*model)->config().depthwise_conv, !no_dwc);
+    model_ = *std::move(model);
   }
 
   std::string work_;
   std::string package_;
-  ModelPackage package_value_;
+  std::unique_ptr<VitClassifier> model_;
 };
 
 // The largest |C++ - Python| logit difference seen by the comparisons (printed by the last one).
 double max_difference_seen = 0;
 
-void CompareWithPython(const ModelPackage& package, const std::string& package_directory, const at::Tensor& images,
+void CompareWithPython(const VitClassifier& model, const std::string& package_directory, const at::Tensor& images,
                        const std::vector<AttentionBudget>& budgets, const std::string& work, double tolerance,
                        kernels::MitaBackend backend = kernels::MitaBackend::kAuto) {
-  absl::StatusOr<ClassifierOutput> output = package.model->Forward(images, budgets, false, backend);
+  absl::StatusOr<ClassifierOutput> output = model.Forward(images, budgets, false, backend);
   ASSERT_TRUE(output.ok()) << output.status();
   absl::StatusOr<at::Tensor> expected = PythonLogits(package_directory, images, budgets, work);
   ASSERT_TRUE(expected.ok()) << expected.status();
@@ -672,38 +795,38 @@ void CompareWithPython(const ModelPackage& package, const std::string& package_d
 }
 
 TEST_P(PythonTwinTest, LogitsMatchOnFashionMnistAtThreeBudgets) {
-  absl::StatusOr<at::Tensor> images = FashionMnistBatch(package_value_.config, 6);
+  absl::StatusOr<at::Tensor> images = FashionMnistBatch(model_->config(), 6);
   if (!images.ok()) GTEST_SKIP() << "Fashion-MNIST not installed: " << images.status();
   for (const AttentionBudget budget : {AttentionBudget{false, 9, 16}, AttentionBudget{false, 4, 8},
                                        AttentionBudget{false, 16, 32}, AttentionBudget{true, 0, 0}}) {
-    CompareWithPython(package_value_, package_, *images, std::vector<AttentionBudget>(6, budget), work_, 1e-4);
+    CompareWithPython(*model_, package_, *images, std::vector<AttentionBudget>(6, budget), work_, 1e-4);
   }
 }
 
 TEST_P(PythonTwinTest, LogitsMatchWithDifferentBudgetsInOneBatch) {
-  absl::StatusOr<at::Tensor> images = FashionMnistBatch(package_value_.config, 9);
+  absl::StatusOr<at::Tensor> images = FashionMnistBatch(model_->config(), 9);
   if (!images.ok()) GTEST_SKIP() << "Fashion-MNIST not installed: " << images.status();
   const std::vector<AttentionBudget> budgets = {{false, 4, 8},  {false, 16, 32}, {true, 0, 0},
                                                 {false, 9, 16}, {false, 49, 50}, {false, 1, 1},
                                                 {false, 25, 5}, {true, 0, 0},    {false, 9, 16}};
-  CompareWithPython(package_value_, package_, *images, budgets, work_, 1e-4);
+  CompareWithPython(*model_, package_, *images, budgets, work_, 1e-4);
   // Random inputs too (not only the black-background images); seeded in SetUp, because random weights and
   // inputs make near-ties in the top-k selection likely and an unseeded draw once flipped one (CI, 2.6e-3).
-  CompareWithPython(package_value_, package_, at::randn({9, 1, 28, 28}), budgets, work_, 1e-4);
+  CompareWithPython(*model_, package_, at::randn({9, 1, 28, 28}), budgets, work_, 1e-4);
   // And the reference kernel.
-  CompareWithPython(package_value_, package_, *images, budgets, work_, 1e-4, kernels::MitaBackend::kReference);
+  CompareWithPython(*model_, package_, *images, budgets, work_, 1e-4, kernels::MitaBackend::kReference);
 }
 
 TEST_P(PythonTwinTest, MixedBatchEqualsEachItemAlone) {
   const at::Tensor images = at::randn({7, 1, 28, 28});
   const std::vector<AttentionBudget> budgets = {{false, 4, 8}, {true, 0, 0},   {false, 16, 32}, {false, 9, 16},
                                                 {false, 4, 50}, {false, 36, 3}, {true, 0, 0}};
-  absl::StatusOr<ClassifierOutput> batched = package_value_.model->Forward(images, budgets, true);
+  absl::StatusOr<ClassifierOutput> batched = model_->Forward(images, budgets, true);
   ASSERT_TRUE(batched.ok()) << batched.status();
   ASSERT_EQ(batched->statistics.size(), budgets.size());
   for (size_t b = 0; b < budgets.size(); ++b) {
     absl::StatusOr<ClassifierOutput> alone =
-        package_value_.model->Forward(images.narrow(0, b, 1), {budgets[b]}, true);
+        model_->Forward(images.narrow(0, b, 1), {budgets[b]}, true);
     ASSERT_TRUE(alone.ok()) << alone.status();
     EXPECT_LE(batched->logits[b].sub(alone->logits[0]).abs().max().item<double>(), 1e-5) << "item " << b;
     EXPECT_EQ(batched->statistics[b].size(), budgets[b].full_attention ? 0u : 4u) << "item " << b;
@@ -731,21 +854,21 @@ TEST_P(PythonTwinTest, ConvertedTimmCheckpointGivesTheSameLogits) {
                               " --num_heads 4 --pool_size 3 --kv_topk 4 --mean 0.2860 --std 0.3530 > " + work_ +
                               "/convert_log.txt 2>&1";
   ASSERT_EQ(std::system(convert.c_str()), 0) << ReadFile(work_ + "/convert_log.txt");
-  absl::StatusOr<ModelPackage> package = LoadModelPackage(converted);
+  absl::StatusOr<std::unique_ptr<VitClassifier>> package = LoadVitClassifier(converted);
   ASSERT_TRUE(package.ok()) << package.status();
-  const VitConfig& original = package_value_.config;
-  EXPECT_EQ(package->config.image_size, original.image_size);
-  EXPECT_EQ(package->config.patch_size, original.patch_size);
-  EXPECT_EQ(package->config.embed_dim, original.embed_dim);
-  EXPECT_EQ(package->config.depth, original.depth);
-  EXPECT_EQ(package->config.mlp_hidden_dim, original.mlp_hidden_dim);
-  EXPECT_EQ(package->config.depthwise_conv, original.depthwise_conv);
-  EXPECT_EQ(package->config.default_budget.expert_count, 9);
-  EXPECT_EQ(package->config.default_budget.expert_width, 16);
+  const VitConfig& original = model_->config();
+  EXPECT_EQ((*package)->config().image_size, original.image_size);
+  EXPECT_EQ((*package)->config().patch_size, original.patch_size);
+  EXPECT_EQ((*package)->config().embed_dim, original.embed_dim);
+  EXPECT_EQ((*package)->config().depth, original.depth);
+  EXPECT_EQ((*package)->config().mlp_hidden_dim, original.mlp_hidden_dim);
+  EXPECT_EQ((*package)->config().depthwise_conv, original.depthwise_conv);
+  EXPECT_EQ((*package)->config().default_budget.expert_count, 9);
+  EXPECT_EQ((*package)->config().default_budget.expert_width, 16);
   const at::Tensor images = at::randn({4, 1, 28, 28});
   const std::vector<AttentionBudget> budgets = {{false, 9, 16}, {false, 4, 8}, {true, 0, 0}, {false, 16, 32}};
-  absl::StatusOr<ClassifierOutput> expected = package_value_.model->Forward(images, budgets, false);
-  absl::StatusOr<ClassifierOutput> actual = package->model->Forward(images, budgets, false);
+  absl::StatusOr<ClassifierOutput> expected = model_->Forward(images, budgets, false);
+  absl::StatusOr<ClassifierOutput> actual = (*package)->Forward(images, budgets, false);
   ASSERT_TRUE(expected.ok() && actual.ok());
   EXPECT_TRUE(at::equal(actual->logits, expected->logits));
 }
@@ -761,16 +884,16 @@ TEST(TrainedPackageTest, MatchesPythonAndClassifiesFashionMnist) {
   if (!std::filesystem::exists(directory + "/model.safetensors")) {
     GTEST_SKIP() << "no trained package at " << directory << " (train it with tools/train_image.py)";
   }
-  absl::StatusOr<ModelPackage> package = LoadModelPackage(directory);
+  absl::StatusOr<std::unique_ptr<VitClassifier>> package = LoadVitClassifier(directory);
   ASSERT_TRUE(package.ok()) << package.status();
-  EXPECT_EQ(package->labels, datasets::FashionMnistLabels());
+  EXPECT_EQ((*package)->description().labels, datasets::FashionMnistLabels());
   absl::StatusOr<datasets::FashionMnist> data = datasets::ReadFashionMnist("t10k");
   if (!data.ok()) GTEST_SKIP() << "Fashion-MNIST not installed: " << data.status();
   constexpr int64_t kCount = 200;
-  absl::StatusOr<at::Tensor> images = FashionMnistBatch(package->config, kCount);
+  absl::StatusOr<at::Tensor> images = FashionMnistBatch((*package)->config(), kCount);
   ASSERT_TRUE(images.ok()) << images.status();
-  absl::StatusOr<ClassifierOutput> output = package->model->Forward(
-      *images, std::vector<AttentionBudget>(kCount, package->config.default_budget), false);
+  absl::StatusOr<ClassifierOutput> output = (*package)->Forward(
+      *images, std::vector<AttentionBudget>(kCount, (*package)->config().default_budget), false);
   ASSERT_TRUE(output.ok()) << output.status();
   const at::Tensor predicted = output->logits.argmax(1);
   int64_t correct = 0;
@@ -780,7 +903,7 @@ TEST(TrainedPackageTest, MatchesPythonAndClassifiesFashionMnist) {
     const std::string work = MakeTempDirectory("trained");
     const std::vector<AttentionBudget> budgets = {{false, 9, 16}, {false, 4, 8}, {true, 0, 0}, {false, 16, 32},
                                                   {false, 49, 50}, {false, 1, 4}};
-    CompareWithPython(*package, directory, images->narrow(0, 0, 6), budgets, work, 1e-4);
+    CompareWithPython(**package, directory, images->narrow(0, 0, 6), budgets, work, 1e-4);
   }
 }
 

@@ -24,7 +24,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "prometheus/metric_family.h"
-#include "server/classify_service.h"
+#include "server/inference_engine.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
 #include "tests/server_test_util.h"
@@ -74,7 +74,7 @@ struct TestServer {
     if (!registry.ok()) return nullptr;
     test->registry = *std::move(registry);
     test_util::InProcessServerOptions options;
-    options.service.authenticator = authenticator;
+    options.front_end.authenticator = authenticator;
     options.credentials = std::move(credentials);
     options.health = true;
     test->in_process = std::make_unique<test_util::InProcessServer>(test->registry.get(), std::move(options));

@@ -120,11 +120,11 @@ absl::StatusOr<std::string> ReflectionListServices(const std::shared_ptr<grpc::C
   return Bytes(reply);
 }
 
-InProcessServer::InProcessServer(const server::ModelRegistry* registry, server::ServiceOptions service_options,
+InProcessServer::InProcessServer(const server::ModelRegistry* registry, server::EngineOptions engine_options,
                                  int max_receive_message_bytes)
     : InProcessServer(registry, [&] {
         InProcessServerOptions options;
-        options.service = std::move(service_options);
+        options.engine = std::move(engine_options);
         options.max_receive_message_bytes = max_receive_message_bytes;
         return options;
       }()) {}
@@ -143,18 +143,20 @@ InProcessServer::InProcessServer(const server::ModelRegistry* registry, InProces
   std::shared_ptr<server::MessageSizeGuard> guard;
   if (options.message_limits.has_value()) {
     guard = std::make_shared<server::MessageSizeGuard>(*options.message_limits, metrics_->registry().get());
-    options.service.message_size = guard;
+    options.front_end.message_size = guard;
   }
-  absl::StatusOr<std::unique_ptr<server::ClassifyService>> service =
-      server::ClassifyService::Create(registry, metrics_.get(), options.service);
-  if (!service.ok()) {
-    status_ = service.status();
+  absl::StatusOr<std::unique_ptr<server::InferenceEngine>> engine =
+      server::InferenceEngine::Create(registry, metrics_.get(), options.engine);
+  if (!engine.ok()) {
+    status_ = engine.status();
     return;
   }
-  service_ = *std::move(service);
-  if (options.kserve) {
-    kserve_ = std::make_unique<server::KserveService>(registry, service_.get(), metrics_.get(), "test");
-    kserve_->SetReady(true);
+  engine_ = *std::move(engine);
+  mita_v1_ = std::make_unique<server::MitaV1Service>(engine_.get(), metrics_.get(), options.front_end);
+  if (options.open_inference) {
+    open_inference_ =
+        std::make_unique<server::OpenInferenceService>(engine_.get(), metrics_.get(), options.front_end, "test");
+    open_inference_->SetReady(true);
   }
   if (options.health) grpc::EnableDefaultHealthCheckService(true);
   if (options.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -164,8 +166,8 @@ InProcessServer::InProcessServer(const server::ModelRegistry* registry, InProces
       "127.0.0.1:0", options.credentials != nullptr ? options.credentials : grpc::InsecureServerCredentials(), &port);
   if (guard != nullptr) guard->ConfigureServer(builder);
   if (options.max_receive_message_bytes > 0) builder.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
-  builder.RegisterService(service_.get());
-  if (kserve_ != nullptr) builder.RegisterService(kserve_.get());
+  builder.RegisterService(mita_v1_.get());
+  if (open_inference_ != nullptr) builder.RegisterService(open_inference_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port == 0) {
     status_ = absl::UnavailableError("cannot start the gRPC server on 127.0.0.1:0");
@@ -181,7 +183,7 @@ InProcessServer::InProcessServer(const server::ModelRegistry* registry, InProces
 
 InProcessServer::~InProcessServer() {
   if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  if (service_ != nullptr) service_->Shutdown();
+  if (engine_ != nullptr) engine_->Shutdown();
 }
 
 }  // namespace mita::test_util

@@ -18,8 +18,10 @@
 #include "absl/status/statusor.h"
 #include "client/mita_client.h"
 #include "prometheus/registry.h"
-#include "server/classify_service.h"
-#include "server/kserve_service.h"
+#include "server/call_outcome.h"
+#include "server/inference_engine.h"
+#include "server/mita_v1_service.h"
+#include "server/open_inference_service.h"
 #include "server/message_limits.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
@@ -45,34 +47,37 @@ absl::StatusOr<std::string> ReflectionListServices(const std::shared_ptr<grpc::C
 
 // What an InProcessServer serves besides mita.v1.
 struct InProcessServerOptions {
-  server::ServiceOptions service;
+  server::EngineOptions engine;
+  // Authentication of both front ends (message_size is set from message_limits below).
+  server::FrontEndOptions front_end;
   // Credentials of the gRPC port; null: plaintext.
   std::shared_ptr<grpc::ServerCredentials> credentials;
   // > 0: gRPC's receive limit, bytes; else gRPC's default (4 MiB).
   int max_receive_message_bytes = 0;
   // Set: message size limits as mita-server sets them up (a MessageSizeGuard counting rejections in this
-  // server's registry, service.message_size, and gRPC's transport limits from it).
+  // server's registry, front_end.message_size, and gRPC's transport limits from it).
   std::optional<server::MessageSizeLimits> message_limits;
   // grpc.health.v1 (gRPC's default service), SERVING for the server and for mita.v1.MitaService.
   bool health = false;
   // Server reflection (a process-wide gRPC plugin: every server started after it has reflection).
   bool reflection = false;
-  // The Open Inference Protocol service (server/kserve_service.h), ready.
-  bool kserve = false;
+  // The Open Inference Protocol service (server/open_inference_service.h), ready.
+  bool open_inference = false;
   // /metrics of this server's registry on 127.0.0.1:0 (metrics_port()).
   bool metrics_http = false;
 };
 
-// An in-process server for the models of a registry: ServerMetrics, ClassifyService and a gRPC server on
-// 127.0.0.1:0, with a plaintext client when the port is plaintext. Check status() after construction.
+// An in-process server for the models of a registry: ServerMetrics, InferenceEngine, the mita.v1 front end and a
+// gRPC server on 127.0.0.1:0, with a plaintext client when the port is plaintext. Check status() after
+// construction.
 class InProcessServer {
  public:
   // `registry` must outlive the server.
   InProcessServer(const server::ModelRegistry* registry, InProcessServerOptions options);
-  // Serves `registry` with `service_options`; `max_receive_message_bytes` > 0 sets gRPC's receive limit.
-  InProcessServer(const server::ModelRegistry* registry, server::ServiceOptions service_options,
+  // Serves `registry` with `engine_options`; `max_receive_message_bytes` > 0 sets gRPC's receive limit.
+  InProcessServer(const server::ModelRegistry* registry, server::EngineOptions engine_options,
                   int max_receive_message_bytes = 0);
-  // Shuts gRPC down (5 s for calls in flight), then the service.
+  // Shuts gRPC down (5 s for calls in flight), then the engine.
   ~InProcessServer();
 
   InProcessServer(const InProcessServer&) = delete;
@@ -83,8 +88,8 @@ class InProcessServer {
   const std::string& target() const { return target_; }
   // A client of target(); only for a plaintext port.
   const client::MitaClient& client() const { return *client_; }
-  server::ClassifyService& service() { return *service_; }
-  server::KserveService* kserve() { return kserve_.get(); }
+  server::InferenceEngine& engine() { return *engine_; }
+  server::OpenInferenceService* open_inference() { return open_inference_.get(); }
   server::ServerMetrics& metrics() { return *metrics_; }
   const prometheus::Registry& registry() const { return *metrics_->registry(); }
   // The /metrics port (options.metrics_http), else 0.
@@ -95,8 +100,9 @@ class InProcessServer {
   absl::Status status_;
   std::unique_ptr<server::ServerMetrics> metrics_;
   std::unique_ptr<server::MetricsHttpServer> metrics_server_;
-  std::unique_ptr<server::ClassifyService> service_;
-  std::unique_ptr<server::KserveService> kserve_;
+  std::unique_ptr<server::InferenceEngine> engine_;
+  std::unique_ptr<server::MitaV1Service> mita_v1_;
+  std::unique_ptr<server::OpenInferenceService> open_inference_;
   std::unique_ptr<grpc::Server> server_;
   std::string target_;
   std::unique_ptr<client::MitaClient> client_;

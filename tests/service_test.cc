@@ -33,7 +33,7 @@
 #include "gtest/gtest.h"
 #include "kernels/aten_errors.h"
 #include "prometheus/metric_family.h"
-#include "server/classify_service.h"
+#include "server/inference_engine.h"
 #include "server/grpc_status.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
@@ -83,12 +83,12 @@ class ServiceTest : public ::testing::Test {
     ASSERT_TRUE(package.ok()) << package.status();
 
     test_util::InProcessServerOptions options;
-    options.service.batching.max_batch_size = 8;
+    options.engine.batching.max_batch_size = 8;
     // Long enough that concurrent callers share batches.
-    options.service.batching.max_queue_delay = absl::Milliseconds(50);
-    options.service.batching.queue_capacity = 64;
-    options.service.batching.num_batch_threads = 1;
-    options.service.max_encoded_image_bytes = kMaxImageBytes;
+    options.engine.batching.max_queue_delay = absl::Milliseconds(50);
+    options.engine.batching.queue_capacity = 64;
+    options.engine.batching.num_batch_threads = 1;
+    options.engine.max_encoded_image_bytes = kMaxImageBytes;
     options.max_receive_message_bytes = kMaxReceiveBytes;
     options.health = true;
     options.reflection = true;
@@ -377,14 +377,14 @@ TEST_F(ServiceTest, BadRequestsGetTheRightCodeAndNameTheField) {
   options.expert_count = 9;
   options.expert_width = -1;
   ExpectStatus(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument,
-               "budget.experts.expert_width -1 is out of range: allowed [1, 50]");
+               "field budget.experts.expert_width: -1 is out of range: allowed [1, 50]");
   options.expert_width = 51;
   ExpectStatus(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument, "expert_width");
   // Only the expert width set (the expert count takes the default): the error names the value sent.
   options = Options();
   options.expert_width = 51;
   ExpectStatus(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument,
-               "budget.experts.expert_width 51 is out of range: allowed [1, 50]");
+               "field budget.experts.expert_width: 51 is out of range: allowed [1, 50]");
   // An empty model name.
   options = Options();
   options.model = "";
@@ -399,7 +399,7 @@ TEST_F(ServiceTest, BadRequestsGetTheRightCodeAndNameTheField) {
   options = Options();
   options.top_n = -1;
   ExpectStatus(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument,
-               "field top_n: -1 is out of range [0, 10]");
+               "field top_n: -1 is out of range: allowed [0, 10] (0 means 5)");
   options.top_n = 11;
   ExpectStatus(client_->Classify(images_[0], options).status(), absl::StatusCode::kInvalidArgument, "field top_n");
   // An image over the service's encoded-size limit but under the gRPC receive limit.
@@ -614,7 +614,7 @@ TEST_F(ServiceTest, BurstOfTenTimesCapacityGetsOneAnswerEach) {
   constexpr int64_t kUnitsPerRequest = 50 * (9 + 16);
   constexpr int kCapacityRequests = 8;
   constexpr int kBurst = 10 * kCapacityRequests;
-  ServiceOptions options;
+  EngineOptions options;
   options.batching.max_batch_size = 4;
   options.batching.max_queue_delay = absl::Milliseconds(2);
   options.batching.queue_capacity = 1000;
@@ -624,7 +624,7 @@ TEST_F(ServiceTest, BurstOfTenTimesCapacityGetsOneAnswerEach) {
   // Phase 1, deterministic: batches wait 2 s to fill and hold up to 1000 requests, so nothing leaves the
   // queue during the burst: exactly 8 are admitted, the other 72 are refused at once.
   {
-    ServiceOptions held = options;
+    EngineOptions held = options;
     held.batching.max_batch_size = 1000;
     held.batching.max_queue_delay = absl::Seconds(2);
     TestServer server(registry_, held);
@@ -688,7 +688,7 @@ TEST_F(ServiceTest, BurstOfTenTimesCapacityGetsOneAnswerEach) {
 // Full attention costs N x N compute units instead of N x (M + k): at the same queue capacity fewer
 // full-attention requests are admitted than MiTA ones.
 TEST_F(ServiceTest, FullAttentionCostsMoreComputeUnits) {
-  ServiceOptions options;
+  EngineOptions options;
   options.batching.max_batch_size = 1000;
   options.batching.max_queue_delay = absl::Seconds(2);
   options.batching.queue_compute_units = 4 * 50 * 50;  // 4 full-attention requests, or 8 at M + k = 25
@@ -706,7 +706,7 @@ TEST_F(ServiceTest, FullAttentionCostsMoreComputeUnits) {
   for (const absl::Status& status : burst.statuses) ok += status.ok() ? 1 : 0;
   EXPECT_EQ(ok, 8);
   // One request that alone costs more than the whole queue can never be admitted.
-  ServiceOptions tiny = options;
+  EngineOptions tiny = options;
   tiny.batching.queue_compute_units = 1000;
   TestServer small(registry_, tiny);
   ASSERT_TRUE(small.status().ok()) << small.status();
@@ -730,7 +730,7 @@ constexpr int kDocumentClasses = 4;
 // Real text for documents: this repository's README and design notes (UTF-8).
 std::string RealText() {
   std::string text;
-  for (const char* file : {"/README.md", "/server/batcher.h", "/server/classify_service.cc"}) {
+  for (const char* file : {"/README.md", "/server/batcher.h", "/server/inference_engine.cc"}) {
     text += test_util::ReadFile(SourceDirectory() + file);
   }
   return text;
@@ -777,8 +777,8 @@ class DocumentServiceTest : public ::testing::Test {
 
   void SetUp() override { ASSERT_NE(registry_, nullptr) << "suite set-up failed"; }
 
-  static ServiceOptions DefaultOptions() {
-    ServiceOptions options;
+  static EngineOptions DefaultOptions() {
+    EngineOptions options;
     options.batching.max_batch_size = 8;
     options.batching.max_queue_delay = absl::Milliseconds(1);
     return options;
@@ -898,7 +898,7 @@ TEST_F(DocumentServiceTest, BudgetsLargerThanTheDocumentAreClampedAndEchoed) {
   options = Options();
   options.expert_width = 1025;
   ExpectStatus(server.client().ClassifyText(text, options).status(), absl::StatusCode::kInvalidArgument,
-               "budget.experts.expert_width 1025 is out of range: allowed [1, 1024]");
+               "field budget.experts.expert_width: 1025 is out of range: allowed [1, 1024]");
   options = Options();
   options.expert_count = -3;
   ExpectStatus(server.client().ClassifyText(text, options).status(), absl::StatusCode::kInvalidArgument,
@@ -942,7 +942,7 @@ TEST_F(DocumentServiceTest, BadDocumentsGetInvalidArgumentNamingTheField) {
   image.set_model(kDocumentModel);
   image.set_image("\x89PNG");
   ExpectStatus(client.ClassifyRaw(image).status(), absl::StatusCode::kInvalidArgument,
-               "field input: model 'random-document' takes a document (document.text or document.token_ids), not an "
+               "field input: model 'random-document' takes a document (text or token ids), not an "
                "image");
   v1::ClassifyRequest nothing;
   nothing.set_model(kDocumentModel);
@@ -962,7 +962,7 @@ TEST_F(DocumentServiceTest, LengthLimitAndTruncation) {
   client::ClassifyOptions options = Options();
   ExpectStatus(server.client().ClassifyText(longer, options).status(), absl::StatusCode::kInvalidArgument,
                "field document.text: the document has 4097 tokens, over the limit of 4096 tokens (the model's "
-               "max_tokens); set document.truncate to classify its first 4096 tokens");
+               "max_tokens); field document.truncate: set it to classify the first 4096 tokens");
   std::vector<int64_t> ids(static_cast<size_t>(kDocumentMaxTokens) + 1, 65);
   absl::StatusOr<v1::ClassifyRequest> as_ids = client::BuildTokenIdsRequest(ids, options);
   ASSERT_TRUE(as_ids.ok());
@@ -985,7 +985,7 @@ TEST_F(DocumentServiceTest, LengthLimitAndTruncation) {
 
   // A server whose batch token budget is below the model's max_tokens: the smaller limit applies and the
   // error names its flag; GetModel reports it.
-  ServiceOptions small = DefaultOptions();
+  EngineOptions small = DefaultOptions();
   small.batching.max_batch_tokens = 1000;
   TestServer limited(registry_, small);
   ASSERT_TRUE(limited.status().ok()) << limited.status();
@@ -1045,7 +1045,7 @@ TEST_F(DocumentServiceTest, MixedBatchEqualsEachRequestAlone) {
   }
   // Together: one batch of all six (max_batch_size = 6 makes it full when the last arrives; the 10 s delay
   // never expires).
-  ServiceOptions together = DefaultOptions();
+  EngineOptions together = DefaultOptions();
   together.batching.max_batch_size = static_cast<int64_t>(items.size());
   together.batching.max_queue_delay = absl::Seconds(10);
   std::vector<absl::StatusOr<v1::ClassifyResponse>> batched(items.size(), absl::UnknownError("not run"));
@@ -1059,7 +1059,7 @@ TEST_F(DocumentServiceTest, MixedBatchEqualsEachRequestAlone) {
     for (std::thread& thread : threads) thread.join();
   }
   // Alone: batches of one.
-  ServiceOptions alone_options = DefaultOptions();
+  EngineOptions alone_options = DefaultOptions();
   alone_options.batching.max_batch_size = 1;
   TestServer alone_server(registry_, alone_options);
   ASSERT_TRUE(alone_server.status().ok()) << alone_server.status();
@@ -1132,7 +1132,7 @@ TEST_F(DocumentServiceTest, GetModelDeclaresDocumentLimitsAndKnobs) {
 TEST_F(DocumentServiceTest, AdmissionCountsDocumentTokensAndComputeUnits) {
   // Queue capacity 300,000 compute units: a 3000-token document at M + k = 16 + 64 costs 240,000 and is
   // admitted; the same document under full attention costs 9,000,000, more than the whole queue.
-  ServiceOptions options = DefaultOptions();
+  EngineOptions options = DefaultOptions();
   options.batching.queue_compute_units = 300000;
   TestServer server(registry_, options);
   ASSERT_TRUE(server.status().ok()) << server.status();
@@ -1175,7 +1175,7 @@ TEST(EmbeddedDocumentModelTest, ClassifiesRealTextOverLoopback) {
   packages.push_back(*std::move(package));
   absl::StatusOr<std::unique_ptr<ModelRegistry>> registry = ModelRegistry::FromPackages(std::move(packages));
   ASSERT_TRUE(registry.ok()) << registry.status();
-  TestServer server(registry->get(), ServiceOptions());
+  TestServer server(registry->get(), EngineOptions());
   ASSERT_TRUE(server.status().ok()) << server.status();
   const client::MitaClient& client = server.client();
 

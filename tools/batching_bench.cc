@@ -72,7 +72,7 @@ namespace {
 
 // The benchmarks' shared inputs, set up once in main before any benchmark runs.
 struct Setup {
-  mita::models::ModelPackage package;
+  std::unique_ptr<mita::models::VitClassifier> model;
   mita::models::AttentionBudget budget;
   std::vector<at::Tensor> images;  // preprocessed test images, [in_channels, side, side] each
 };
@@ -94,7 +94,7 @@ void Forward(benchmark::State& state) {
   const at::Tensor input = at::stack(chosen);
   const std::vector<mita::models::AttentionBudget> budgets(batch, setup->budget);
   for (auto _ : state) {
-    auto output = setup->package.model->Forward(input, budgets, /*want_statistics=*/true);
+    auto output = setup->model->Forward(input, budgets, /*want_statistics=*/true);
     if (!output.ok()) {
       state.SkipWithError(output.status().ToString().c_str());
       return;
@@ -106,7 +106,7 @@ void Forward(benchmark::State& state) {
 
 void DenseLayers(benchmark::State& state) {
   const int64_t batch = state.range(0);
-  const mita::models::VitConfig& config = setup->package.config;
+  const mita::models::VitConfig& config = setup->model->config();
   const int64_t tokens = config.tokens(), channels = config.embed_dim, hidden = config.mlp_hidden_dim;
   c10::InferenceMode inference_mode;
   const at::Tensor x = at::randn({batch, tokens, channels});  // a block's input, [B, N, C]
@@ -255,18 +255,14 @@ int main(int argc, char** argv) {
   }
   shared.budget = *budget;
   mita::kernels::SetIntraOpThreads(1);
-  auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));
-  if (!package.ok()) {
-    std::fprintf(stderr, "--model: %s\n", package.status().ToString().c_str());
+  auto model = mita::models::LoadVitClassifier(absl::GetFlag(FLAGS_model));
+  if (!model.ok()) {
+    std::fprintf(stderr, "--model: %s\n", model.status().ToString().c_str());
     return 2;
   }
-  if (package->model == nullptr) {
-    std::fprintf(stderr, "--model: '%s' is not an image model\n", absl::GetFlag(FLAGS_model).c_str());
-    return 2;
-  }
-  shared.package = *std::move(package);
+  shared.model = *std::move(model);
   if (!shared.budget.full_attention) {
-    if (absl::Status valid = mita::models::ValidateBudget(shared.package.config, shared.budget); !valid.ok()) {
+    if (absl::Status valid = mita::models::CheckBudget(shared.model->description().knobs, shared.budget); !valid.ok()) {
       std::fprintf(stderr, "--budget: %s\n", valid.ToString().c_str());
       return 2;
     }
@@ -276,7 +272,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", data.status().ToString().c_str());
     return 1;
   }
-  auto images = mita::datasets::PreprocessedImages(*data, shared.package.config, batch_sizes.back());
+  auto images = mita::datasets::PreprocessedImages(*data, shared.model->config(), batch_sizes.back());
   if (!images.ok()) {
     std::fprintf(stderr, "%s\n", images.status().ToString().c_str());
     return 1;
@@ -293,7 +289,7 @@ int main(int argc, char** argv) {
   const char* coretype = std::getenv("OPENBLAS_CORETYPE");
   std::printf("model %s, budget %s, N = %lld tokens, 1 intra-op thread, OPENBLAS_CORETYPE=%s\n",
               absl::GetFlag(FLAGS_model).c_str(), budget_text.c_str(),
-              static_cast<long long>(shared.package.config.tokens()), coretype != nullptr ? coretype : "(unset)");
+              static_cast<long long>(shared.model->config().tokens()), coretype != nullptr ? coretype : "(unset)");
   std::fflush(stdout);
   // Colours only on a terminal (a custom reporter does not follow --benchmark_color).
   CollectingReporter reporter(isatty(fileno(stdout)) != 0 ? benchmark::ConsoleReporter::OO_ColorTabular

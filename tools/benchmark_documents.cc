@@ -70,9 +70,9 @@ int64_t MaxRssKilobytes() {
 int RunChild() {
   if (absl::GetFlag(FLAGS_keep_freed_memory)) mita::kernels::KeepFreedMemoryForReuse();
   mita::kernels::SetIntraOpThreads(absl::GetFlag(FLAGS_threads));
-  auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));
-  if (!package.ok() || package->kind != mita::models::ModelKind::kDocument) {
-    std::fprintf(stderr, "child: %s\n", package.ok() ? "not a document model" : package.status().ToString().c_str());
+  auto loaded = mita::models::LoadDocumentClassifier(absl::GetFlag(FLAGS_model));
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "child: %s\n", loaded.status().ToString().c_str());
     return 1;
   }
   std::ifstream file(absl::GetFlag(FLAGS_ids_file), std::ios::binary);
@@ -87,10 +87,10 @@ int RunChild() {
   const auto tokens = static_cast<int64_t>(ids.size());
   const at::Tensor document = at::tensor(ids, at::TensorOptions().dtype(at::kLong));
   const int64_t baseline_kb = MaxRssKilobytes();
-  const auto& model = *package->document_model;
+  const mita::models::DocumentClassifier& model = **loaded;
   const int64_t warmup_tokens = std::min<int64_t>(512, tokens);
   auto warmup = model.Forward(document.narrow(0, 0, warmup_tokens), {warmup_tokens},
-                              {mita::models::ApplyDocumentBudget(*budget, warmup_tokens)}, false);
+                              {mita::models::ApplyBudget(*budget, warmup_tokens)}, false);
   if (!warmup.ok()) {
     std::fprintf(stderr, "child: %s\n", warmup.status().ToString().c_str());
     return 1;
@@ -100,7 +100,7 @@ int RunChild() {
   std::vector<double> milliseconds;
   for (int r = 0; r < std::max(1, repeats); ++r) {
     const auto start = Clock::now();
-    auto output = model.Forward(document, {tokens}, {mita::models::ApplyDocumentBudget(*budget, tokens)}, false);
+    auto output = model.Forward(document, {tokens}, {mita::models::ApplyBudget(*budget, tokens)}, false);
     milliseconds.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
     if (!output.ok()) {
       std::fprintf(stderr, "child: %s\n", output.status().ToString().c_str());
@@ -135,17 +135,22 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   if (absl::GetFlag(FLAGS_child)) return RunChild();
 
-  auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));
-  if (!package.ok() || package->kind != mita::models::ModelKind::kDocument) {
-    std::fprintf(stderr, "%s\n", package.ok() ? "not a document model" : package.status().ToString().c_str());
+  auto loaded = mita::models::LoadDocumentClassifier(absl::GetFlag(FLAGS_model));
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "%s\n", loaded.status().ToString().c_str());
+    return 1;
+  }
+  const mita::models::DocumentClassifier& model = **loaded;
+  if (model.tokenizer() == nullptr) {
+    std::fprintf(stderr, "%s has no tokenizer\n", absl::GetFlag(FLAGS_model).c_str());
     return 1;
   }
   std::vector<int64_t> lengths;
   for (absl::string_view entry : absl::StrSplit(absl::GetFlag(FLAGS_tokens), ',', absl::SkipEmpty())) {
     int64_t length = 0;
-    if (!absl::SimpleAtoi(entry, &length) || length < 1 || length > package->document_config.max_tokens) {
+    if (!absl::SimpleAtoi(entry, &length) || length < 1 || length > model.config().max_tokens) {
       std::fprintf(stderr, "--tokens: '%s' is not in [1, %lld]\n", std::string(entry).c_str(),
-                   static_cast<long long>(package->document_config.max_tokens));
+                   static_cast<long long>(model.config().max_tokens));
       return 1;
     }
     lengths.push_back(length);
@@ -153,7 +158,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> budgets;
   for (absl::string_view entry : absl::StrSplit(absl::GetFlag(FLAGS_budgets), ',', absl::SkipEmpty())) {
     auto budget = mita::models::ParseBudget(entry);
-    if (!budget.ok() || !mita::models::ValidateDocumentBudget(package->document_config, *budget).ok()) {
+    if (!budget.ok() || !mita::models::CheckBudget(model.description().knobs, *budget).ok()) {
       std::fprintf(stderr, "--budgets: '%s' is not a valid budget of this model\n", std::string(entry).c_str());
       return 1;
     }
@@ -176,7 +181,7 @@ int main(int argc, char** argv) {
     text += "\n\n";
     ++used;
     if (static_cast<int64_t>(text.size()) / 8 < longest) continue;  // cheap lower bound before tokenizing
-    auto encoded = package->tokenizer->Encode(text);
+    auto encoded = model.tokenizer()->Encode(text);
     if (!encoded.ok()) {
       std::fprintf(stderr, "%s\n", encoded.status().ToString().c_str());
       return 1;
@@ -190,10 +195,10 @@ int main(int argc, char** argv) {
   }
   std::printf("model %s (%s tokenizer, embed dim %lld, %lld blocks, %lld heads); text: the first %zu held-out "
               "documents concatenated (%zu bytes, %zu tokens); %d threads; one child process per case\n",
-              absl::GetFlag(FLAGS_model).c_str(), package->tokenizer->name().c_str(),
-              static_cast<long long>(package->document_config.embed_dim),
-              static_cast<long long>(package->document_config.depth),
-              static_cast<long long>(package->document_config.num_heads), used, text.size(), ids.size(),
+              absl::GetFlag(FLAGS_model).c_str(), model.tokenizer()->name().c_str(),
+              static_cast<long long>(model.config().embed_dim),
+              static_cast<long long>(model.config().depth),
+              static_cast<long long>(model.config().num_heads), used, text.size(), ids.size(),
               absl::GetFlag(FLAGS_threads));
   std::fflush(stdout);
 

@@ -58,9 +58,9 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("Fashion-MNIST test accuracy and latency of a model package per budget. Flags below.");
   absl::ParseCommandLine(argc, argv);
   mita::kernels::SetIntraOpThreads(absl::GetFlag(FLAGS_threads));
-  auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));
-  if (!package.ok()) {
-    std::fprintf(stderr, "%s\n", package.status().ToString().c_str());
+  auto model = mita::models::LoadVitClassifier(absl::GetFlag(FLAGS_model));
+  if (!model.ok()) {
+    std::fprintf(stderr, "%s\n", model.status().ToString().c_str());
     return 1;
   }
   auto data = mita::datasets::ReadFashionMnist("t10k");
@@ -69,7 +69,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   const int64_t count = std::min<int64_t>(absl::GetFlag(FLAGS_images), data->count);
-  auto preprocessed = mita::datasets::PreprocessedImages(*data, package->config, count);
+  auto preprocessed = mita::datasets::PreprocessedImages(*data, (*model)->config(), count);
   if (!preprocessed.ok()) {
     std::fprintf(stderr, "%s\n", preprocessed.status().ToString().c_str());
     return 1;
@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
                            "--full_attention)\n", std::string(item).c_str());
       return 2;
     }
-    if (absl::Status valid = mita::models::ValidateBudget(package->config, *budget); !valid.ok()) {
+    if (absl::Status valid = mita::models::CheckBudget((*model)->description().knobs, *budget); !valid.ok()) {
       std::fprintf(stderr, "--budgets: %s\n", valid.ToString().c_str());
       return 2;
     }
@@ -97,7 +97,7 @@ int main(int argc, char** argv) {
   }
 
   std::printf("model %s, %lld test images, tokens N=%lld, %d threads\n", absl::GetFlag(FLAGS_model).c_str(),
-              static_cast<long long>(count), static_cast<long long>(package->config.tokens()),
+              static_cast<long long>(count), static_cast<long long>((*model)->config().tokens()),
               absl::GetFlag(FLAGS_threads));
   std::printf("| budget | top-1 accuracy | batch-1 latency p50 (ms) | p95 (ms) | batched throughput (images/s) |\n");
   std::printf("|---|---|---|---|---|\n");
@@ -110,7 +110,7 @@ int main(int argc, char** argv) {
       const int64_t end = std::min(count, begin + batch_size);
       at::Tensor batch = at::stack(std::vector<at::Tensor>(inputs.begin() + begin, inputs.begin() + end));
       std::vector<mita::models::AttentionBudget> per_item(end - begin, budget);
-      auto output = package->model->Forward(batch, per_item, want_statistics);
+      auto output = (*model)->Forward(batch, per_item, want_statistics);
       if (!output.ok()) {
         std::fprintf(stderr, "%s\n", output.status().ToString().c_str());
         return 1;
@@ -124,7 +124,7 @@ int main(int argc, char** argv) {
     const int64_t timed = std::min(count, absl::GetFlag(FLAGS_latency_images));
     for (int64_t i = 0; i < timed; ++i) {
       const auto t0 = Clock::now();
-      auto output = package->model->Forward(inputs[i].unsqueeze(0), {budget}, want_statistics);
+      auto output = (*model)->Forward(inputs[i].unsqueeze(0), {budget}, want_statistics);
       latencies.push_back(Milliseconds(Clock::now() - t0));
       if (!output.ok()) return 1;
     }

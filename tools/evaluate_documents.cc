@@ -60,16 +60,17 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   mita::kernels::SetIntraOpThreads(absl::GetFlag(FLAGS_threads));
 
-  auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));
-  if (!package.ok()) {
-    std::fprintf(stderr, "%s\n", package.status().ToString().c_str());
+  auto loaded = mita::models::LoadDocumentClassifier(absl::GetFlag(FLAGS_model));
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "%s\n", loaded.status().ToString().c_str());
     return 1;
   }
-  if (package->kind != mita::models::ModelKind::kDocument) {
-    std::fprintf(stderr, "%s is not a document model\n", absl::GetFlag(FLAGS_model).c_str());
+  const mita::models::DocumentClassifier& model = **loaded;
+  const mita::models::DocumentConfig& config = model.config();
+  if (model.tokenizer() == nullptr) {
+    std::fprintf(stderr, "%s has no tokenizer\n", absl::GetFlag(FLAGS_model).c_str());
     return 1;
   }
-  const mita::models::DocumentConfig& config = package->document_config;
   auto documents = mita::datasets::ReadCorpusSplit(absl::GetFlag(FLAGS_corpus), absl::GetFlag(FLAGS_split));
   auto training = mita::datasets::ReadCorpusSplit(absl::GetFlag(FLAGS_corpus), "train");
   if (!documents.ok() || !training.ok()) {
@@ -90,7 +91,7 @@ int main(int argc, char** argv) {
                    std::string(entry).c_str());
       return 1;
     }
-    if (auto status = mita::models::ValidateDocumentBudget(config, *budget); !status.ok()) {
+    if (auto status = mita::models::CheckBudget(model.description().knobs, *budget); !status.ok()) {
       std::fprintf(stderr, "--budgets: %s\n", status.ToString().c_str());
       return 1;
     }
@@ -105,11 +106,11 @@ int main(int argc, char** argv) {
   int64_t truncated = 0, total_tokens = 0, longest = 0;
   std::vector<int64_t> token_counts;
   for (const auto& document : *documents) {
-    if (auto status = mita::models::ValidateUtf8(document.text, "document"); !status.ok()) {
+    if (auto status = mita::models::ValidateUtf8(document.text); !status.ok()) {
       std::fprintf(stderr, "%s: %s\n", document.source.c_str(), status.ToString().c_str());
       return 1;
     }
-    auto ids = package->tokenizer->Encode(document.text);
+    auto ids = model.tokenizer()->Encode(document.text);
     if (!ids.ok()) {
       std::fprintf(stderr, "%s: %s\n", document.source.c_str(), ids.status().ToString().c_str());
       return 1;
@@ -128,7 +129,7 @@ int main(int argc, char** argv) {
   const auto count = static_cast<int64_t>(inputs.size());
   std::printf("model %s (%s tokenizer), split %s: %lld documents, %lld tokens (median %lld, max %lld; %lld cut to "
               "max_tokens %lld)\n",
-              absl::GetFlag(FLAGS_model).c_str(), package->tokenizer->name().c_str(),
+              absl::GetFlag(FLAGS_model).c_str(), model.tokenizer()->name().c_str(),
               absl::GetFlag(FLAGS_split).c_str(), static_cast<long long>(count), static_cast<long long>(total_tokens),
               static_cast<long long>(token_counts.empty() ? 0 : token_counts[token_counts.size() / 2]),
               static_cast<long long>(token_counts.empty() ? 0 : token_counts.back()), static_cast<long long>(truncated),
@@ -157,11 +158,10 @@ int main(int argc, char** argv) {
                                                    absl::GetFlag(FLAGS_batch_tokens))) {
         ids.insert(ids.end(), inputs[last].ids.begin(), inputs[last].ids.end());
         lengths.push_back(static_cast<int64_t>(inputs[last].ids.size()));
-        applied.push_back(mita::models::ApplyDocumentBudget(budgets[budget_index], lengths.back()));
+        applied.push_back(mita::models::ApplyBudget(budgets[budget_index], lengths.back()));
         ++last;
       }
-      auto output = package->document_model->Forward(at::tensor(ids, at::TensorOptions().dtype(at::kLong)), lengths,
-                                                      applied, false);
+      auto output = model.Forward(at::tensor(ids, at::TensorOptions().dtype(at::kLong)), lengths, applied, false);
       if (!output.ok()) {
         std::fprintf(stderr, "%s\n", output.status().ToString().c_str());
         return 1;
@@ -177,7 +177,7 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   }
   std::printf("| majority class (%s, from the training split) | %.4f | %lld / %lld | - |\n",
-              package->labels[majority].c_str(), static_cast<double>(majority_correct) / static_cast<double>(count),
+              model.description().labels[majority].c_str(), static_cast<double>(majority_correct) / static_cast<double>(count),
               static_cast<long long>(majority_correct), static_cast<long long>(count));
   return 0;
 }

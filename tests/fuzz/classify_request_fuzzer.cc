@@ -1,7 +1,8 @@
 // libFuzzer target: request validation of mita.v1.MitaService/Classify. The input is a serialized
-// ClassifyRequest (protobuf wire format); it is handed to the real ClassifyService (every package of the
-// repository: the embedded image model fashion-mnist-vit and document model linux-doc-mita, their batchers and
-// models) exactly as gRPC would after parsing, with the message size guard of mita-server. Every request must
+// ClassifyRequest (protobuf wire format); it takes the mita.v1 front end's path after gRPC has parsed it (the
+// message size guard of mita-server, the translation to the neutral request, the real InferenceEngine with
+// every package of the repository: the embedded image model fashion-mnist-vit and document model linux-doc-mita,
+// their batchers and models, the answer and its wording), without the gRPC transport. Every request must
 // get OK or a user-error code (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED), never INTERNAL/UNKNOWN, a crash
 // or a sanitizer report; an OK answer must be well-formed (1-10 classes, scores in [0, 1], indices below the
 // answering model's label count).
@@ -18,8 +19,11 @@
 #include <memory>
 #include <string>
 
-#include "server/classify_service.h"
+#include "absl/synchronization/notification.h"
+#include "server/grpc_status.h"
+#include "server/inference_engine.h"
 #include "server/message_limits.h"
+#include "server/mita_v1_service.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
 
@@ -28,7 +32,8 @@ namespace {
 struct Fixture {
   std::unique_ptr<mita::server::ModelRegistry> registry;
   std::unique_ptr<mita::server::ServerMetrics> metrics;
-  std::unique_ptr<mita::server::ClassifyService> service;
+  std::unique_ptr<mita::server::MessageSizeGuard> message_size;
+  std::unique_ptr<mita::server::InferenceEngine> engine;
 };
 
 Fixture* fixture = nullptr;
@@ -50,33 +55,48 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
   fixture->registry = *std::move(registry);
   fixture->metrics =
       std::make_unique<mita::server::ServerMetrics>(mita::server::MetricsModelInfos(*fixture->registry));
-  mita::server::ServiceOptions options;
+  mita::server::EngineOptions options;
   options.batching.max_queue_delay = absl::ZeroDuration();
   options.batching.max_batch_tokens = 2048;
   // A 64 KiB message limit keeps each run fast; the checks are the same as at 4 MiB.
   mita::server::MessageSizeLimits limits;
   limits.max_receive_bytes = int64_t{64} << 10;
   options.max_encoded_image_bytes = limits.max_receive_bytes;
-  options.message_size = std::make_shared<mita::server::MessageSizeGuard>(limits, fixture->metrics->registry().get());
-  absl::StatusOr<std::unique_ptr<mita::server::ClassifyService>> service =
-      mita::server::ClassifyService::Create(fixture->registry.get(), fixture->metrics.get(), options);
-  if (!service.ok()) Die(service.status().ToString());
-  fixture->service = *std::move(service);
+  fixture->message_size = std::make_unique<mita::server::MessageSizeGuard>(limits, fixture->metrics->registry().get());
+  absl::StatusOr<std::unique_ptr<mita::server::InferenceEngine>> engine =
+      mita::server::InferenceEngine::Create(fixture->registry.get(), fixture->metrics.get(), options);
+  if (!engine.ok()) Die(engine.status().ToString());
+  fixture->engine = *std::move(engine);
   return 0;
 }
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   mita::v1::ClassifyRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return -1;  // gRPC would reject it before us
-  grpc::ServerContext context;
+  // The front end's path (server/mita_v1_service.cc ClassifyReactor), waiting for the answer.
   mita::v1::ClassifyResponse response;
-  const grpc::Status status = fixture->service->Classify(&context, &request, &response);
+  absl::Status answer = fixture->message_size->CheckRequest(request);
+  absl::StatusOr<mita::server::InferenceRequest> neutral =
+      answer.ok() ? mita::server::ToInferenceRequest(request) : answer;
+  if (!neutral.ok()) {
+    answer = neutral.status();
+  } else {
+    absl::Notification done;
+    std::unique_ptr<mita::server::InferenceCall> call = fixture->engine->Submit(
+        *std::move(neutral), [&](absl::StatusOr<mita::server::InferenceResult> result) {
+          answer = result.status();
+          if (result.ok()) response = mita::server::ToClassifyResponse(*result);
+          done.Notify();
+        });
+    done.WaitForNotification();
+  }
+  const grpc::Status status = mita::server::ToGrpcStatus(mita::server::WordForMitaV1(answer));
   switch (status.error_code()) {
     case grpc::StatusCode::OK: {
       if (response.classes_size() < 1 || response.classes_size() > 10) Die("OK with a wrong number of classes");
       const absl::StatusOr<const mita::models::ModelPackage*> package = fixture->registry->Lookup(response.model());
       if (!package.ok()) Die("OK naming an unknown model '" + response.model() + "'");
-      const int64_t label_count = static_cast<int64_t>((*package)->labels.size());
+      const int64_t label_count = static_cast<int64_t>((*package)->classifier->description().labels.size());
       for (const mita::v1::ClassScore& score : response.classes()) {
         if (!(score.score() >= 0 && score.score() <= 1) || score.index() < 0 || score.index() >= label_count) {
           Die("OK with a score or index out of range");

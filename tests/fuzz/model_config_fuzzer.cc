@@ -1,5 +1,4 @@
-// libFuzzer target: config.json parsing and budget validation (models::ParseVitConfig, ValidateBudget,
-// AllowedExpertCounts). Any input must give a config or an INVALID_ARGUMENT, never a crash or a sanitizer
+// libFuzzer target: config.json parsing and budget checks (models::ParseVitConfig, ImageKnobs, CheckBudget). Any input must give a config or an INVALID_ARGUMENT, never a crash or a sanitizer
 // report; an accepted config must satisfy the invariants the model code relies on.
 #include <cstddef>
 #include <cstdint>
@@ -25,14 +24,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (float deviation : config->std) {
     if (!(deviation > 0)) std::abort();
   }
-  if (!mita::models::ValidateBudget(*config, config->default_budget).ok()) std::abort();
+  const mita::models::BudgetKnobs knobs = mita::models::ImageKnobs(*config);
+  if (!mita::models::CheckBudget(knobs, config->default_budget).ok()) std::abort();
   for (const auto& [name, preset] : config->presets) {
-    if (name.empty() || !mita::models::ValidateBudget(*config, preset).ok()) std::abort();
+    if (name.empty() || !mita::models::CheckBudget(knobs, preset).ok()) std::abort();
   }
   // Budgets around the edges of the allowed ranges must be classified without crashing.
   for (int64_t count : {int64_t{0}, int64_t{1}, config->grid_side() * config->grid_side(), int64_t{-1}}) {
     for (int64_t width : {int64_t{0}, int64_t{1}, config->tokens(), config->tokens() + 1}) {
-      (void)mita::models::ValidateBudget(*config, {false, count, width});
+      (void)mita::models::CheckBudget(knobs, {false, count, width});
     }
   }
   return 0;

@@ -1,4 +1,4 @@
-// The Open Inference Protocol front end (server/kserve_service.h) end to end over loopback: a client generated
+// The Open Inference Protocol front end (server/open_inference_service.h) end to end over loopback: a client generated
 // from proto/kserve/grpc_predict_v2.proto classifies real Fashion-MNIST test images (PNG) with the embedded
 // model at chosen budgets. The reference is mita.v1 Classify on the same server with the same budget (an
 // independent request path into the same batcher) and the ground-truth labels; the translation of documents
@@ -25,8 +25,8 @@
 #include "gtest/gtest.h"
 #include "kserve/grpc_predict_v2.grpc.pb.h"
 #include "mita/v1/mita.grpc.pb.h"
-#include "server/classify_service.h"
-#include "server/kserve_service.h"
+#include "server/inference_engine.h"
+#include "server/open_inference_service.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
 #include "tests/server_test_util.h"
@@ -79,23 +79,23 @@ const inference::ModelInferResponse::InferOutputTensor* FindOutput(const inferen
   return nullptr;
 }
 
-class KserveTest : public ::testing::Test {
+class OpenInferenceTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     absl::StatusOr<std::unique_ptr<ModelRegistry>> registry = ModelRegistry::LoadFromDirectory(RepositoryPath());
     ASSERT_TRUE(registry.ok()) << registry.status();
     registry_ = registry->release();
     test_util::InProcessServerOptions options;
-    options.service.batching.max_batch_size = 8;
-    options.service.batching.max_queue_delay = absl::Milliseconds(2);
-    options.service.batching.queue_capacity = 64;
-    options.service.max_encoded_image_bytes = kMaxImageBytes;
-    options.kserve = true;
+    options.engine.batching.max_batch_size = 8;
+    options.engine.batching.max_queue_delay = absl::Milliseconds(2);
+    options.engine.batching.queue_capacity = 64;
+    options.engine.max_encoded_image_bytes = kMaxImageBytes;
+    options.open_inference = true;
     options.reflection = true;
     server_ = new test_util::InProcessServer(registry_, options);
     ASSERT_TRUE(server_->status().ok()) << server_->status();
     metrics_ = &server_->metrics();
-    kserve_ = server_->kserve();
+    kserve_ = server_->open_inference();
     channel_ = new std::shared_ptr<grpc::Channel>(
         grpc::CreateChannel(server_->target(), grpc::InsecureChannelCredentials()));
     stub_ = inference::GRPCInferenceService::NewStub(*channel_).release();
@@ -153,7 +153,7 @@ class KserveTest : public ::testing::Test {
   static ModelRegistry* registry_;
   static test_util::InProcessServer* server_;
   static ServerMetrics* metrics_;
-  static KserveService* kserve_;
+  static OpenInferenceService* kserve_;
   static std::shared_ptr<grpc::Channel>* channel_;
   static inference::GRPCInferenceService::Stub* stub_;
   static v1::MitaService::Stub* v1_stub_;
@@ -161,19 +161,19 @@ class KserveTest : public ::testing::Test {
   static std::vector<int> labels_;
 };
 
-ModelRegistry* KserveTest::registry_ = nullptr;
-test_util::InProcessServer* KserveTest::server_ = nullptr;
-ServerMetrics* KserveTest::metrics_ = nullptr;
-KserveService* KserveTest::kserve_ = nullptr;
-std::shared_ptr<grpc::Channel>* KserveTest::channel_ = nullptr;
-inference::GRPCInferenceService::Stub* KserveTest::stub_ = nullptr;
-v1::MitaService::Stub* KserveTest::v1_stub_ = nullptr;
-std::vector<std::string> KserveTest::images_;
-std::vector<int> KserveTest::labels_;
+ModelRegistry* OpenInferenceTest::registry_ = nullptr;
+test_util::InProcessServer* OpenInferenceTest::server_ = nullptr;
+ServerMetrics* OpenInferenceTest::metrics_ = nullptr;
+OpenInferenceService* OpenInferenceTest::kserve_ = nullptr;
+std::shared_ptr<grpc::Channel>* OpenInferenceTest::channel_ = nullptr;
+inference::GRPCInferenceService::Stub* OpenInferenceTest::stub_ = nullptr;
+v1::MitaService::Stub* OpenInferenceTest::v1_stub_ = nullptr;
+std::vector<std::string> OpenInferenceTest::images_;
+std::vector<int> OpenInferenceTest::labels_;
 
 // Real images at a chosen budget: the scores equal mita.v1's for the same budget, the labels are the
 // best-first top-N, the applied budget is echoed, and the accuracy is the model's.
-TEST_F(KserveTest, ClassifiesRealImagesWithAChosenBudget) {
+TEST_F(OpenInferenceTest, ClassifiesRealImagesWithAChosenBudget) {
   v1::Budget budget;
   budget.mutable_experts()->set_expert_count(16);
   budget.mutable_experts()->set_expert_width(32);
@@ -240,18 +240,16 @@ TEST_F(KserveTest, ClassifiesRealImagesWithAChosenBudget) {
 // A real document over the Open Inference Protocol, to the embedded document model (models/repository/
 // linux-doc-mita): as BYTES text and as INT64 token ids (the model's own tokenizer), each with scores equal to
 // mita.v1 Classify of the same text at the same budget, and the applied (length-clamped) budget echoed.
-TEST_F(KserveTest, ClassifiesARealDocumentAsTextAndAsTokenIds) {
+TEST_F(OpenInferenceTest, ClassifiesARealDocumentAsTextAndAsTokenIds) {
   constexpr char kDocumentModel[] = "linux-doc-mita";
-  const models::ModelPackage* package = nullptr;
-  for (const models::ModelPackage* candidate : registry_->packages()) {
-    if (candidate->name == kDocumentModel) package = candidate;
-  }
-  ASSERT_NE(package, nullptr) << kDocumentModel << " is not in the repository";
+  absl::StatusOr<std::unique_ptr<models::DocumentClassifier>> model =
+      models::LoadDocumentClassifier(test_util::RepositoryPath() + "/" + kDocumentModel);
+  ASSERT_TRUE(model.ok()) << model.status();
   const std::string text = test_util::ReadFile(test_util::SourceDirectory() + "/docs/long_documents.md");
   ASSERT_FALSE(text.empty());
-  absl::StatusOr<std::vector<int64_t>> ids = package->tokenizer->Encode(text);
+  absl::StatusOr<std::vector<int64_t>> ids = (*model)->tokenizer()->Encode(text);
   ASSERT_TRUE(ids.ok()) << ids.status();
-  const int64_t num_classes = static_cast<int64_t>(package->labels.size());
+  const int64_t num_classes = static_cast<int64_t>((*model)->description().labels.size());
 
   v1::ClassifyRequest reference_request;
   reference_request.set_model(kDocumentModel);
@@ -302,7 +300,7 @@ TEST_F(KserveTest, ClassifiesARealDocumentAsTextAndAsTokenIds) {
   }
 }
 
-TEST_F(KserveTest, DefaultBudgetPresetAndFullAttentionAreEchoed) {
+TEST_F(OpenInferenceTest, DefaultBudgetPresetAndFullAttentionAreEchoed) {
   struct Case {
     std::function<void(inference::ModelInferRequest&)> set;
     std::function<void(v1::Budget&)> reference;
@@ -354,7 +352,7 @@ TEST_F(KserveTest, DefaultBudgetPresetAndFullAttentionAreEchoed) {
 
 // raw_input_contents (what Triton's client sends): a 4-byte little-endian length, then the bytes. The result
 // equals the typed form; a requested output limits the outputs.
-TEST_F(KserveTest, RawInputContentsAndRequestedOutputs) {
+TEST_F(OpenInferenceTest, RawInputContentsAndRequestedOutputs) {
   const std::string& image = images_[5];
   inference::ModelInferRequest typed = ImageRequest(image);
   inference::ModelInferRequest raw = typed;
@@ -380,19 +378,19 @@ TEST_F(KserveTest, RawInputContentsAndRequestedOutputs) {
   }
 }
 
-TEST_F(KserveTest, BadRequestsGetTheMitaV1CodesWithProtocolNames) {
+TEST_F(OpenInferenceTest, BadRequestsGetTheMitaV1CodesWithProtocolNames) {
   const std::string& image = images_[0];
   {
     inference::ModelInferRequest request = ImageRequest(image);
     SetInt(request, "mita_expert_count", 10);
     ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT,
-                "parameter mita_expert_count 10 is not allowed: use one of 1, 4, 9, 16, 25, 36, 49");
+                "parameter mita_expert_count: 10 is not allowed: use one of 1, 4, 9, 16, 25, 36, 49");
   }
   {
     inference::ModelInferRequest request = ImageRequest(image);
     SetInt(request, "mita_expert_width", 51);
     ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT,
-                "parameter mita_expert_width 51 is out of range: allowed [1, 50]");
+                "parameter mita_expert_width: 51 is out of range: allowed [1, 50]");
   }
   {
     inference::ModelInferRequest request = ImageRequest(image);
@@ -457,7 +455,7 @@ TEST_F(KserveTest, BadRequestsGetTheMitaV1CodesWithProtocolNames) {
   {
     inference::ModelInferRequest request = ImageRequest(image);
     SetInt(request, "mita_top_n", 11);
-    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT, "parameter mita_top_n: 11 is out of range [0, 10]");
+    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT, "parameter mita_top_n: 11 is out of range: allowed [0, 10] (0 means 5)");
   }
   {
     inference::ModelInferRequest request = ImageRequest("not an image");
@@ -516,7 +514,7 @@ TEST_F(KserveTest, BadRequestsGetTheMitaV1CodesWithProtocolNames) {
 }
 
 // ModelInfer calls are counted as Classify: rejected by the translation, by ClassifyService, or answered.
-TEST_F(KserveTest, CallsAreCountedAsClassify) {
+TEST_F(OpenInferenceTest, CallsAreCountedAsClassify) {
   const double invalid_before = ClassifyCount(*metrics_, "INVALID_ARGUMENT");
   const double ok_before = ClassifyCount(*metrics_, "OK");
   inference::ModelInferRequest bad_datatype = ImageRequest(images_[1]);
@@ -531,7 +529,7 @@ TEST_F(KserveTest, CallsAreCountedAsClassify) {
   EXPECT_EQ(ClassifyCount(*metrics_, "OK") - ok_before, 1);
 }
 
-TEST_F(KserveTest, HealthAndMetadata) {
+TEST_F(OpenInferenceTest, HealthAndMetadata) {
   {
     grpc::ClientContext context;
     inference::ServerLiveResponse response;
@@ -625,20 +623,21 @@ TEST_F(KserveTest, HealthAndMetadata) {
 // grpcurl-style discovery: the reflection service lists the Open Inference Protocol service.
 // ServerReflectionRequest {list_services = 7: ""} encoded by hand over a raw bidirectional call
 // (test_util::ReflectionListServices).
-TEST_F(KserveTest, ReflectionListsTheInferenceService) {
+TEST_F(OpenInferenceTest, ReflectionListsTheInferenceService) {
   absl::StatusOr<std::string> bytes = test_util::ReflectionListServices(*channel_);
   ASSERT_TRUE(bytes.ok()) << bytes.status();
   EXPECT_THAT(*bytes, HasSubstr("inference.GRPCInferenceService"));
   EXPECT_THAT(*bytes, HasSubstr("mita.v1.MitaService"));
 }
 
-// Documents: no document model is served yet, so the translation is checked on its own against a document
-// model's metadata.
-TEST(KserveTranslationTest, DocumentsBecomeTextOrTokenIds) {
-  v1::ModelMetadata model;
-  model.set_name("doc");
-  model.set_input_kind(v1::INPUT_KIND_DOCUMENT);
-  for (int i = 0; i < 4; ++i) model.add_labels(absl::StrCat("class", i));
+// The translation of document inputs, on its own against a document model's description: BYTES text, INT64
+// token ids typed and raw, the budget and truncation parameters.
+TEST(OpenInferenceTranslationTest, DocumentsBecomeTextOrTokenIds) {
+  models::ClassifierDescription model;
+  model.name = "doc";
+  model.input_kind = models::InputKind::kDocument;
+  model.document = models::DocumentInputDescription{4096, 256, "bytes"};
+  for (int i = 0; i < 4; ++i) model.labels.push_back(absl::StrCat("class", i));
 
   inference::ModelInferRequest text;
   text.set_model_name("doc");
@@ -649,13 +648,19 @@ TEST(KserveTranslationTest, DocumentsBecomeTextOrTokenIds) {
   input->mutable_contents()->add_bytes_contents("A long document.");
   (*text.mutable_parameters())["mita_truncate"].set_bool_param(true);
   (*text.mutable_parameters())["mita_expert_count"].set_int64_param(8);
-  absl::StatusOr<v1::ClassifyRequest> request = ToClassifyRequest(text, model);
-  ASSERT_TRUE(request.ok()) << request.status();
-  EXPECT_EQ(request->document().text(), "A long document.");
-  EXPECT_TRUE(request->document().truncate());
-  EXPECT_EQ(request->budget().experts().expert_count(), 8);
-  EXPECT_EQ(request->budget().experts().expert_width(), 0) << "0: the model's default";
-  EXPECT_EQ(request->top_n(), 4);
+  {
+    TranslatedInferRequest translated;
+    ASSERT_TRUE(ToInferenceRequest(text, model, &translated).ok());
+    const InferenceRequest& request = translated.request;
+    EXPECT_EQ(request.model, "doc");
+    EXPECT_EQ(request.input.kind, models::ClassifierInput::Kind::kText);
+    EXPECT_EQ(request.input.bytes, "A long document.");
+    EXPECT_TRUE(request.input.truncate);
+    EXPECT_EQ(request.budget.choice, models::BudgetRequest::Choice::kExperts);
+    EXPECT_EQ(request.budget.expert_count, 8);
+    EXPECT_EQ(request.budget.expert_width, 0) << "0: the model's default";
+    EXPECT_EQ(request.top_n, 4);
+  }
 
   // INT64 token ids, typed and raw (8 bytes little-endian each), shape [1, T].
   const std::vector<int64_t> ids = {101, 2023, 7, 102, int64_t{1} << 40};
@@ -667,9 +672,12 @@ TEST(KserveTranslationTest, DocumentsBecomeTextOrTokenIds) {
   input->add_shape(1);
   input->add_shape(static_cast<int64_t>(ids.size()));
   for (int64_t id : ids) input->mutable_contents()->add_int64_contents(id);
-  request = ToClassifyRequest(tokens, model);
-  ASSERT_TRUE(request.ok()) << request.status();
-  EXPECT_THAT(request->document().token_ids().ids(), ::testing::ElementsAreArray(ids));
+  {
+    TranslatedInferRequest translated;
+    ASSERT_TRUE(ToInferenceRequest(tokens, model, &translated).ok());
+    EXPECT_EQ(translated.request.input.kind, models::ClassifierInput::Kind::kTokenIds);
+    EXPECT_THAT(translated.request.input.token_ids, ::testing::ElementsAreArray(ids));
+  }
 
   inference::ModelInferRequest raw = tokens;
   raw.mutable_inputs(0)->clear_contents();
@@ -678,17 +686,26 @@ TEST(KserveTranslationTest, DocumentsBecomeTextOrTokenIds) {
     for (int b = 0; b < 8; ++b) bytes.push_back(static_cast<char>((static_cast<uint64_t>(id) >> (8 * b)) & 0xff));
   }
   raw.add_raw_input_contents(bytes);
-  request = ToClassifyRequest(raw, model);
-  ASSERT_TRUE(request.ok()) << request.status();
-  EXPECT_THAT(request->document().token_ids().ids(), ::testing::ElementsAreArray(ids));
+  {
+    TranslatedInferRequest translated;
+    ASSERT_TRUE(ToInferenceRequest(raw, model, &translated).ok());
+    EXPECT_THAT(translated.request.input.token_ids, ::testing::ElementsAreArray(ids));
+  }
 
   // Errors: a shape that disagrees with the elements; INT64 for an image model.
   raw.mutable_inputs(0)->set_shape(1, 4);
-  EXPECT_THAT(std::string(ToClassifyRequest(raw, model).status().message()),
-              HasSubstr("INT64 shape [1, 4] with 5 elements"));
-  v1::ModelMetadata image_model = model;
-  image_model.set_input_kind(v1::INPUT_KIND_IMAGE);
-  EXPECT_EQ(ToClassifyRequest(tokens, image_model).status().code(), absl::StatusCode::kInvalidArgument);
+  {
+    TranslatedInferRequest translated;
+    EXPECT_THAT(std::string(ToInferenceRequest(raw, model, &translated).message()),
+                HasSubstr("INT64 shape [1, 4] with 5 elements"));
+  }
+  models::ClassifierDescription image_model = model;
+  image_model.input_kind = models::InputKind::kImage;
+  image_model.document.reset();
+  {
+    TranslatedInferRequest translated;
+    EXPECT_EQ(ToInferenceRequest(tokens, image_model, &translated).code(), absl::StatusCode::kInvalidArgument);
+  }
 
   const inference::ModelMetadataResponse metadata = ToModelMetadataResponse(model);
   ASSERT_EQ(metadata.inputs_size(), 2);
@@ -697,14 +714,41 @@ TEST(KserveTranslationTest, DocumentsBecomeTextOrTokenIds) {
   EXPECT_EQ(metadata.inputs(1).datatype(), "INT64");
 }
 
-TEST(KserveTranslationTest, FieldNamesAreRenamed) {
-  EXPECT_EQ(RenameFieldsInMessage("budget.experts.expert_count 10 is not allowed: use one of 1, 4"),
-            "parameter mita_expert_count 10 is not allowed: use one of 1, 4");
-  EXPECT_EQ(RenameFieldsInMessage("field budget.preset: unknown preset 'x'; available: fast"),
-            "parameter mita_preset: unknown preset 'x'; available: fast");
-  EXPECT_EQ(RenameFieldsInMessage("field image: cannot decode"), "input 'image': cannot decode");
-  EXPECT_EQ(RenameFieldsInMessage("field top_n: 11 is out of range"), "parameter mita_top_n: 11 is out of range");
-  EXPECT_EQ(RenameFieldsInMessage("model 'x' not found"), "model 'x' not found");
+// One structured error, worded by each front end in its own vocabulary; statuses without field problems pass
+// through unchanged.
+TEST(OpenInferenceTranslationTest, EachFrontEndWordsFieldProblemsInItsOwnNames) {
+  using models::RequestField;
+  const absl::Status knobs =
+      models::InvalidRequest({{RequestField::kExpertCount, -1, "10 is not allowed: use one of 1, 4"},
+                              {RequestField::kExpertWidth, -1, "51 is out of range: allowed [1, 50]"}});
+  EXPECT_EQ(WordForOpenInference(knobs).message(),
+            "parameter mita_expert_count: 10 is not allowed: use one of 1, 4; "
+            "parameter mita_expert_width: 51 is out of range: allowed [1, 50]");
+  EXPECT_EQ(WordForMitaV1(knobs).message(),
+            "field budget.experts.expert_count: 10 is not allowed: use one of 1, 4; "
+            "field budget.experts.expert_width: 51 is out of range: allowed [1, 50]");
+  EXPECT_EQ(WordForOpenInference(knobs).code(), absl::StatusCode::kInvalidArgument);
+  const absl::Status id = models::InvalidRequest(RequestField::kDocumentTokenIds, "300 is out of range", 7);
+  EXPECT_EQ(WordForOpenInference(id).message(), "input 'token_ids' element 7: 300 is out of range");
+  EXPECT_EQ(WordForMitaV1(id).message(), "field document.token_ids.ids[7]: 300 is out of range");
+  const absl::Status preset = models::InvalidRequest(RequestField::kPreset, "unknown preset 'x'; available: fast");
+  EXPECT_EQ(WordForOpenInference(preset).message(), "parameter mita_preset: unknown preset 'x'; available: fast");
+  EXPECT_EQ(WordForMitaV1(preset).message(), "field budget.preset: unknown preset 'x'; available: fast");
+  const absl::Status image = models::InvalidRequest(RequestField::kImage, "cannot decode");
+  EXPECT_EQ(WordForOpenInference(image).message(), "input 'image': cannot decode");
+  EXPECT_EQ(WordForMitaV1(image).message(), "field image: cannot decode");
+  const absl::Status top_n = models::InvalidRequest(RequestField::kTopN, "11 is out of range: allowed [0, 10]");
+  EXPECT_EQ(WordForOpenInference(top_n).message(), "parameter mita_top_n: 11 is out of range: allowed [0, 10]");
+  EXPECT_EQ(WordForMitaV1(top_n).message(), "field top_n: 11 is out of range: allowed [0, 10]");
+  // Every field has a name in both vocabularies.
+  for (int field = 0; field <= static_cast<int>(RequestField::kTruncate); ++field) {
+    const models::FieldProblem problem{static_cast<RequestField>(field), -1, "x"};
+    EXPECT_NE(OpenInferenceFieldName(problem), "request") << field;
+    EXPECT_NE(MitaV1FieldName(problem), "request") << field;
+  }
+  const absl::Status plain = absl::NotFoundError("model 'x' not found");
+  EXPECT_EQ(WordForOpenInference(plain), plain);
+  EXPECT_EQ(WordForMitaV1(plain), plain);
 }
 
 }  // namespace

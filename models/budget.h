@@ -1,0 +1,95 @@
+// Attention budgets: what a request asks for (BudgetRequest), what a model accepts (BudgetKnobs), and the budget
+// that runs (AttentionBudget). One resolution for every model kind; the kind only decides the knobs.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace mita::models {
+
+// A MiTA budget: expert count m (number of landmarks = routed experts) and expert width k (keys per routed
+// expert), or full softmax attention with the same weights.
+struct AttentionBudget {
+  bool full_attention = false;
+  int64_t expert_count = 0;
+  int64_t expert_width = 0;
+
+  bool operator==(const AttentionBudget& other) const {
+    return full_attention == other.full_attention &&
+           (full_attention || (expert_count == other.expert_count && expert_width == other.expert_width));
+  }
+};
+
+// The budget a request asks for, in neutral terms (each front end translates its own form into this).
+struct BudgetRequest {
+  enum class Choice {
+    kDefault,        // the model's default budget
+    kPreset,         // a named preset of the model ("" and "default" name the default budget)
+    kExperts,        // an expert budget; a knob left at 0 takes the model's default
+    kFullAttention,  // ordinary softmax attention with the same weights
+  };
+  Choice choice = Choice::kDefault;
+  std::string preset;        // kPreset
+  int64_t expert_count = 0;  // kExperts
+  int64_t expert_width = 0;  // kExperts
+};
+
+// What a model accepts: the knob ranges, its default budget and its named presets.
+struct BudgetKnobs {
+  // Expert counts allowed; empty: every count in [min_expert_count, max_expert_count].
+  std::vector<int64_t> allowed_expert_counts;
+  int64_t min_expert_count = 1;
+  int64_t max_expert_count = 1;
+  int64_t min_expert_width = 1;
+  int64_t max_expert_width = 1;
+  AttentionBudget default_budget;
+  std::map<std::string, AttentionBudget> presets;
+  // Every model runs full attention with its own weights (DESIGN.md section 2.7).
+  bool full_attention_supported = true;
+};
+
+// A resolved budget and the preset name to echo: "default" for the default budget, the preset's name for a
+// preset, "" for an explicit expert budget or full attention.
+struct ResolvedBudget {
+  AttentionBudget budget;
+  std::string preset;
+};
+
+// The problems of `budget` against `knobs` (none for full attention): expert_count not allowed ("10 is not
+// allowed: use one of 1, 4, 9") or out of range ("0 is out of range: allowed [1, 256]"), expert_width out of
+// range. Each problem names its knob (RequestField::kExpertCount / kExpertWidth, models/request_error.h).
+// Returns OK, or INVALID_ARGUMENT carrying one problem per bad knob.
+absl::Status CheckBudget(const BudgetKnobs& knobs, const AttentionBudget& budget);
+
+// Resolves `request` against `knobs`: kDefault -> the default budget; kPreset -> that preset; kExperts -> the
+// budget with unset knobs defaulted, checked by CheckBudget; kFullAttention -> full attention.
+// Errors: INVALID_ARGUMENT carrying field problems: an unknown preset (kPreset, listing the available ones), a
+// bad knob (kExpertCount, kExpertWidth), an expert budget with a knob left unset when the model's default is
+// full attention (kExperts), full attention on a model without it (kBudget).
+absl::StatusOr<ResolvedBudget> ResolveBudget(const BudgetKnobs& knobs, const BudgetRequest& request);
+
+// The budget applied to an input of `tokens` (>= 1) tokens: expert_count = min(m, tokens) and expert_width =
+// min(k, tokens); full attention unchanged. An input shorter than the budget runs with every token as a
+// landmark and/or every key in each routed expert.
+AttentionBudget ApplyBudget(const AttentionBudget& budget, int64_t tokens);
+
+// Compute units of one input (server/batcher.h): tokens x attention width, where the width is M + k under MiTA
+// (the M shared-expert outputs and the k keys of the query's routed expert: cost O(N (M + k) d) per head,
+// docs/design.md) and N under full attention. `budget` is the budget applied to the input.
+int64_t ComputeUnits(int64_t tokens, const AttentionBudget& budget);
+
+// Parses the budget text the tools take on the command line: "MxK" (expert_count x expert_width, e.g. "9x16")
+// or "full" (full attention). Only the form is checked; CheckBudget checks the values against a model.
+// Errors: INVALID_ARGUMENT quoting the text and the expected form.
+absl::StatusOr<AttentionBudget> ParseBudget(absl::string_view text);
+
+// A budget's name in tables and logs: "MiTA m=9 k=16" or "full attention".
+std::string BudgetName(const AttentionBudget& budget);
+
+}  // namespace mita::models

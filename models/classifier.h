@@ -1,0 +1,160 @@
+// The one interface the server sees of a model: a Classifier turns one request input and its budget into a batch
+// item (Prepare), runs packed batches of items with per-item budgets (Run), and describes itself. The image
+// classifier (vit_classifier.h) and the document classifier (document_classifier.h) implement it; a model package
+// holds one (model_package.h). Nothing here knows an API: errors about a request carry structured field problems
+// (request_error.h) that each front end words in its own vocabulary.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kernels/mita_attention.h"
+#include "models/budget.h"
+
+namespace mita::models {
+
+// What a classifier takes as input.
+enum class InputKind { kImage, kDocument };
+
+// One request input, in neutral terms. It views the caller's request: valid while Prepare runs.
+struct ClassifierInput {
+  enum class Kind {
+    kNone,      // the request carried no input
+    kImage,     // `bytes`: an encoded PNG or JPEG
+    kText,      // `bytes`: UTF-8 text (checked by Prepare)
+    kTokenIds,  // `token_ids`
+  };
+  Kind kind = Kind::kNone;
+  std::string_view bytes;
+  absl::Span<const int64_t> token_ids;
+  // Documents: classify the first max_tokens tokens of a longer document instead of refusing it.
+  bool truncate = false;
+};
+
+// Limits the server applies to inputs, on top of the model's own (the tighter one wins).
+struct InputLimits {
+  // Largest encoded image, bytes.
+  int64_t max_encoded_image_bytes = int64_t{4} << 20;
+  // Longest document, tokens, and who sets that limit (named in errors, e.g. "flag --max_batch_tokens").
+  int64_t max_tokens = std::numeric_limits<int64_t>::max();
+  std::string max_tokens_source = "the server's limit";
+};
+
+// An image model's input: the size it classifies at and the largest image it decodes.
+struct ImageInputDescription {
+  int64_t width = 0;   // pixels; other sizes are resized
+  int64_t height = 0;  // pixels
+  int64_t channels = 0;
+  int64_t max_width = 0;   // largest declared width accepted, pixels
+  int64_t max_height = 0;  // largest declared height accepted, pixels
+};
+
+// A document model's input.
+struct DocumentInputDescription {
+  int64_t max_tokens = 0;       // longest document the model takes, tokens
+  int64_t vocabulary_size = 0;  // token ids are in [0, vocabulary_size)
+  std::string tokenizer;        // "bytes" or "sentencepiece"
+};
+
+// What a classifier is: its input, labels and budget knobs. Exactly one of `image` and `document` is set, the one
+// `input_kind` names.
+struct ClassifierDescription {
+  std::string name;          // the model's name (its package folder)
+  std::string architecture;  // config.json "architecture"
+  InputKind input_kind = InputKind::kImage;
+  std::optional<ImageInputDescription> image;
+  std::optional<DocumentInputDescription> document;
+  std::vector<std::string> labels;  // one per class, by class index
+  BudgetKnobs knobs;
+  int64_t layers = 0;  // transformer blocks (attention layers)
+  int64_t heads = 0;
+  int64_t embed_dim = 0;
+  // Tokens one input occupies in attention when fixed (images: patches + cls); 0 when it varies (documents).
+  int64_t tokens_per_input = 0;
+
+  // One line for logs, e.g. "fashion-mnist-vit (mita_vit, image 28x28x1, 50 tokens, 4 layers, 10 classes,
+  // default budget MiTA m=9 k=16)".
+  std::string Summary() const;
+};
+
+// One prepared input, ready to join a packed batch.
+struct BatchItem {
+  // The model input: images [C, H, W] float32; documents [N] int64 token ids.
+  at::Tensor input;
+  // Tokens this item adds to a packed batch (images: patches + cls; documents: after truncation).
+  int64_t tokens = 0;
+  // Tokens of the input before truncation (>= tokens).
+  int64_t input_tokens = 0;
+  // The budget applied to this input (ApplyBudget) and the preset name to echo.
+  ResolvedBudget budget;
+  // ComputeUnits(tokens, budget.budget): the admission cost (server/batcher.h).
+  int64_t compute_units = 0;
+};
+
+// Output of one batched forward.
+struct ClassifierOutput {
+  // Class logits [B, num_classes], float32.
+  at::Tensor logits;
+  // B entries: statistics[b][layer] for item b when requested and item b ran MiTA; statistics[b] empty otherwise.
+  std::vector<std::vector<kernels::MitaItemStatistics>> statistics;
+};
+
+// A model the server can host. Implementations are immutable after creation and thread-safe.
+class Classifier {
+ public:
+  virtual ~Classifier();
+
+  virtual const ClassifierDescription& description() const = 0;
+
+  // Turns one input and its budget into a batch item: checks the input kind, resolves the budget against the
+  // knobs (ResolveBudget), then decodes or tokenizes the input (PrepareInput) and applies the budget to its
+  // token count (ApplyBudget). Cheap checks come first, so a bad request costs no decoding.
+  // Errors: INVALID_ARGUMENT carrying field problems (request_error.h): the wrong or no input (kInput), a bad
+  // budget (kPreset, kExperts, kExpertCount, kExpertWidth), a bad input (kImage, kDocument, kDocumentText,
+  // kDocumentTokenIds); RESOURCE_EXHAUSTED when memory runs out.
+  absl::StatusOr<BatchItem> Prepare(const ClassifierInput& input, const BudgetRequest& budget,
+                                    const InputLimits& limits) const;
+
+  // Runs a packed batch: items from Prepare of this classifier, each with its own budget; the dense layers run
+  // on all items' tokens at once, attention per item. An item's logits do not depend on the other items (up to
+  // float rounding). `want_statistics`: fill ClassifierOutput::statistics. Runs under c10::InferenceMode.
+  // Errors: INVALID_ARGUMENT for an empty batch or items this classifier did not prepare; RESOURCE_EXHAUSTED
+  // when memory runs out; INTERNAL when ATen or a kernel fails on validated input.
+  virtual absl::StatusOr<ClassifierOutput> Run(absl::Span<const BatchItem* const> items,
+                                               bool want_statistics) const = 0;
+
+ protected:
+  // The input as the model takes it: the tensor of BatchItem::input and its token counts.
+  struct PreparedInput {
+    at::Tensor input;
+    int64_t tokens = 0;
+    int64_t input_tokens = 0;
+  };
+  // Decodes or tokenizes an input of this classifier's kind (Prepare has checked the kind).
+  // Errors: INVALID_ARGUMENT carrying field problems; RESOURCE_EXHAUSTED when memory runs out.
+  virtual absl::StatusOr<PreparedInput> PrepareInput(const ClassifierInput& input,
+                                                     const InputLimits& limits) const = 0;
+};
+
+// One class of a classification: index, softmax probability.
+struct ClassScore {
+  int64_t index = 0;
+  float probability = 0;
+};
+
+// The `top_n[b]` most probable classes of each row b of `logits` [B, C] (softmax over C), best first.
+// Errors: INVALID_ARGUMENT when logits is not 2-D or top_n has not B entries; INTERNAL if ATen fails.
+absl::StatusOr<std::vector<std::vector<ClassScore>>> TopClasses(const at::Tensor& logits,
+                                                                absl::Span<const int64_t> top_n);
+
+}  // namespace mita::models

@@ -1,0 +1,147 @@
+// The one request path every front end uses. A front end translates its request into an InferenceRequest
+// (inference_request.h) and submits it; the engine answers it exactly once:
+//
+//   Submit (front end's thread): draining? -> find the model (NOT_FOUND) -> resolve top_n -> deadline passed?
+//     -> queue the preparation (RESOURCE_EXHAUSTED when the preparation queue is full)
+//   preparation thread (preparation_pool.h): Classifier::Prepare: input kind, budget, decode or tokenize
+//     (INVALID_ARGUMENT with field problems) -> admission to the model's batcher (RESOURCE_EXHAUSTED naming the
+//     limit, UNAVAILABLE while draining)
+//   batch thread (model_runner.h): drop requests whose caller left or whose deadline passed (never run) ->
+//     Classifier::Run on the packed batch -> top classes -> answer each request
+//   Cancel (the caller left, e.g. gRPC's OnCancel): a request still waiting or queued is answered at once
+//     (CANCELLED, or DEADLINE_EXCEEDED when its deadline is why) and never run; a running one finishes and its
+//     answer is discarded (CANCELLED).
+//
+// Errors are absl::Status values with structured field problems (models/request_error.h) that the front end
+// words in its own vocabulary. A bad request never yields INTERNAL; INTERNAL means a server fault.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "models/classifier.h"
+#include "server/batcher.h"
+#include "server/clock.h"
+#include "server/inference_request.h"
+#include "server/metrics.h"
+#include "server/model_registry.h"
+#include "server/model_runner.h"
+#include "server/pending_request.h"
+#include "server/preparation_pool.h"
+
+namespace mita::server {
+
+// Limits and batching policy of the engine.
+struct EngineOptions {
+  // Batching policy and admission limits of every model's batcher (one batcher per model).
+  BatcherOptions batching;
+  // Largest accepted encoded image, bytes. Keep it below the server's gRPC receive limit, which rejects larger
+  // messages before any handler runs.
+  int64_t max_encoded_image_bytes = int64_t{4} << 20;
+  // Threads preparing inputs (decoding, tokenizing); 0: the hardware concurrency.
+  int preparation_threads = 0;
+  // Requests waiting for a preparation thread before new ones get RESOURCE_EXHAUSTED.
+  int64_t preparation_queue_capacity = 1024;
+  std::string preparation_queue_capacity_source = "flag --preparation_queue_capacity";
+};
+
+// A submitted request, for its caller: Cancel() says the caller stopped waiting. Thread-safe.
+class InferenceCall {
+ public:
+  // The caller gave up (its call was cancelled, or its deadline passed): a request that has not started is
+  // answered at once and never runs. Idempotent.
+  void Cancel();
+
+ private:
+  friend class InferenceEngine;
+  class InferenceEngine* engine_ = nullptr;
+  std::shared_ptr<PendingRequest> request_;
+};
+
+class InferenceEngine final : private RequestCompleter {
+ public:
+  // Starts one ModelRunner per model of `registry`. `registry`, `metrics` (built for the registry's models) and
+  // `clock` must outlive the engine. Errors: INVALID_ARGUMENT for invalid options.
+  static absl::StatusOr<std::unique_ptr<InferenceEngine>> Create(const ModelRegistry* registry,
+                                                                 ServerMetrics* metrics, EngineOptions options,
+                                                                 const Clock* clock = RealClock::Get());
+  // Shutdown().
+  ~InferenceEngine() override;
+
+  // Starts answering `request`: `done` is called exactly once, with the result or the error (see the file
+  // comment for the codes), on this thread or another. The returned call lets the caller give up.
+  std::unique_ptr<InferenceCall> Submit(InferenceRequest request, InferenceDone done);
+
+  // The model called `name`. Errors: as ModelRegistry::Lookup (INVALID_ARGUMENT for an empty name, NOT_FOUND).
+  absl::StatusOr<const models::ClassifierDescription*> FindModel(const std::string& name) const;
+  // Every hosted model, sorted by name.
+  std::vector<const models::ClassifierDescription*> models() const;
+  // The limits an input meets (images: max_encoded_image_bytes; documents: max_tokens, the smaller of the
+  // model's and max_batch_tokens, applied in Prepare).
+  const models::InputLimits& input_limits() const { return input_limits_; }
+  const EngineOptions& options() const { return options_; }
+
+  // Starts draining: from now on Submit answers UNAVAILABLE ("the server is shutting down") before doing any
+  // work, and the batchers release what is queued without waiting for batches to fill. Submitted requests
+  // still finish. Returns at once; idempotent.
+  void BeginDrain();
+  // Waits until every submitted request has been answered or `deadline` passes; whether it became idle.
+  bool WaitUntilIdle(absl::Time deadline);
+  // Stops accepting work, runs everything already submitted, and joins the threads. Idempotent.
+  void Shutdown();
+
+  // Requests admitted to a batcher since start, and how many of them were answered OK or with an error
+  // (cancelled, deadline passed, model failure). admitted - ok - failed are still in flight.
+  struct AdmissionCounts {
+    int64_t admitted = 0;
+    int64_t ok = 0;
+    int64_t failed = 0;
+  };
+  AdmissionCounts admission_counts() const;
+
+ private:
+  friend class InferenceCall;
+
+  InferenceEngine(const ModelRegistry* registry, ServerMetrics* metrics, EngineOptions options, const Clock* clock);
+
+  // Prepares and admits one request, on a preparation thread.
+  void Prepare(const std::shared_ptr<PendingRequest>& request);
+  // The caller of `request` left.
+  void Cancel(PendingRequest& request);
+  // Gives up on an admitted request: takes it out of its batcher and answers it, unless a batch started it.
+  void GiveUp(PendingRequest& request);
+  // Answers `request` (only the first call counts) and updates the in-flight and admission bookkeeping.
+  void Complete(PendingRequest& request, absl::StatusOr<InferenceResult> result) override;
+
+  const ModelRegistry* const registry_;
+  ServerMetrics* const metrics_;
+  const EngineOptions options_;
+  const Clock* const clock_;
+  models::InputLimits input_limits_;
+  std::map<std::string, std::unique_ptr<ModelRunner>> runners_;  // immutable after Create
+  std::unique_ptr<PreparationPool> preparation_;
+  std::atomic<bool> draining_{false};
+  absl::Mutex in_flight_mu_;
+  int64_t in_flight_ ABSL_GUARDED_BY(in_flight_mu_) = 0;  // submitted, not yet answered
+  std::atomic<int64_t> admitted_{0};
+  std::atomic<int64_t> admitted_ok_{0};
+  std::atomic<int64_t> admitted_failed_{0};
+};
+
+// The model list ServerMetrics is built for: every package of `registry`, with its attention layers.
+std::vector<ServerMetrics::ModelInfo> MetricsModelInfos(const ModelRegistry& registry);
+
+// Resolves top_n: 0 -> min(5, classes). Errors: INVALID_ARGUMENT (a RequestField::kTopN problem, "-1 is out of
+// range: allowed [0, 10] (0 means 5)") when top_n < 0 or > classes.
+absl::StatusOr<int64_t> ResolveTopN(int64_t top_n, int64_t classes);
+
+}  // namespace mita::server

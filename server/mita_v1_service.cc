@@ -1,0 +1,289 @@
+// The mita.v1 front end (see mita_v1_service.h).
+#include "server/mita_v1_service.h"
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+
+namespace mita::server {
+
+absl::StatusOr<InferenceRequest> ToInferenceRequest(const v1::ClassifyRequest& request) {
+  InferenceRequest neutral;
+  neutral.model = request.model();
+  models::ClassifierInput& input = neutral.input;
+  switch (request.input_case()) {
+    case v1::ClassifyRequest::kImage:
+      input.kind = models::ClassifierInput::Kind::kImage;
+      input.bytes = request.image();
+      break;
+    case v1::ClassifyRequest::kDocument:
+      input.truncate = request.document().truncate();
+      switch (request.document().content_case()) {
+        case v1::Document::kText:
+          input.kind = models::ClassifierInput::Kind::kText;
+          input.bytes = request.document().text();
+          break;
+        case v1::Document::kTokenIds:
+          input.kind = models::ClassifierInput::Kind::kTokenIds;
+          input.token_ids = absl::MakeConstSpan(request.document().token_ids().ids().data(),
+                                                static_cast<size_t>(request.document().token_ids().ids_size()));
+          break;
+        case v1::Document::CONTENT_NOT_SET:
+          return models::InvalidRequest(models::RequestField::kDocument,
+                                        "set document.text or document.token_ids");
+      }
+      break;
+    case v1::ClassifyRequest::INPUT_NOT_SET:
+      input.kind = models::ClassifierInput::Kind::kNone;
+      break;
+  }
+  models::BudgetRequest& budget = neutral.budget;
+  switch (request.budget().choice_case()) {
+    case v1::Budget::CHOICE_NOT_SET:
+      budget.choice = models::BudgetRequest::Choice::kDefault;
+      break;
+    case v1::Budget::kPreset:
+      budget.choice = models::BudgetRequest::Choice::kPreset;
+      budget.preset = request.budget().preset();
+      break;
+    case v1::Budget::kExperts:
+      budget.choice = models::BudgetRequest::Choice::kExperts;
+      budget.expert_count = request.budget().experts().expert_count();
+      budget.expert_width = request.budget().experts().expert_width();
+      break;
+    case v1::Budget::kFullAttention:
+      budget.choice = models::BudgetRequest::Choice::kFullAttention;
+      break;
+    default:
+      return models::InvalidRequest(models::RequestField::kBudget, "unknown budget choice");
+  }
+  neutral.top_n = request.top_n();
+  neutral.return_statistics = request.return_statistics();
+  return neutral;
+}
+
+v1::ClassifyResponse ToClassifyResponse(const InferenceResult& result) {
+  v1::ClassifyResponse response;
+  const std::vector<std::string>& labels = result.model->labels;
+  response.set_model(result.model->name);
+  for (const models::ClassScore& score : result.classes) {
+    v1::ClassScore* entry = response.add_classes();
+    entry->set_index(static_cast<int32_t>(score.index));
+    if (score.index >= 0 && score.index < static_cast<int64_t>(labels.size())) {
+      entry->set_label(labels[static_cast<size_t>(score.index)]);
+    }
+    entry->set_score(score.probability);
+  }
+  const models::AttentionBudget& applied = result.budget.budget;
+  v1::AppliedBudget* budget = response.mutable_budget();
+  budget->set_full_attention(applied.full_attention);
+  if (!applied.full_attention) {
+    budget->set_expert_count(applied.expert_count);
+    budget->set_expert_width(applied.expert_width);
+  }
+  budget->set_preset(result.budget.preset);
+  v1::Timing* timing = response.mutable_timing();
+  timing->set_queue_delay_us(absl::ToInt64Microseconds(result.queue_delay));
+  timing->set_compute_us(absl::ToInt64Microseconds(result.compute));
+  timing->set_total_us(absl::ToInt64Microseconds(result.total));
+  timing->set_batch_size(static_cast<int32_t>(result.batch_size));
+  response.set_token_count(result.tokens);
+  response.set_input_token_count(result.input_tokens);
+  for (size_t layer = 0; layer < result.statistics.size(); ++layer) {
+    const kernels::MitaItemStatistics& stats = result.statistics[layer];
+    v1::LayerStatistics* out = response.add_statistics();
+    out->set_layer(static_cast<int32_t>(layer));
+    for (double queries : stats.queries_per_expert) out->add_queries_per_expert(static_cast<float>(queries));
+    out->set_load_imbalance(static_cast<float>(stats.load_imbalance));
+    out->set_routing_entropy(static_cast<float>(stats.routing_entropy));
+    out->set_pruned_key_fraction(static_cast<float>(stats.pruned_key_fraction));
+    out->set_expert_overlap_fraction(static_cast<float>(stats.expert_overlap_fraction));
+  }
+  return response;
+}
+
+v1::ModelMetadata ToModelMetadata(const models::ClassifierDescription& model, const models::InputLimits& limits) {
+  v1::ModelMetadata metadata;
+  metadata.set_name(model.name);
+  metadata.set_architecture(model.architecture);
+  if (model.image.has_value()) {
+    metadata.set_input_kind(v1::INPUT_KIND_IMAGE);
+    v1::ImageLimits* image = metadata.mutable_image_limits();
+    image->set_width(static_cast<int32_t>(model.image->width));
+    image->set_height(static_cast<int32_t>(model.image->height));
+    image->set_channels(static_cast<int32_t>(model.image->channels));
+    image->set_max_width(static_cast<int32_t>(model.image->max_width));
+    image->set_max_height(static_cast<int32_t>(model.image->max_height));
+    image->set_max_encoded_bytes(limits.max_encoded_image_bytes);
+  }
+  if (model.document.has_value()) {
+    metadata.set_input_kind(v1::INPUT_KIND_DOCUMENT);
+    v1::DocumentLimits* document = metadata.mutable_document_limits();
+    document->set_max_tokens(std::min(model.document->max_tokens, limits.max_tokens));
+    document->set_vocabulary_size(model.document->vocabulary_size);
+    document->set_tokenizer(model.document->tokenizer);
+  }
+  for (const std::string& label : model.labels) metadata.add_labels(label);
+  const models::BudgetKnobs& knobs = model.knobs;
+  v1::Knobs* out = metadata.mutable_knobs();
+  for (int64_t count : knobs.allowed_expert_counts) out->add_allowed_expert_counts(count);
+  out->set_min_expert_count(knobs.min_expert_count);
+  out->set_max_expert_count(knobs.max_expert_count);
+  out->set_min_expert_width(knobs.min_expert_width);
+  out->set_max_expert_width(knobs.max_expert_width);
+  out->mutable_default_budget()->set_expert_count(knobs.default_budget.expert_count);
+  out->mutable_default_budget()->set_expert_width(knobs.default_budget.expert_width);
+  for (const auto& [name, preset] : knobs.presets) {
+    v1::NamedBudget* named = out->add_presets();
+    named->set_name(name);
+    if (preset.full_attention) {
+      named->set_full_attention(true);
+    } else {
+      named->mutable_budget()->set_expert_count(preset.expert_count);
+      named->mutable_budget()->set_expert_width(preset.expert_width);
+    }
+  }
+  out->set_full_attention_supported(knobs.full_attention_supported);
+  metadata.set_layers(static_cast<int32_t>(model.layers));
+  metadata.set_heads(static_cast<int32_t>(model.heads));
+  metadata.set_embed_dim(static_cast<int32_t>(model.embed_dim));
+  metadata.set_tokens_per_input(model.tokens_per_input);
+  return metadata;
+}
+
+std::string MitaV1FieldName(const models::FieldProblem& problem) {
+  using models::RequestField;
+  switch (problem.field) {
+    case RequestField::kModel:
+      return "model";
+    case RequestField::kInput:
+      return "input";
+    case RequestField::kImage:
+      return "image";
+    case RequestField::kDocument:
+      return "document";
+    case RequestField::kDocumentText:
+      return "document.text";
+    case RequestField::kDocumentTokenIds:
+      return problem.index >= 0 ? absl::StrCat("document.token_ids.ids[", problem.index, "]")
+                                : "document.token_ids.ids";
+    case RequestField::kBudget:
+      return "budget";
+    case RequestField::kExperts:
+      return "budget.experts";
+    case RequestField::kExpertCount:
+      return "budget.experts.expert_count";
+    case RequestField::kExpertWidth:
+      return "budget.experts.expert_width";
+    case RequestField::kPreset:
+      return "budget.preset";
+    case RequestField::kTopN:
+      return "top_n";
+    case RequestField::kTruncate:
+      return "document.truncate";
+  }
+  return "request";
+}
+
+absl::Status WordForMitaV1(const absl::Status& status) {
+  return models::WordProblems(
+      status, [](const models::FieldProblem& problem) { return absl::StrCat("field ", MitaV1FieldName(problem)); });
+}
+
+// One Classify call: translated and submitted at construction, finished from whichever thread answers it.
+class MitaV1Service::ClassifyReactor final : public grpc::ServerUnaryReactor {
+ public:
+  ClassifyReactor(MitaV1Service* service, grpc::CallbackServerContext* context, const v1::ClassifyRequest* request,
+                  v1::ClassifyResponse* response)
+      : service_(service), request_(request), response_(response) {
+    // An unauthenticated call is counted with model "unknown": its request is not trusted.
+    if (absl::Status status = Authenticate(service_->options_, *context); !status.ok()) {
+      FinishCall(this, *service_->metrics_, RpcMethod::kClassify, "", status);
+      return;
+    }
+    // The request size limit applies to every input kind (server/message_limits.h), before any decoding.
+    absl::Status size = service_->options_.message_size != nullptr
+                            ? service_->options_.message_size->CheckRequest(*request)
+                            : absl::OkStatus();
+    absl::StatusOr<InferenceRequest> neutral = size.ok() ? ToInferenceRequest(*request) : size;
+    if (!neutral.ok()) {
+      Answer(neutral.status());
+      return;
+    }
+    neutral->deadline = DeadlineOf(*context);
+    std::unique_ptr<InferenceCall> call = service_->engine_->Submit(
+        *std::move(neutral), [this](absl::StatusOr<InferenceResult> result) { Answer(std::move(result)); });
+    absl::MutexLock lock(&mu_);
+    call_ = std::move(call);
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    if (call_ != nullptr) call_->Cancel();
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  void Answer(absl::StatusOr<InferenceResult> result) {
+    absl::Status status = result.status();
+    absl::Duration total;
+    if (result.ok()) {
+      *response_ = ToClassifyResponse(*result);
+      total = result->total;
+      if (service_->options_.message_size != nullptr) status = service_->options_.message_size->CheckResponse(*response_);
+    }
+    FinishCall(this, *service_->metrics_, RpcMethod::kClassify, request_->model(), WordForMitaV1(status), total);
+  }
+
+  MitaV1Service* const service_;
+  const v1::ClassifyRequest* const request_;
+  v1::ClassifyResponse* const response_;
+  absl::Mutex mu_;
+  std::unique_ptr<InferenceCall> call_ ABSL_GUARDED_BY(mu_);
+};
+
+MitaV1Service::MitaV1Service(InferenceEngine* engine, ServerMetrics* metrics, FrontEndOptions options)
+    : engine_(engine), metrics_(metrics), options_(std::move(options)) {}
+
+grpc::ServerUnaryReactor* MitaV1Service::Classify(grpc::CallbackServerContext* context,
+                                                  const v1::ClassifyRequest* request, v1::ClassifyResponse* response) {
+  return new ClassifyReactor(this, context, request, response);
+}
+
+grpc::ServerUnaryReactor* MitaV1Service::ListModels(grpc::CallbackServerContext* context,
+                                                    const v1::ListModelsRequest* /*request*/,
+                                                    v1::ListModelsResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::Status status = Authenticate(options_, *context);
+  if (status.ok()) {
+    for (const models::ClassifierDescription* model : engine_->models()) {
+      *response->add_models() = ToModelMetadata(*model, engine_->input_limits());
+    }
+    if (options_.message_size != nullptr) status = options_.message_size->CheckResponse(*response);
+  }
+  FinishCall(reactor, *metrics_, RpcMethod::kListModels, "", WordForMitaV1(status));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* MitaV1Service::GetModel(grpc::CallbackServerContext* context,
+                                                  const v1::GetModelRequest* request, v1::ModelMetadata* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (absl::Status status = Authenticate(options_, *context); !status.ok()) {
+    FinishCall(reactor, *metrics_, RpcMethod::kGetModel, "", status);
+    return reactor;
+  }
+  absl::StatusOr<const models::ClassifierDescription*> model = engine_->FindModel(request->name());
+  absl::Status status = model.status();
+  if (model.ok()) {
+    *response = ToModelMetadata(**model, engine_->input_limits());
+    if (options_.message_size != nullptr) status = options_.message_size->CheckResponse(*response);
+  }
+  FinishCall(reactor, *metrics_, RpcMethod::kGetModel, request->name(), WordForMitaV1(status));
+  return reactor;
+}
+
+}  // namespace mita::server

@@ -1,0 +1,63 @@
+// The mita.v1 front end (proto/mita/v1/mita.proto): MitaService's Classify, ListModels and GetModel on gRPC's
+// callback API. It translates a ClassifyRequest into the neutral InferenceRequest, submits it to the
+// InferenceEngine, and words the answer and its errors in mita.v1's terms (its field names, e.g.
+// "field budget.experts.expert_width: 51 is out of range: allowed [1, 50]"). A call waiting for its batch holds
+// no thread; a cancelled call is given up through the reactor's OnCancel.
+#pragma once
+
+#include <grpcpp/server_context.h>
+#include <grpcpp/support/server_callback.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "mita/v1/mita.grpc.pb.h"
+#include "mita/v1/mita.pb.h"
+#include "models/classifier.h"
+#include "models/request_error.h"
+#include "server/call_outcome.h"
+#include "server/inference_engine.h"
+#include "server/inference_request.h"
+#include "server/metrics.h"
+
+namespace mita::server {
+
+// The neutral request of a ClassifyRequest. It views `request`, which must outlive it. Errors: INVALID_ARGUMENT
+// for a budget choice this version does not know.
+absl::StatusOr<InferenceRequest> ToInferenceRequest(const v1::ClassifyRequest& request);
+
+// The ClassifyResponse of a result: the classes with their labels, the applied budget, timing, token counts and
+// the statistics the result holds.
+v1::ClassifyResponse ToClassifyResponse(const InferenceResult& result);
+
+// The metadata GetModel returns: input kind with its limits (documents: max_tokens is the smaller of the model's
+// and limits.max_tokens; images: max_encoded_bytes from limits), labels, knobs, and the model's shape.
+v1::ModelMetadata ToModelMetadata(const models::ClassifierDescription& model, const models::InputLimits& limits);
+
+// The mita.v1 name of a request part, e.g. "budget.experts.expert_width", "document.token_ids.ids[7]".
+std::string MitaV1FieldName(const models::FieldProblem& problem);
+
+// `status` in mita.v1's words: each field problem as "field <name>: <detail>", joined by "; "; other statuses
+// unchanged.
+absl::Status WordForMitaV1(const absl::Status& status);
+
+class MitaV1Service final : public v1::MitaService::CallbackService {
+ public:
+  // `engine` and `metrics` must outlive the service.
+  MitaV1Service(InferenceEngine* engine, ServerMetrics* metrics, FrontEndOptions options);
+
+  grpc::ServerUnaryReactor* Classify(grpc::CallbackServerContext* context, const v1::ClassifyRequest* request,
+                                     v1::ClassifyResponse* response) override;
+  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context, const v1::ListModelsRequest* request,
+                                       v1::ListModelsResponse* response) override;
+  grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* context, const v1::GetModelRequest* request,
+                                     v1::ModelMetadata* response) override;
+
+ private:
+  class ClassifyReactor;
+
+  InferenceEngine* const engine_;
+  ServerMetrics* const metrics_;
+  const FrontEndOptions options_;
+};
+
+}  // namespace mita::server

@@ -1,0 +1,165 @@
+// One model's batching and execution (see model_runner.h).
+#include "server/model_runner.h"
+
+#include <c10/core/InferenceMode.h>
+
+#include <exception>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/aten_errors.h"
+
+namespace mita::server {
+
+absl::Status BatchFailure(absl::string_view model, const absl::Status& forward) {
+  if (absl::IsResourceExhausted(forward)) {
+    return absl::ResourceExhaustedError(absl::StrCat("model '", model, "' ran out of memory for this batch (",
+                                                     forward.message(), "); retry later or with a smaller budget"));
+  }
+  return absl::InternalError(absl::StrCat("model '", model, "' failed: ", forward.message()));
+}
+
+absl::Status QueuedDeadlineExceeded(absl::Duration queued) {
+  return absl::DeadlineExceededError(
+      absl::StrCat("the deadline passed after ", absl::ToInt64Microseconds(queued),
+                   " us in the queue, before the request's batch started; it was not run"));
+}
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const models::Classifier* classifier,
+                                                                 ModelMetrics* metrics, ServerMetrics* server_metrics,
+                                                                 const BatcherOptions& options, const Clock* clock,
+                                                                 RequestCompleter* completer) {
+  if (classifier == nullptr || metrics == nullptr || server_metrics == nullptr || clock == nullptr ||
+      completer == nullptr) {
+    return absl::InvalidArgumentError("classifier, metrics, clock and completer must be set");
+  }
+  const models::ClassifierDescription& model = classifier->description();
+  if (model.tokens_per_input > options.max_batch_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("max_batch_tokens ", options.max_batch_tokens, " (",
+                                                   options.max_batch_tokens_source, ") is smaller than the ",
+                                                   model.tokens_per_input, " tokens of one input of model '",
+                                                   model.name, "'"));
+  }
+  std::unique_ptr<ModelRunner> runner(new ModelRunner(classifier, metrics, clock, completer));
+  ModelRunner* self = runner.get();
+  absl::StatusOr<std::unique_ptr<DynamicBatcher<BatchTask>>> batcher = DynamicBatcher<BatchTask>::Create(
+      options, [self](Batch<BatchTask> batch) { self->ProcessBatch(std::move(batch)); }, clock,
+      [server_metrics](const QueueDepthChange& change) {
+        server_metrics->AddQueueDepth(change.tasks_delta);
+        server_metrics->AddQueueComputeUnits(change.compute_units_delta);
+      });
+  if (!batcher.ok()) return batcher.status();
+  runner->batcher_ = *std::move(batcher);
+  return runner;
+}
+
+absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, uint64_t* ticket) {
+  const models::AttentionBudget budget = (*task)->item.budget.budget;
+  const int64_t tokens = (*task)->item.tokens;
+  AdmissionRejection rejection = AdmissionRejection::kNone;
+  if (absl::Status status = batcher_->Submit(task, &rejection, ticket); !status.ok()) {
+    metrics_->CountRejection(rejection);
+    return status;
+  }
+  // `*task` now belongs to the batcher (and may already be running): use only the copies.
+  metrics_->ObserveBudget(budget.full_attention, budget.expert_count, budget.expert_width);
+  metrics_->ObserveRequestTokens(tokens);
+  return absl::OkStatus();
+}
+
+void ModelRunner::ProcessBatch(Batch<BatchTask> batch) {
+  const absl::Time start = clock_->Now();
+  // Skip what nobody waits for any more, and what is already too late. A request is started only by winning
+  // kQueued -> kStarted; one its caller gave up on (kGivenUp) was answered then.
+  std::vector<BatchTask*> runnable;
+  std::vector<absl::Time> enqueued;  // parallel to `runnable`
+  runnable.reserve(batch.tasks.size());
+  for (size_t i = 0; i < batch.tasks.size(); ++i) {
+    PendingRequest& request = *batch.tasks[i]->request;
+    bool cancelled = false;
+    {
+      absl::MutexLock lock(&request.mu);
+      cancelled = request.cancelled;
+    }
+    // The deadline first: gRPC also cancels a call whose deadline passed.
+    if (start >= request.request.deadline) {
+      if (request.Advance(RequestStage::kQueued, RequestStage::kGivenUp)) {
+        completer_->Complete(request, QueuedDeadlineExceeded(start - batch.enqueue_times[i]));
+      }
+    } else if (cancelled) {
+      if (request.Advance(RequestStage::kQueued, RequestStage::kGivenUp)) {
+        completer_->Complete(request,
+                             absl::CancelledError("the call was cancelled before its batch started; it was not run"));
+      }
+    } else if (request.Advance(RequestStage::kQueued, RequestStage::kStarted)) {
+      runnable.push_back(batch.tasks[i].get());
+      enqueued.push_back(batch.enqueue_times[i]);
+    }
+  }
+  if (runnable.empty()) return;
+
+  const models::ClassifierDescription& model = classifier_->description();
+  const int64_t batch_size = static_cast<int64_t>(runnable.size());
+  int64_t batch_tokens = 0;
+  std::vector<const models::BatchItem*> items;
+  std::vector<int64_t> top_n;
+  items.reserve(runnable.size());
+  top_n.reserve(runnable.size());
+  for (const BatchTask* task : runnable) {
+    batch_tokens += task->item.tokens;
+    items.push_back(&task->item);
+    top_n.push_back(task->request->top_n);
+    // Guard of the drop-before-run guarantee: work started for a caller that had already given up. The stage
+    // machine makes this 0; the metric and the tests watch it.
+    if (task->request->current_stage() != RequestStage::kStarted) metrics_->CountExecutedAfterCancel();
+  }
+  absl::Status failure;
+  absl::StatusOr<models::ClassifierOutput> output = absl::UnknownError("not run");
+  absl::StatusOr<std::vector<std::vector<models::ClassScore>>> classes = absl::UnknownError("not run");
+  try {
+    c10::InferenceMode inference_mode;
+    output = classifier_->Run(items, /*want_statistics=*/true);
+    if (output.ok()) classes = models::TopClasses(output->logits, top_n);
+    if (!output.ok()) {
+      failure = BatchFailure(model.name, output.status());
+    } else if (!classes.ok()) {
+      failure = BatchFailure(model.name, classes.status());
+    }
+  } catch (...) {
+    failure = BatchFailure(model.name, kernels::CurrentExceptionStatus("batch"));
+  }
+  const absl::Duration compute = clock_->Now() - start;
+
+  metrics_->ObserveBatchSize(batch_size);
+  metrics_->ObserveBatchTokens(batch_tokens);
+  for (size_t b = 0; b < runnable.size(); ++b) {
+    BatchTask& task = *runnable[b];
+    PendingRequest& request = *task.request;
+    if (!failure.ok()) {
+      completer_->Complete(request, failure);
+      continue;
+    }
+    InferenceResult result;
+    result.model = &model;
+    result.classes = std::move((*classes)[b]);
+    result.budget = task.item.budget;
+    result.queue_delay = start - enqueued[b];
+    result.compute = compute;
+    result.batch_size = batch_size;
+    result.tokens = task.item.tokens;
+    result.input_tokens = task.item.input_tokens;
+    if (b < output->statistics.size()) result.statistics = std::move(output->statistics[b]);
+    metrics_->ObserveQueueDelay(result.queue_delay);
+    metrics_->ObserveCompute(compute);
+    for (size_t layer = 0; layer < result.statistics.size(); ++layer) {
+      const kernels::MitaItemStatistics& stats = result.statistics[layer];
+      metrics_->ObserveLayer(static_cast<int64_t>(layer), stats.load_imbalance, stats.routing_entropy,
+                             stats.pruned_key_fraction);
+    }
+    if (!request.request.return_statistics) result.statistics.clear();
+    completer_->Complete(request, std::move(result));
+  }
+}
+
+}  // namespace mita::server

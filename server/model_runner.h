@@ -1,0 +1,75 @@
+// One hosted model's batching and execution: its DynamicBatcher (server/batcher.h) and the batch threads' work
+// (drop what nobody waits for, run the packed batch, answer each request). Internal to InferenceEngine.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "models/classifier.h"
+#include "server/batcher.h"
+#include "server/clock.h"
+#include "server/metrics.h"
+#include "server/pending_request.h"
+
+namespace mita::server {
+
+// Answers requests: InferenceEngine's Complete (answer once, bookkeeping).
+class RequestCompleter {
+ public:
+  virtual ~RequestCompleter() = default;
+  virtual void Complete(PendingRequest& request, absl::StatusOr<InferenceResult> result) = 0;
+};
+
+class ModelRunner {
+ public:
+  // Starts the model's batcher with `options`. `classifier`, `metrics`, `server_metrics`, `clock` and
+  // `completer` must outlive the runner. Errors: INVALID_ARGUMENT for invalid options, or when one input of an
+  // image model has more tokens than options.max_batch_tokens.
+  static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(const models::Classifier* classifier,
+                                                             ModelMetrics* metrics, ServerMetrics* server_metrics,
+                                                             const BatcherOptions& options, const Clock* clock,
+                                                             RequestCompleter* completer);
+
+  const models::Classifier& classifier() const { return *classifier_; }
+  ModelMetrics* metrics() const { return metrics_; }
+
+  // Queues a prepared request (takes `*task` on success; `*ticket` receives its ticket for TakeBack), observing
+  // its budget and tokens; on refusal counts the rejection by reason. Errors: the batcher's
+  // (RESOURCE_EXHAUSTED naming the limit, UNAVAILABLE while draining, INVALID_ARGUMENT).
+  absl::Status Admit(std::unique_ptr<BatchTask>* task, uint64_t* ticket);
+
+  // The task with `ticket`, taken back out of the queue; nullptr when a batch thread already has it.
+  std::unique_ptr<BatchTask> TakeBack(uint64_t ticket) { return batcher_->Cancel(ticket); }
+
+  // Stops admitting and releases what is queued without waiting for batches to fill (returns at once).
+  void BeginShutdown() { batcher_->BeginShutdown(); }
+  // Runs what is queued and joins the batch threads.
+  void Shutdown() { batcher_->Shutdown(); }
+
+ private:
+  ModelRunner(const models::Classifier* classifier, ModelMetrics* metrics, const Clock* clock,
+              RequestCompleter* completer)
+      : classifier_(classifier), metrics_(metrics), clock_(clock), completer_(completer) {}
+
+  // Runs one batch on a batch thread and answers every request in it.
+  void ProcessBatch(Batch<BatchTask> batch);
+
+  const models::Classifier* const classifier_;
+  ModelMetrics* const metrics_;
+  const Clock* const clock_;
+  RequestCompleter* const completer_;
+  std::unique_ptr<DynamicBatcher<BatchTask>> batcher_;
+};
+
+// The status every request of a batch gets when the model's forward failed with `forward`. The requests were
+// validated, so the fault is the server's: INTERNAL "model 'NAME' failed: ...", except out of memory
+// (RESOURCE_EXHAUSTED from models/ and kernels/aten_errors.h), which stays RESOURCE_EXHAUSTED "model 'NAME' ran
+// out of memory for this batch (...); retry later or with a smaller budget".
+absl::Status BatchFailure(absl::string_view model, const absl::Status& forward);
+
+// DEADLINE_EXCEEDED for a request whose deadline passed after `queued` in the queue, before its batch.
+absl::Status QueuedDeadlineExceeded(absl::Duration queued);
+
+}  // namespace mita::server

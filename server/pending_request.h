@@ -1,0 +1,74 @@
+// One request on its way through the InferenceEngine (inference_engine.h): its stage, its cancellation, and its
+// completion, which happens exactly once whoever completes it (a preparation thread, a batch thread, or the
+// caller giving up). Internal to server/.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "models/classifier.h"
+#include "server/inference_request.h"
+
+namespace mita::server {
+
+class ModelRunner;
+
+// Called once with the request's outcome.
+using InferenceDone = std::function<void(absl::StatusOr<InferenceResult>)>;
+
+// Where a request is. Transitions are compare-and-swaps, so that exactly one party moves a request out of a
+// stage: kWaiting -> kPreparing (a preparation thread) or kGivenUp (the caller left); kQueued -> kStarted (a batch
+// thread) or kGivenUp. Work on a request never starts after it was given up.
+enum class RequestStage : int {
+  kWaiting = 0,    // in the preparation queue; its input was not read yet
+  kPreparing = 1,  // a preparation thread is reading its input
+  kQueued = 2,     // prepared, handed to its model's batcher
+  kStarted = 3,    // its batch is running
+  kGivenUp = 4,    // its caller left before it started; it was answered at once
+};
+
+struct PendingRequest {
+  PendingRequest(InferenceRequest request_in, ModelRunner* runner_in, absl::Time receipt_in, InferenceDone done_in)
+      : request(std::move(request_in)), runner(runner_in), receipt(receipt_in), done(std::move(done_in)) {}
+
+  // Moves the stage from `from` to `to`; false when it was not at `from`.
+  bool Advance(RequestStage from, RequestStage to) {
+    int expected = static_cast<int>(from);
+    return stage.compare_exchange_strong(expected, static_cast<int>(to));
+  }
+  RequestStage current_stage() const { return static_cast<RequestStage>(stage.load()); }
+
+  const InferenceRequest request;
+  ModelRunner* const runner;
+  const absl::Time receipt;
+  const InferenceDone done;
+  int64_t top_n = 0;  // resolved (>= 1)
+  std::atomic<int> stage{static_cast<int>(RequestStage::kWaiting)};
+  // Set by the first call to Complete.
+  std::atomic<bool> completed{false};
+  // Whether the request reached its batcher (for the admission counts).
+  std::atomic<bool> admitted{false};
+
+  absl::Mutex mu;
+  bool cancelled ABSL_GUARDED_BY(mu) = false;
+  uint64_t ticket ABSL_GUARDED_BY(mu) = 0;  // the batcher's ticket; 0 before admission
+};
+
+// What a model's batcher queues: the prepared item and the request it answers.
+struct BatchTask {
+  models::BatchItem item;
+  std::shared_ptr<PendingRequest> request;
+
+  // Batcher units (server/batcher.h).
+  int64_t tokens() const { return item.tokens; }
+  int64_t compute_units() const { return item.compute_units; }
+};
+
+}  // namespace mita::server
