@@ -12,9 +12,8 @@ namespace mita::kernels {
 
 // Whether `message` (a c10::Error's what_without_backtrace()) reports a failed allocation. LibTorch 1.13's CPU
 // allocator says "DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes. Error code 12
-// (Cannot allocate memory)" when posix_memalign fails (measured here; the kernels once looked only for "not
-// enough memory", its wording on other platforms, so a real CPU allocation failure came out as INTERNAL); the
-// CUDA caching allocator says "CUDA out of memory".
+// (Cannot allocate memory)" when posix_memalign fails, other platforms "not enough memory"; the CUDA caching
+// allocator says "CUDA out of memory".
 bool IsOutOfMemoryMessage(absl::string_view message);
 
 // The Status of the exception being handled: call it only inside a catch block (it rethrows the current

@@ -1,7 +1,7 @@
 // MiTA (Mixture-of-Top-k Attention) forward and full attention, on CPU.
 //
 // Source: Wen et al., "MiTA: Mixture-of-Top-k Attention", NeurIPS 2026 (arXiv 2602.01219), and
-// shared/DESIGN.md section 2, which fixes the details trained checkpoints depend on. Per batch item and head,
+// docs/design.md section 2, which fixes the details trained checkpoints depend on. Per batch item and head,
 // with q, k, v: [N, d], landmarks l: [M, d] (M = expert count) and s = 1/sqrt(d):
 //   routed experts   S = l k^T (no scale); expert i owns the k (= expert width) keys with the largest S[i, :].
 //                    Ties: higher score first, then lower key index (what a stable descending sort gives).
@@ -42,9 +42,9 @@ struct MitaItem {
   int64_t token_count = 0;
 };
 
-// Routing and pruning statistics of one batch item, averaged over heads (DESIGN.md section 2,
-// "Statistics that come for free"). Per head, with load_i = number of queries n with e(n) = i (sum N); N here
-// is the item's token count (MitaItem::token_count when set):
+// Routing and pruning statistics of one batch item, averaged over heads (docs/design.md section 2.8). Per head,
+// with load_i = number of queries n with e(n) = i (sum N); N here is the item's token count
+// (MitaItem::token_count when set):
 struct MitaItemStatistics {
   // load_i averaged over heads, length M (each head's loads sum to N).
   std::vector<double> queries_per_expert;
@@ -69,7 +69,7 @@ enum class MitaBackend {
   kReference,
 };
 
-// MiTA forward for a batch whose items may each have their own expert count and expert width (DESIGN.md
+// MiTA forward for a batch whose items may each have their own expert count and expert width (docs/design.md
 // section 2, formulas above).
 //
 // q, k, v: [B, H, N, d] (the same shape), float32 or float64 (the same dtype; bfloat16 too on a CUDA device),
@@ -92,13 +92,13 @@ absl::StatusOr<at::Tensor> MitaAttentionForward(const at::Tensor& q, const at::T
 
 // Full softmax attention softmax(q k^T / sqrt(d)) v with ATen ops (mm, softmax), per (item, head) in query
 // chunks so the score buffer stays under 2^20 elements at any N; the serving path for "full attention" budgets
-// and, per DESIGN.md section 2.7, what MiTA equals with k = N and no compressed branch.
+// and, per docs/design.md section 2.7, what MiTA equals with k = N and no compressed branch.
 // q, k, v: [B, H, N, d], same shape, float32 or float64 -> new contiguous [B, H, N, d] of q's dtype.
 // Errors: INVALID_ARGUMENT when a tensor is undefined or not 4-D, when dtypes are not float32/float64 or
 // differ, or when shapes or devices differ.
 absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
-// Image landmarks (official DeiT MiTA code, DESIGN.md section 2.1): the q tokens 0 .. N-2 (the cls token
+// Image landmarks (official DeiT MiTA code, docs/design.md section 2.1): the q tokens 0 .. N-2 (the cls token
 // included, the last patch token dropped) laid row-major on an S x S grid, S = sqrt(N - 1), average-pooled
 // adaptively to a P x P grid: window i covers rows/columns [floor(i*S/P), ceil((i+1)*S/P)).
 // This is at::adaptive_avg_pool2d, whose windows are exactly these. Pooling is per head; since it is a per-channel
@@ -108,7 +108,7 @@ absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::T
 // perfect square, or when pool_side is outside [1, S].
 absl::StatusOr<at::Tensor> ImageLandmarks(const at::Tensor& q, int64_t pool_side);
 
-// Sequence landmarks (DESIGN.md section 2.1): adaptive 1-D average pooling of q over all N tokens into M
+// Sequence landmarks (docs/design.md section 2.1): adaptive 1-D average pooling of q over all N tokens into M
 // windows [floor(i*N/M), ceil((i+1)*N/M)) (at::adaptive_avg_pool1d; windows overlap when M does not divide N).
 // q: [B, H, N, d], float32 or float64 -> new contiguous [B, H, M, d].
 // Errors: INVALID_ARGUMENT when q is undefined, not 4-D or not float32/float64, or when expert_count is outside

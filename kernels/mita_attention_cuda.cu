@@ -1,4 +1,4 @@
-// CUDA MiTA forward (DESIGN.md section 2; arXiv 2602.01219). Interface and semantics: mita_attention_cuda.h.
+// CUDA MiTA forward (docs/design.md section 2; arXiv 2602.01219). Interface and semantics: mita_attention_cuda.h.
 // No torch headers: raw device pointers only.
 //
 // Per batch item (items differ in M and k), all heads at once, seven kernels on one stream:

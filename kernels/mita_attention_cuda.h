@@ -2,7 +2,7 @@
 // mita_attention.cc (compiled by the host compiler against CPU-only LibTorch) can dispatch to it, and so that
 // the .cu file needs no torch headers.
 //
-// Same operation and semantics as MitaAttentionForward in kernels/mita_attention.h (DESIGN.md section 2;
+// Same operation and semantics as MitaAttentionForward in kernels/mita_attention.h (docs/design.md section 2;
 // arXiv 2602.01219): per batch item and head, S = l k^T; expert i owns the k keys with the largest S[i, :]
 // (ties: higher score first, then lower key index); shared expert A = softmax(S s) v; gate G = l q^T, query n
 // goes to the first maximum e(n) = argmax_i G[i, n]; output = one softmax over the M compressed logits

@@ -1,5 +1,5 @@
 // Reference MiTA forward from plain ATen ops (matmul, stable sort, softmax, argmax, gather): slow and memory
-// hungry ([H, N, k, d] gathered keys per item), obviously correct. It mirrors DESIGN.md section 2 line by
+// hungry ([H, N, k, d] gathered keys per item), obviously correct. It mirrors docs/design.md section 2 line by
 // line and is what tests compare the production CPU kernel (mita_attention_cpu.cc) against.
 #include <cmath>
 #include <tuple>

@@ -3,9 +3,7 @@
 //
 // LibTorch's OpenMP runtime here (libgomp) makes idle worker threads spin before they sleep, and reads
 // OMP_WAIT_POLICY only once, when the library is loaded. With OpenBLAS's own threads also active, spinning
-// threads fight for the 2 cores: measured with tools/evaluate.cc on the embedded model (batch 1, 2 threads,
-// 200 images), p95 latency was 24-110 ms with the default policy against 1.8-4.3 ms with
-// OMP_WAIT_POLICY=passive, and batched throughput rose by 20-50% (README, "Accuracy and latency").
+// threads fight for the cores and batch-1 latency suffers (measured: docs/image_model.md).
 #pragma once
 
 namespace mita::kernels {
@@ -22,10 +20,8 @@ void ReexecWithPassiveOpenMpWaitIfUnset(char** argv);
 // and keeps its own setting). Returns the BLAS thread count now in effect, or 0 when the BLAS has no such call.
 //
 // Why both: LibTorch's setting does not reach OpenBLAS, whose pthread build (Debian's libopenblas0-pthread)
-// starts one worker per core and lets it spin in sched_yield after every multi-threaded GEMM. In mita-server
-// with --torch_threads=1 on the 2-core machine, that worker took 1.6 s of CPU in 2 s of closed-loop load, and
-// bounding OpenBLAS to the same count raised throughput at batch size 16 and at batch size 1
-// (docs/serving.md, "Threads").
+// starts one worker per core and lets it spin in sched_yield after every multi-threaded GEMM, taking CPU from
+// the batch thread (measured: docs/serving.md, "Threads").
 int SetIntraOpThreads(int threads);
 
 // Makes glibc's malloc keep freed memory for reuse: no allocation is served by its own mmap
@@ -34,9 +30,8 @@ int SetIntraOpThreads(int threads);
 //
 // Why: LibTorch's CPU tensors come from malloc, and glibc maps every block over 32 MiB (its largest mmap
 // threshold) afresh and unmaps it when freed, so a long document's multi-MiB activations are page-faulted in again
-// at every layer of every request. Measured on the 2-core machine (tools/benchmark_documents.cc, 65,536 tokens,
-// m=16 k=64, 1 thread, median of 5): 1058 ms without this against 417 ms with it; the process keeps its high-water
-// heap instead (peak RSS 394 -> 458 MiB in that run), which it reuses for the next request (docs/long_documents.md).
+// at every layer of every request. The process keeps its high-water heap instead, which it reuses for the next
+// request (measured: docs/long_documents.md).
 bool KeepFreedMemoryForReuse();
 
 }  // namespace mita::kernels

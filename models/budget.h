@@ -50,7 +50,7 @@ struct BudgetKnobs {
   int64_t max_expert_width = 1;
   AttentionBudget default_budget;
   std::map<std::string, AttentionBudget> presets;
-  // Every model runs full attention with its own weights (DESIGN.md section 2.7).
+  // Every model runs full attention with its own weights (docs/design.md section 2.7).
   bool full_attention_supported = true;
 };
 

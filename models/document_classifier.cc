@@ -1,5 +1,5 @@
 // MiTA long-document classifier forward (see document_classifier.h). The training twin is MitaDocument in
-// tools/mita_reference.py; both follow shared/DESIGN.md section 2 and must agree to float32 rounding.
+// tools/mita_reference.py; both follow docs/design.md section 2 and must agree to float32 rounding.
 #include "models/document_classifier.h"
 
 #include <algorithm>

@@ -171,7 +171,7 @@ bool ReadPngHeader(png_structp png, png_infop info, PngContext& context, const I
   png_set_option(png, PNG_SKIP_sRGB_CHECK_PROFILE, PNG_OPTION_ON);
   // Skip every ancillary chunk but tRNS unread (libpng's list for num_chunks < 0: all chunks except IHDR, PLTE,
   // tRNS, IDAT and IEND; unknown ones too). None changes our pixels, and libpng would otherwise inflate each
-  // zTXt/iTXt/iCCP chunk (up to 8 MB) and keep the text: a decompression bomb of ~1000x the file size.
+  // zTXt/iTXt/iCCP chunk (up to 8 MB) and keep the text: a decompression bomb (docs/hostile_input.md).
   png_set_keep_unknown_chunks(png, PNG_HANDLE_CHUNK_NEVER, nullptr, -1);
   png_set_user_limits(png, static_cast<png_uint_32>(std::clamp<int64_t>(limits.max_width, 1, PNG_UINT_31_MAX)),
                       static_cast<png_uint_32>(std::clamp<int64_t>(limits.max_height, 1, PNG_UINT_31_MAX)));

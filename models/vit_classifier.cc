@@ -1,5 +1,5 @@
 // MiTA-ViT forward (see vit_classifier.h). The training twin is tools/mita_reference.py (MitaVit); both follow
-// shared/DESIGN.md section 2 and must agree to float32 rounding.
+// docs/design.md section 2 and must agree to float32 rounding.
 #include "models/vit_classifier.h"
 
 #include <cmath>

@@ -15,7 +15,7 @@
 //     are bounded by task count (max_batch_size) and by tokens (max_batch_tokens).
 //   * compute units: the attention work the task costs, tokens x attention width, where the attention width
 //     is the keys each query attends over: M + k for MiTA (M = expert count: M shared-expert outputs, plus the
-//     k keys of its routed expert; DESIGN.md section 2, cost O(N (M + k) d) per head) and N for full
+//     k keys of its routed expert; docs/design.md section 2, cost O(N (M + k) d) per head) and N for full
 //     attention (so N^2). The queue is bounded in compute units (queue_compute_units) and, as a bookkeeping
 //     bound, in tasks (queue_capacity).
 // The batcher only adds these numbers up; what they mean is the caller's (models/budget.h ComputeUnits).

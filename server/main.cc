@@ -19,9 +19,8 @@
 //   --preparation_threads=0                Threads decoding and tokenizing inputs; 0: the hardware concurrency.
 //   --preparation_queue_capacity=1024      Requests waiting for a preparation thread before RESOURCE_EXHAUSTED.
 //   --keep_freed_memory=true               Keep freed memory in the C heap for the next request instead of
-//                                          unmapping it (kernels/runtime_environment.h: a 64K-token document
-//                                          took 3.9x less server CPU here; resident memory stays at its
-//                                          high-water mark).
+//                                          unmapping it (kernels/runtime_environment.h; resident memory stays
+//                                          at its high-water mark).
 //   --max_receive_message_bytes=4194304    Largest request message (4 MiB), and so largest encoded image;
 //                                          larger gets RESOURCE_EXHAUSTED naming the limit and this flag
 //                                          (server/message_limits.h).

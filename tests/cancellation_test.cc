@@ -123,8 +123,7 @@ TEST_F(CancellationTest, CallCancelledWhileItsBatchRunsIsNotCountedAsAnswered) {
   std::unique_ptr<TestServer> server = Start(1, absl::Milliseconds(1));
   ASSERT_NE(server, nullptr);
   constexpr char kDocumentModel[] = "linux-doc-mita";
-  // A long document under full attention: its batch runs for seconds on this machine (a 20,710-token document
-  // took 5.7 s in the main job).
+  // A long document under full attention: its batch runs for seconds on a CPU.
   v1::ClassifyRequest request;
   request.set_model(kDocumentModel);
   std::string text;

@@ -1,7 +1,7 @@
 // Tests of kernels/: the production CPU MiTA forward and the ATen reference against an independent float64
 // per-query loop written here (plain std::vector<double>, no ATen math), landmarks against hand loops, full
 // attention, the documented tie rules, statistics, argument validation, and ATen exceptions as a Status.
-// Math: DESIGN.md section 2.
+// Math: docs/design.md section 2.
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -92,7 +92,7 @@ double Dot(const double* a, const double* b, int64_t size) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The independent float64 loop: DESIGN.md section 2, one query at a time.
+// The independent float64 loop: docs/design.md section 2, one query at a time.
 
 struct LoopItem {
   std::vector<double> landmarks;  // [H, M, d]

@@ -513,7 +513,7 @@ TEST_F(OpenInferenceTest, BadRequestsGetTheMitaV1CodesWithProtocolNames) {
   }
 }
 
-// ModelInfer calls are counted as Classify: rejected by the translation, by ClassifyService, or answered.
+// ModelInfer calls are counted as Classify: rejected by the translation, by the engine, or answered.
 TEST_F(OpenInferenceTest, CallsAreCountedAsClassify) {
   const double invalid_before = ClassifyCount(*metrics_, "INVALID_ARGUMENT");
   const double ok_before = ClassifyCount(*metrics_, "OK");

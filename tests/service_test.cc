@@ -288,7 +288,7 @@ TEST_F(ServiceTest, FullAttention) {
     ASSERT_TRUE(mita.ok()) << mita.status();
     if (mita->classes(0).index() == full->classes(0).index()) ++agree;
   }
-  // The same weights with full attention mostly agree with MiTA (DESIGN.md section 2.7).
+  // The same weights with full attention mostly agree with MiTA (docs/design.md section 2.7).
   EXPECT_GE(agree, 6);
 }
 

@@ -232,9 +232,8 @@ std::set<int> ThreadIds(pid_t pid) {
 }
 
 // Threading of a loaded server (server/main.cc): OpenBLAS gets the --torch_threads count (its pthread build
-// otherwise starts a worker per core that spins after each GEMM), and gRPC keeps its handler threads
-// (--grpc_max_pollers) instead of creating and ending a thread per call once more than 2 calls are in flight.
-// With gRPC's default of 2 pollers the second wave below started 422 new threads for 640 calls; now none.
+// otherwise starts a worker per core that spins after each GEMM), and no thread is started per call (gRPC's
+// callback API holds no thread for a waiting call; docs/serving.md, "Threads").
 TEST(ServerThreadsTest, OpenBlasFollowsTorchThreadsAndHandlerThreadsAreKeptUnderLoad) {
   absl::StatusOr<test_util::TestImages> test_images = test_util::FashionMnistTestPngs(1);
   ASSERT_TRUE(test_images.ok()) << test_images.status();

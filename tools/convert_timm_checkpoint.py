@@ -9,7 +9,7 @@ The .pth holds either {"model": state_dict} (the DeiT/MiTA training scripts) or 
 Shapes are read from the tensors: embed_dim and patch size from patch_embed.proj.weight, depth from the
 block count, the token count from pos_embed, num_classes from head.weight, mlp_hidden_dim from fc1. The
 official MiTA constructor squares its arguments (pool_size=5, kv_topk=5 means M=25 landmarks and k=25 keys per
-expert, DESIGN.md section 2.6), so --pool_size and --kv_topk are given as the official constructor takes
+expert, docs/design.md section 2.6), so --pool_size and --kv_topk are given as the official constructor takes
 them. A depthwise conv on v ("DWC" variant) is detected from blocks.0.attn.dwc.weight (use --rename if the
 checkpoint names it differently, e.g. --rename attn.lepe.=attn.dwc.). Distilled DeiT checkpoints (dist_token)
 are rejected: their two leading special tokens do not fit the image landmark rule.

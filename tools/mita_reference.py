@@ -1,7 +1,7 @@
 """MiTA attention and the MiTA-ViT classifier in PyTorch, for training and checkpoint conversion.
 
 This is the training-side twin of the C++ serving code (kernels/ and models/). It follows
-shared/DESIGN.md section 2 exactly, including the details trained checkpoints depend on:
+docs/design.md section 2 exactly, including the details trained checkpoints depend on:
   * image landmarks pool the q tokens 0 .. N-2 (cls included, last patch dropped) on a sqrt(N-1) grid
     with adaptive 2-D average pooling (windows [floor(i*S/P), ceil((i+1)*S/P)));
   * routed expert scores S = l k^T and the routing gate G = l q^T carry no scale;

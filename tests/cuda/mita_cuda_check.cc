@@ -3,7 +3,7 @@
 // skipped when there is no CUDA device, as on CI).
 //
 // Correctness: seeded random inputs (std::mt19937_64), float32 and bfloat16, against an independent float64
-// loop written here (DESIGN.md section 2, one query at a time): output within 1e-5 + 1e-4 |expected| (float32)
+// loop written here (docs/design.md section 2, one query at a time): output within 1e-5 + 1e-4 |expected| (float32)
 // or 1e-5 + 2^-7 |expected| (bfloat16: the loop gets the bfloat16-rounded inputs, the kernel rounds its float32
 // result once), and the statistics counts (queries per expert, pruned and overlapping keys) equal. Shapes: odd N,
 // N not divisible by m, k = N, m = 1, d not a multiple of 32, a batch whose items have different (m, k), exact
