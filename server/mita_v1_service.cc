@@ -195,7 +195,7 @@ absl::Status WordForMitaV1(const absl::Status& status) {
 }
 
 // One Classify call: translated and submitted at construction, finished from whichever thread answers it.
-class MitaV1Service::ClassifyReactor final : public grpc::ServerUnaryReactor {
+class MitaV1Service::ClassifyReactor final : public InferenceReactor {
  public:
   ClassifyReactor(MitaV1Service* service, grpc::CallbackServerContext* context, const v1::ClassifyRequest* request,
                   v1::ClassifyResponse* response)
@@ -215,20 +215,11 @@ class MitaV1Service::ClassifyReactor final : public grpc::ServerUnaryReactor {
       return;
     }
     neutral->deadline = DeadlineOf(*context);
-    std::unique_ptr<InferenceCall> call = service_->engine_->Submit(
-        *std::move(neutral), [this](absl::StatusOr<InferenceResult> result) { Answer(std::move(result)); });
-    absl::MutexLock lock(&mu_);
-    call_ = std::move(call);
+    Submit(*service_->engine_, *std::move(neutral));
   }
-
-  void OnCancel() override {
-    absl::MutexLock lock(&mu_);
-    if (call_ != nullptr) call_->Cancel();
-  }
-  void OnDone() override { delete this; }
 
  private:
-  void Answer(absl::StatusOr<InferenceResult> result) {
+  void Answer(absl::StatusOr<InferenceResult> result) override {
     absl::Status status = result.status();
     absl::Duration total;
     if (result.ok()) {
@@ -242,8 +233,6 @@ class MitaV1Service::ClassifyReactor final : public grpc::ServerUnaryReactor {
   MitaV1Service* const service_;
   const v1::ClassifyRequest* const request_;
   v1::ClassifyResponse* const response_;
-  absl::Mutex mu_;
-  std::unique_ptr<InferenceCall> call_ ABSL_GUARDED_BY(mu_);
 };
 
 MitaV1Service::MitaV1Service(InferenceEngine* engine, ServerMetrics* metrics, FrontEndOptions options)

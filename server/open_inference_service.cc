@@ -454,7 +454,7 @@ absl::Status WordForOpenInference(const absl::Status& status) {
 }
 
 // One ModelInfer call: translated and submitted at construction, finished from whichever thread answers it.
-class OpenInferenceService::InferReactor final : public grpc::ServerUnaryReactor {
+class OpenInferenceService::InferReactor final : public InferenceReactor {
  public:
   InferReactor(OpenInferenceService* service, grpc::CallbackServerContext* context,
                const inference::ModelInferRequest* request, inference::ModelInferResponse* response)
@@ -475,21 +475,11 @@ class OpenInferenceService::InferReactor final : public grpc::ServerUnaryReactor
       return;
     }
     translated_.request.deadline = DeadlineOf(*context);
-    std::unique_ptr<InferenceCall> call =
-        service_->engine_->Submit(std::move(translated_.request),
-                                  [this](absl::StatusOr<InferenceResult> result) { Answer(std::move(result)); });
-    absl::MutexLock lock(&mu_);
-    call_ = std::move(call);
+    Submit(*service_->engine_, std::move(translated_.request));
   }
-
-  void OnCancel() override {
-    absl::MutexLock lock(&mu_);
-    if (call_ != nullptr) call_->Cancel();
-  }
-  void OnDone() override { delete this; }
 
  private:
-  void Answer(absl::StatusOr<InferenceResult> result) {
+  void Answer(absl::StatusOr<InferenceResult> result) override {
     absl::Status status = result.status();
     absl::Duration total;
     if (result.ok()) {
@@ -512,8 +502,6 @@ class OpenInferenceService::InferReactor final : public grpc::ServerUnaryReactor
   inference::ModelInferResponse* const response_;
   // Input values decoded from raw_input_contents, viewed by the submitted request until it is answered.
   TranslatedInferRequest translated_;
-  absl::Mutex mu_;
-  std::unique_ptr<InferenceCall> call_ ABSL_GUARDED_BY(mu_);
 };
 
 OpenInferenceService::OpenInferenceService(InferenceEngine* engine, ServerMetrics* metrics, FrontEndOptions options,

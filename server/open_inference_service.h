@@ -54,6 +54,7 @@
 #include "models/request_error.h"
 #include "server/call_outcome.h"
 #include "server/inference_engine.h"
+#include "server/inference_reactor.h"
 #include "server/inference_request.h"
 #include "server/metrics.h"
 

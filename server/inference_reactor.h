@@ -1,0 +1,47 @@
+// The reactor of a front end's inference call on gRPC's callback API: it submits the neutral request to the
+// InferenceEngine, gives the request up when gRPC cancels the call (OnCancel: the client cancelled or the
+// deadline passed), and deletes itself when gRPC is done with it. A front end derives from it and turns the
+// engine's answer into its own response in Answer, which ends by finishing the call (FinishCall).
+#pragma once
+
+#include <grpcpp/support/server_callback.h>
+
+#include <memory>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "server/inference_engine.h"
+#include "server/inference_request.h"
+
+namespace mita::server {
+
+class InferenceReactor : public grpc::ServerUnaryReactor {
+ public:
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    if (call_ != nullptr) call_->Cancel();
+  }
+  void OnDone() override { delete this; }
+
+ protected:
+  ~InferenceReactor() override = default;
+
+  // Submits `request`; the engine calls Answer exactly once, on this thread or another.
+  void Submit(InferenceEngine& engine, InferenceRequest request) {
+    std::unique_ptr<InferenceCall> call =
+        engine.Submit(std::move(request), [this](absl::StatusOr<InferenceResult> result) { Answer(std::move(result)); });
+    absl::MutexLock lock(&mu_);
+    call_ = std::move(call);
+  }
+
+  // The engine's answer: build the response and finish the call.
+  virtual void Answer(absl::StatusOr<InferenceResult> result) = 0;
+
+ private:
+  absl::Mutex mu_;
+  std::unique_ptr<InferenceCall> call_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace mita::server
