@@ -67,6 +67,7 @@ absl::StatusOr<BatchItem> Classifier::Prepare(const ClassifierInput& input, cons
   item.input = std::move(prepared.input);
   item.tokens = prepared.tokens;
   item.input_tokens = prepared.input_tokens;
+  item.requested_budget = resolved.budget;
   item.budget = ResolvedBudget{ApplyBudget(resolved.budget, item.tokens), std::move(resolved.preset)};
   item.compute_units = ComputeUnits(item.tokens, item.budget.budget);
   return item;

@@ -97,6 +97,8 @@ struct BatchItem {
   int64_t input_tokens = 0;
   // The budget applied to this input (ApplyBudget) and the preset name to echo.
   ResolvedBudget budget;
+  // The budget the request asked for, resolved against the knobs (before ApplyBudget).
+  AttentionBudget requested_budget;
   // ComputeUnits(tokens, budget.budget): the admission cost (server/batcher.h).
   int64_t compute_units = 0;
 };

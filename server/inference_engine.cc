@@ -67,7 +67,7 @@ absl::StatusOr<std::unique_ptr<InferenceEngine>> InferenceEngine::Create(const M
       return absl::InvalidArgumentError(absl::StrCat("metrics were not built for model '", package->name, "'"));
     }
     ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner,
-                     ModelRunner::Create(package->classifier.get(), model_metrics, metrics, engine->options_.batching,
+                     ModelRunner::Create(package->classifier.get(), model_metrics, engine->options_.batching,
                                          clock, engine.get()));
     engine->runners_.emplace(package->name, std::move(runner));
   }

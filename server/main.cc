@@ -67,7 +67,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kernels/runtime_environment.h"
-#include "server/call_outcome.h"
+#include "server/unary_call.h"
 #include "server/inference_engine.h"
 #include "server/mita_v1_service.h"
 #include "server/open_inference_service.h"

@@ -54,9 +54,33 @@ const Histogram::BucketBoundaries& FractionBuckets() {
   return *buckets;
 }
 
-constexpr const char* kMethodNames[kNumRpcMethods] = {"Classify", "ListModels", "GetModel"};
+constexpr const char* kMethodNames[kNumRpcMethods] = {"Classify",      "ListModels", "GetModel",
+                                                     "ModelInfer",    "ModelMetadata", "ModelReady",
+                                                     "ServerLive",    "ServerReady", "ServerMetadata"};
 
 }  // namespace
+
+const char* RpcMethodName(RpcMethod method) {
+  const int index = static_cast<int>(method);
+  return index >= 0 && index < kNumRpcMethods ? kMethodNames[index] : "unknown";
+}
+
+bool IsModelMethod(RpcMethod method) {
+  switch (method) {
+    case RpcMethod::kClassify:
+    case RpcMethod::kGetModel:
+    case RpcMethod::kModelInfer:
+    case RpcMethod::kModelMetadata:
+    case RpcMethod::kModelReady:
+      return true;
+    case RpcMethod::kListModels:
+    case RpcMethod::kServerLive:
+    case RpcMethod::kServerReady:
+    case RpcMethod::kServerMetadata:
+      return false;
+  }
+  return false;
+}
 
 const char* StatusCodeName(absl::StatusCode code) {
   static constexpr const char* kNames[kNumStatusCodes] = {
@@ -68,13 +92,15 @@ const char* StatusCodeName(absl::StatusCode code) {
   return (index >= 0 && index < kNumStatusCodes) ? kNames[index] : "UNKNOWN";
 }
 
-void ModelMetrics::ObserveBudget(bool full_attention, int64_t expert_count, int64_t expert_width) {
-  if (full_attention) {
+void ModelMetrics::ObserveBudget(const models::AttentionBudget& requested, const models::AttentionBudget& applied) {
+  if (requested.full_attention) {
     full_attention_->Increment();
     return;
   }
-  expert_count_->Observe(static_cast<double>(expert_count));
-  expert_width_->Observe(static_cast<double>(expert_width));
+  expert_count_->Observe(static_cast<double>(requested.expert_count));
+  expert_width_->Observe(static_cast<double>(requested.expert_width));
+  applied_expert_count_->Observe(static_cast<double>(applied.expert_count));
+  applied_expert_width_->Observe(static_cast<double>(applied.expert_width));
 }
 
 void ModelMetrics::CountRejection(AdmissionRejection reason) {
@@ -100,7 +126,8 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
                        .Register(*registry_);
   auto& latency = prometheus::BuildHistogram()
                       .Name("mita_request_latency_seconds")
-                      .Help("Time in the server from receipt to answer of successful Classify RPCs, seconds.")
+                      .Help("Time in the server from receipt to answer of successful Classify and ModelInfer RPCs, "
+                            "seconds.")
                       .Register(*registry_);
   auto& queue_delay = prometheus::BuildHistogram()
                           .Name("mita_queue_delay_seconds")
@@ -116,13 +143,13 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
                          .Register(*registry_);
   auto& queue_depth = prometheus::BuildGauge()
                           .Name("mita_queue_depth")
-                          .Help("Requests queued in all batchers, not yet taken into a batch.")
+                          .Help("Requests queued in the model's batcher, not yet taken into a batch.")
                           .Register(*registry_);
   auto& queue_compute_units =
       prometheus::BuildGauge()
           .Name("mita_queue_compute_units")
-          .Help("Compute units (tokens x attention width: M + k for MiTA, N for full attention) queued in all "
-                "batchers.")
+          .Help("Compute units (tokens x attention width: M + k for MiTA, N for full attention) queued in the "
+                "model's batcher.")
           .Register(*registry_);
   auto& rejected = prometheus::BuildCounter()
                        .Name("mita_rejected_requests_total")
@@ -139,12 +166,23 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
                            .Register(*registry_);
   auto& expert_count = prometheus::BuildHistogram()
                            .Name("mita_requested_expert_count")
-                           .Help("Expert count m of admitted MiTA requests.")
+                           .Help("Expert count m admitted MiTA requests asked for (after the model's defaults "
+                                 "and presets).")
                            .Register(*registry_);
   auto& expert_width = prometheus::BuildHistogram()
                            .Name("mita_requested_expert_width")
-                           .Help("Expert width k (keys per routed expert) of admitted MiTA requests.")
+                           .Help("Expert width k (keys per routed expert) admitted MiTA requests asked for.")
                            .Register(*registry_);
+  auto& applied_expert_count = prometheus::BuildHistogram()
+                                   .Name("mita_applied_expert_count")
+                                   .Help("Expert count m applied to admitted MiTA requests' inputs (at most their "
+                                         "tokens).")
+                                   .Register(*registry_);
+  auto& applied_expert_width = prometheus::BuildHistogram()
+                                   .Name("mita_applied_expert_width")
+                                   .Help("Expert width k applied to admitted MiTA requests' inputs (at most their "
+                                         "tokens).")
+                                   .Register(*registry_);
   auto& full_attention = prometheus::BuildCounter()
                              .Name("mita_full_attention_requests_total")
                              .Help("Admitted requests that asked for full attention.")
@@ -173,9 +211,6 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
           .Help("Fraction of keys selected by no routed expert (emergent token pruning); per request and layer.")
           .Register(*registry_);
 
-  queue_depth_ = &queue_depth.Add({});
-  queue_compute_units_ = &queue_compute_units.Add({});
-
   auto add_code_counters = [&requests](RpcMethod method, const std::string& model) {
     ModelMetrics::CodeCounters counters{};
     for (int code = 0; code < kNumStatusCodes; ++code) {
@@ -185,9 +220,10 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
     }
     return counters;
   };
-  other_requests_[static_cast<int>(RpcMethod::kClassify)] = add_code_counters(RpcMethod::kClassify, "unknown");
-  other_requests_[static_cast<int>(RpcMethod::kGetModel)] = add_code_counters(RpcMethod::kGetModel, "unknown");
-  other_requests_[static_cast<int>(RpcMethod::kListModels)] = add_code_counters(RpcMethod::kListModels, "");
+  for (int m = 0; m < kNumRpcMethods; ++m) {
+    const auto method = static_cast<RpcMethod>(m);
+    other_requests_[m] = add_code_counters(method, IsModelMethod(method) ? "unknown" : "");
+  }
 
   const Histogram::BucketBoundaries count_buckets = PowersOfTwo(12);  // up to 4096 experts
   const Histogram::BucketBoundaries width_buckets = PowersOfTwo(16);  // up to 65536 keys
@@ -198,8 +234,12 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
     auto model = std::make_unique<ModelMetrics>();
     model->name_ = info.name;
     const prometheus::Labels labels = {{"model", info.name}};
-    model->requests_[static_cast<int>(RpcMethod::kClassify)] = add_code_counters(RpcMethod::kClassify, info.name);
-    model->requests_[static_cast<int>(RpcMethod::kGetModel)] = add_code_counters(RpcMethod::kGetModel, info.name);
+    for (int m = 0; m < kNumRpcMethods; ++m) {
+      const auto method = static_cast<RpcMethod>(m);
+      if (IsModelMethod(method)) model->requests_[m] = add_code_counters(method, info.name);
+    }
+    model->queue_depth_ = &queue_depth.Add(labels);
+    model->queue_compute_units_ = &queue_compute_units.Add(labels);
     model->latency_ = &latency.Add(labels, SecondsBuckets());
     model->queue_delay_ = &queue_delay.Add(labels, SecondsBuckets());
     model->compute_ = &compute.Add(labels, SecondsBuckets());
@@ -212,6 +252,8 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
     }
     model->expert_count_ = &expert_count.Add(labels, count_buckets);
     model->expert_width_ = &expert_width.Add(labels, width_buckets);
+    model->applied_expert_count_ = &applied_expert_count.Add(labels, count_buckets);
+    model->applied_expert_width_ = &applied_expert_width.Add(labels, width_buckets);
     model->full_attention_ = &full_attention.Add(labels);
     model->executed_after_cancel_ = &executed_after_cancel.Add(labels);
     for (int64_t layer = 0; layer < info.layers; ++layer) {
@@ -237,7 +279,7 @@ void ServerMetrics::CountRequest(RpcMethod method, const ModelMetrics* model, ab
   const int m = static_cast<int>(method);
   if (m < 0 || m >= kNumRpcMethods) return;
   const CodeCounters& counters =
-      (model == nullptr || method == RpcMethod::kListModels) ? other_requests_[m] : model->requests_[m];
+      (model == nullptr || !IsModelMethod(method)) ? other_requests_[m] : model->requests_[m];
   counters[index]->Increment();
 }
 

@@ -13,21 +13,23 @@
 // "INVALID_ARGUMENT", ...); method is the RPC name; layer is the transformer block index "0" .. depth-1.
 //
 // Series (seconds and counts; histograms export _bucket, _sum and _count):
-//   mita_requests_total{method,model,code}          counter   RPCs answered by the service, by final status.
-//                                                             ListModels has model="". Requests rejected by
-//                                                             gRPC before the handler runs (e.g. a message
-//                                                             over the receive size limit) are not counted.
+//   mita_requests_total{method,model,code}          counter   RPCs answered, by method (mita.v1 and Open
+//                                                             Inference Protocol names) and final status;
+//                                                             server-wide methods have model="". Requests
+//                                                             that do not parse are counted too; those gRPC's
+//                                                             transport refuses (over twice the receive
+//                                                             limit) never reach the server.
 //   mita_request_latency_seconds{model}             histogram Time in the server from receipt to answer of
-//                                                             successful Classify RPCs.
+//                                                             successful Classify and ModelInfer RPCs.
 //   mita_queue_delay_seconds{model}                 histogram Admission to the start of the request's batch.
 //   mita_compute_seconds{model}                     histogram Model forward time of the request's batch
 //                                                             (observed per request).
 //   mita_batch_size{model}                          histogram Requests per batch run (observed per batch).
-//   mita_queue_depth                                gauge     Requests queued in all batchers, not yet in a
-//                                                             batch.
-//   mita_queue_compute_units                        gauge     Compute units queued in all batchers (tokens x
-//                                                             attention width: M + k for MiTA, N for full
-//                                                             attention; server/batcher.h).
+//   mita_queue_depth{model}                         gauge     Requests queued in the model's batcher, not yet
+//                                                             in a batch.
+//   mita_queue_compute_units{model}                 gauge     Compute units queued in the model's batcher
+//                                                             (tokens x attention width: M + k for MiTA, N for
+//                                                             full attention; models/budget.h).
 //   mita_rejected_requests_total{model,reason}      counter   Classify requests refused at admission, by
 //                                                             reason: queue_tasks (--queue_capacity),
 //                                                             queue_compute_units (--queue_compute_units),
@@ -41,8 +43,12 @@
 //                                                             had given up (cancelled, deadline passed) before
 //                                                             the batch started. 0 by design: the guard of the
 //                                                             drop-before-run guarantee.
-//   mita_requested_expert_count{model}              histogram Expert count m of admitted MiTA requests.
-//   mita_requested_expert_width{model}              histogram Expert width k of admitted MiTA requests.
+//   mita_requested_expert_count{model}              histogram Expert count m admitted MiTA requests asked
+//                                                             for (after the model's defaults and presets).
+//   mita_requested_expert_width{model}              histogram Expert width k they asked for.
+//   mita_applied_expert_count{model}                histogram Expert count m applied to their input (at most
+//                                                             its tokens).
+//   mita_applied_expert_width{model}                histogram Expert width k applied.
 //   mita_full_attention_requests_total{model}       counter   Admitted requests that asked for full attention.
 //   mita_attention_expert_load_imbalance{model,layer} histogram max/mean queries per expert (1 = balanced),
 //                                                             averaged over heads; one observation per request
@@ -71,20 +77,40 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+#include "models/budget.h"
 #include "server/batcher.h"
 
 namespace mita::server {
 
-// The RPCs counted in mita_requests_total.
-enum class RpcMethod { kClassify = 0, kListModels = 1, kGetModel = 2 };
-inline constexpr int kNumRpcMethods = 3;
+// The RPCs counted in mita_requests_total, under their own names: mita.v1's and the Open Inference Protocol's.
+enum class RpcMethod {
+  kClassify = 0,
+  kListModels = 1,
+  kGetModel = 2,
+  kModelInfer = 3,
+  kModelMetadata = 4,
+  kModelReady = 5,
+  kServerLive = 6,
+  kServerReady = 7,
+  kServerMetadata = 8,
+};
+inline constexpr int kNumRpcMethods = 9;
+// The method's name in the label ("Classify", "ModelInfer", ...).
+const char* RpcMethodName(RpcMethod method);
+// Whether a call of `method` is about one model (counted with model="<name>" or "unknown"); the others are
+// server-wide (model="").
+bool IsModelMethod(RpcMethod method);
+// Whether `method` classifies (its latency is observed).
+inline bool IsInferenceMethod(RpcMethod method) {
+  return method == RpcMethod::kClassify || method == RpcMethod::kModelInfer;
+}
 // gRPC status codes 0 (OK) .. 16 (UNAUTHENTICATED).
 inline constexpr int kNumStatusCodes = 17;
 
 // The metrics of one model (label model="<name>"). Thread-safe; all methods only observe.
 class ModelMetrics {
  public:
-  // Time from receipt to answer of a successful Classify.
+  // Time from receipt to answer of a successful Classify or ModelInfer.
   void ObserveLatency(absl::Duration total) { latency_->Observe(absl::ToDoubleSeconds(total)); }
   // Admission to batch start of one request.
   void ObserveQueueDelay(absl::Duration delay) { queue_delay_->Observe(absl::ToDoubleSeconds(delay)); }
@@ -100,8 +126,14 @@ class ModelMetrics {
   void ObserveRequestTokens(int64_t tokens) { request_tokens_->Observe(static_cast<double>(tokens)); }
   // One request refused at admission for `reason` (kNone is ignored).
   void CountRejection(AdmissionRejection reason);
-  // The budget of one admitted request: full attention, or expert count m and expert width k.
-  void ObserveBudget(bool full_attention, int64_t expert_count, int64_t expert_width);
+  // The budget of one admitted request: as requested (resolved against the model's defaults and presets; full
+  // attention, or expert count m and expert width k), and as applied to its input (m and k at most its tokens).
+  void ObserveBudget(const models::AttentionBudget& requested, const models::AttentionBudget& applied);
+  // Adds to this model's queue depth and queued compute units (may be negative).
+  void AddQueued(int64_t tasks, int64_t compute_units) {
+    queue_depth_->Increment(static_cast<double>(tasks));
+    queue_compute_units_->Increment(static_cast<double>(compute_units));
+  }
   // Routing and pruning statistics of one request that ran MiTA, for `layer` in [0, layers); other layers
   // are ignored.
   void ObserveLayer(int64_t layer, double load_imbalance, double routing_entropy, double pruned_key_fraction);
@@ -129,6 +161,10 @@ class ModelMetrics {
   std::array<prometheus::Counter*, kNumAdmissionRejections> rejections_{};
   prometheus::Histogram* expert_count_ = nullptr;
   prometheus::Histogram* expert_width_ = nullptr;
+  prometheus::Histogram* applied_expert_count_ = nullptr;
+  prometheus::Histogram* applied_expert_width_ = nullptr;
+  prometheus::Gauge* queue_depth_ = nullptr;
+  prometheus::Gauge* queue_compute_units_ = nullptr;
   prometheus::Counter* full_attention_ = nullptr;
   prometheus::Counter* executed_after_cancel_ = nullptr;
   std::vector<Layer> layers_;
@@ -154,13 +190,8 @@ class ServerMetrics {
   ModelMetrics* ForModel(const std::string& name);
 
   // Counts one answered RPC. `model` is nullptr for an unknown model (counted as model="unknown"), and
-  // ignored for ListModels (model=""). Codes outside 0..16 count as UNKNOWN.
+  // ignored for server-wide methods (model=""). Codes outside 0..16 count as UNKNOWN.
   void CountRequest(RpcMethod method, const ModelMetrics* model, absl::StatusCode code);
-
-  // Adds `delta` (may be negative) to mita_queue_depth.
-  void AddQueueDepth(int64_t delta) { queue_depth_->Increment(static_cast<double>(delta)); }
-  // Adds `delta` (may be negative) to mita_queue_compute_units.
-  void AddQueueComputeUnits(int64_t delta) { queue_compute_units_->Increment(static_cast<double>(delta)); }
 
   // The registry to serve (MetricsHttpServer) or collect in tests.
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
@@ -169,10 +200,8 @@ class ServerMetrics {
   using CodeCounters = std::array<prometheus::Counter*, kNumStatusCodes>;
   std::shared_ptr<prometheus::Registry> registry_;
   std::map<std::string, std::unique_ptr<ModelMetrics>> models_;
-  // mita_requests_total with model="unknown" (Classify, GetModel) and model="" (ListModels), by RpcMethod.
+  // mita_requests_total with model="unknown" (model methods) and model="" (server-wide ones), by RpcMethod.
   std::array<CodeCounters, kNumRpcMethods> other_requests_{};
-  prometheus::Gauge* queue_depth_ = nullptr;
-  prometheus::Gauge* queue_compute_units_ = nullptr;
 };
 
 // The gRPC name of a status code ("OK", "INVALID_ARGUMENT", ...; "UNKNOWN" for codes outside 0..16).

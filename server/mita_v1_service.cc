@@ -194,22 +194,25 @@ absl::Status WordForMitaV1(const absl::Status& status) {
       status, [](const models::FieldProblem& problem) { return absl::StrCat("field ", MitaV1FieldName(problem)); });
 }
 
-// One Classify call: translated and submitted at construction, finished from whichever thread answers it.
+// One Classify call: received, translated and submitted at construction, finished from whichever thread
+// answers it. It owns the parsed request, which the submitted neutral request views.
 class MitaV1Service::ClassifyReactor final : public InferenceReactor {
  public:
-  ClassifyReactor(MitaV1Service* service, grpc::CallbackServerContext* context, const v1::ClassifyRequest* request,
-                  v1::ClassifyResponse* response)
-      : service_(service), request_(request), response_(response) {
+  ClassifyReactor(MitaV1Service* service, grpc::CallbackServerContext* context, const grpc::ByteBuffer* wire_request,
+                  grpc::ByteBuffer* wire_response)
+      : service_(service), wire_response_(wire_response) {
     // An unauthenticated call is counted with model "unknown": its request is not trusted.
     if (absl::Status status = Authenticate(service_->options_, *context); !status.ok()) {
       FinishCall(this, *service_->metrics_, RpcMethod::kClassify, "", status);
       return;
     }
-    // The request size limit applies to every input kind (server/message_limits.h), before any decoding.
-    absl::Status size = service_->options_.message_size != nullptr
-                            ? service_->options_.message_size->CheckRequest(*request)
-                            : absl::OkStatus();
-    absl::StatusOr<InferenceRequest> neutral = size.ok() ? ToInferenceRequest(*request) : size;
+    // The size limit applies to the bytes the client sent, before any decoding.
+    if (absl::Status received = ReceiveRequest(service_->options_, *wire_request, &request_); !received.ok()) {
+      Answer(received);
+      return;
+    }
+    model_ = request_.model();
+    absl::StatusOr<InferenceRequest> neutral = ToInferenceRequest(request_);
     if (!neutral.ok()) {
       Answer(neutral.status());
       return;
@@ -223,56 +226,49 @@ class MitaV1Service::ClassifyReactor final : public InferenceReactor {
     absl::Status status = result.status();
     absl::Duration total;
     if (result.ok()) {
-      *response_ = ToClassifyResponse(*result);
       total = result->total;
-      if (service_->options_.message_size != nullptr) status = service_->options_.message_size->CheckResponse(*response_);
+      status = SendResponse(service_->options_, ToClassifyResponse(*result), wire_response_);
     }
-    FinishCall(this, *service_->metrics_, RpcMethod::kClassify, request_->model(), WordForMitaV1(status), total);
+    FinishCall(this, *service_->metrics_, RpcMethod::kClassify, model_, WordForMitaV1(status), total);
   }
 
   MitaV1Service* const service_;
-  const v1::ClassifyRequest* const request_;
-  v1::ClassifyResponse* const response_;
+  grpc::ByteBuffer* const wire_response_;
+  v1::ClassifyRequest request_;
+  std::string model_;  // the request's model, once it parsed
 };
 
 MitaV1Service::MitaV1Service(InferenceEngine* engine, ServerMetrics* metrics, FrontEndOptions options)
     : engine_(engine), metrics_(metrics), options_(std::move(options)) {}
 
 grpc::ServerUnaryReactor* MitaV1Service::Classify(grpc::CallbackServerContext* context,
-                                                  const v1::ClassifyRequest* request, v1::ClassifyResponse* response) {
+                                                  const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
   return new ClassifyReactor(this, context, request, response);
 }
 
 grpc::ServerUnaryReactor* MitaV1Service::ListModels(grpc::CallbackServerContext* context,
-                                                    const v1::ListModelsRequest* /*request*/,
-                                                    v1::ListModelsResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status status = Authenticate(options_, *context);
-  if (status.ok()) {
-    for (const models::ClassifierDescription* model : engine_->models()) {
-      *response->add_models() = ToModelMetadata(*model, engine_->input_limits());
-    }
-    if (options_.message_size != nullptr) status = options_.message_size->CheckResponse(*response);
-  }
-  FinishCall(reactor, *metrics_, RpcMethod::kListModels, "", WordForMitaV1(status));
-  return reactor;
+                                                    const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+  return AnswerAtOnce<v1::ListModelsRequest, v1::ListModelsResponse>(
+      context, request, response, *metrics_, options_, RpcMethod::kListModels, WordForMitaV1,
+      [this](const v1::ListModelsRequest&, v1::ListModelsResponse* answer, std::string*) {
+        for (const models::ClassifierDescription* model : engine_->models()) {
+          *answer->add_models() = ToModelMetadata(*model, engine_->input_limits());
+        }
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* MitaV1Service::GetModel(grpc::CallbackServerContext* context,
-                                                  const v1::GetModelRequest* request, v1::ModelMetadata* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (absl::Status status = Authenticate(options_, *context); !status.ok()) {
-    FinishCall(reactor, *metrics_, RpcMethod::kGetModel, "", status);
-    return reactor;
-  }
-  absl::StatusOr<const models::ClassifierDescription*> model = engine_->FindModel(request->name());
-  absl::Status status = model.status();
-  if (model.ok()) {
-    *response = ToModelMetadata(**model, engine_->input_limits());
-    if (options_.message_size != nullptr) status = options_.message_size->CheckResponse(*response);
-  }
-  FinishCall(reactor, *metrics_, RpcMethod::kGetModel, request->name(), WordForMitaV1(status));
-  return reactor;
+                                                  const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+  return AnswerAtOnce<v1::GetModelRequest, v1::ModelMetadata>(
+      context, request, response, *metrics_, options_, RpcMethod::kGetModel, WordForMitaV1,
+      [this](const v1::GetModelRequest& asked, v1::ModelMetadata* answer, std::string* model_name) {
+        *model_name = asked.name();
+        absl::StatusOr<const models::ClassifierDescription*> model = engine_->FindModel(asked.name());
+        if (!model.ok()) return model.status();
+        *answer = ToModelMetadata(**model, engine_->input_limits());
+        return absl::OkStatus();
+      });
 }
 
 }  // namespace mita::server

@@ -2,7 +2,8 @@
 // callback API. It translates a ClassifyRequest into the neutral InferenceRequest, submits it to the
 // InferenceEngine, and words the answer and its errors in mita.v1's terms (its field names, e.g.
 // "field budget.experts.expert_width: 51 is out of range: allowed [1, 50]"). A call waiting for its batch holds
-// no thread; a cancelled call is given up through the reactor's OnCancel.
+// no thread; a cancelled call is given up through the reactor's OnCancel. Requests arrive as the bytes the
+// client sent, so a message that does not parse is answered INVALID_ARGUMENT and counted.
 #pragma once
 
 #include <grpcpp/server_context.h>
@@ -14,7 +15,7 @@
 #include "mita/v1/mita.pb.h"
 #include "models/classifier.h"
 #include "models/request_error.h"
-#include "server/call_outcome.h"
+#include "server/unary_call.h"
 #include "server/inference_engine.h"
 #include "server/inference_reactor.h"
 #include "server/inference_request.h"
@@ -41,17 +42,25 @@ std::string MitaV1FieldName(const models::FieldProblem& problem);
 // unchanged.
 absl::Status WordForMitaV1(const absl::Status& status);
 
-class MitaV1Service final : public v1::MitaService::CallbackService {
+// mita.v1's methods on the callback API, receiving the bytes the client sent (server/unary_call.h).
+using MitaV1RawService = v1::MitaService::WithRawCallbackMethod_Classify<
+    v1::MitaService::WithRawCallbackMethod_ListModels<v1::MitaService::WithRawCallbackMethod_GetModel<
+        v1::MitaService::Service>>>;
+
+class MitaV1Service final : public MitaV1RawService {
  public:
   // `engine` and `metrics` must outlive the service.
   MitaV1Service(InferenceEngine* engine, ServerMetrics* metrics, FrontEndOptions options);
 
-  grpc::ServerUnaryReactor* Classify(grpc::CallbackServerContext* context, const v1::ClassifyRequest* request,
-                                     v1::ClassifyResponse* response) override;
-  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context, const v1::ListModelsRequest* request,
-                                       v1::ListModelsResponse* response) override;
-  grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* context, const v1::GetModelRequest* request,
-                                     v1::ModelMetadata* response) override;
+  // Each receives its serialized request message and answers with its serialized response message: a
+  // ClassifyRequest -> ClassifyResponse, ListModelsRequest -> ListModelsResponse, GetModelRequest ->
+  // ModelMetadata. A request that does not parse is INVALID_ARGUMENT, counted like any other answer.
+  grpc::ServerUnaryReactor* Classify(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
 
  private:
   class ClassifyReactor;

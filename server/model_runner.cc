@@ -27,10 +27,10 @@ absl::Status QueuedDeadlineExceeded(absl::Duration queued) {
 }
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const models::Classifier* classifier,
-                                                                 ModelMetrics* metrics, ServerMetrics* server_metrics,
+                                                                 ModelMetrics* metrics,
                                                                  const BatcherOptions& options, const Clock* clock,
                                                                  RequestCompleter* completer) {
-  if (classifier == nullptr || metrics == nullptr || server_metrics == nullptr || clock == nullptr ||
+  if (classifier == nullptr || metrics == nullptr || clock == nullptr ||
       completer == nullptr) {
     return absl::InvalidArgumentError("classifier, metrics, clock and completer must be set");
   }
@@ -45,17 +45,15 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const models::C
   ModelRunner* self = runner.get();
   absl::StatusOr<std::unique_ptr<DynamicBatcher<BatchTask>>> batcher = DynamicBatcher<BatchTask>::Create(
       options, [self](Batch<BatchTask> batch) { self->ProcessBatch(std::move(batch)); }, clock,
-      [server_metrics](const QueueDepthChange& change) {
-        server_metrics->AddQueueDepth(change.tasks_delta);
-        server_metrics->AddQueueComputeUnits(change.compute_units_delta);
-      });
+      [metrics](const QueueDepthChange& change) { metrics->AddQueued(change.tasks_delta, change.compute_units_delta); });
   if (!batcher.ok()) return batcher.status();
   runner->batcher_ = *std::move(batcher);
   return runner;
 }
 
 absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, uint64_t* ticket) {
-  const models::AttentionBudget budget = (*task)->item.budget.budget;
+  const models::AttentionBudget requested = (*task)->item.requested_budget;
+  const models::AttentionBudget applied = (*task)->item.budget.budget;
   const int64_t tokens = (*task)->item.tokens;
   AdmissionRejection rejection = AdmissionRejection::kNone;
   if (absl::Status status = batcher_->Submit(task, &rejection, ticket); !status.ok()) {
@@ -63,7 +61,7 @@ absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, uint64_t* tick
     return status;
   }
   // `*task` now belongs to the batcher (and may already be running): use only the copies.
-  metrics_->ObserveBudget(budget.full_attention, budget.expert_count, budget.expert_width);
+  metrics_->ObserveBudget(requested, applied);
   metrics_->ObserveRequestTokens(tokens);
   return absl::OkStatus();
 }

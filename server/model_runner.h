@@ -24,11 +24,11 @@ class RequestCompleter {
 
 class ModelRunner {
  public:
-  // Starts the model's batcher with `options`. `classifier`, `metrics`, `server_metrics`, `clock` and
+  // Starts the model's batcher with `options`. `classifier`, `metrics`, `clock` and
   // `completer` must outlive the runner. Errors: INVALID_ARGUMENT for invalid options, or when one input of an
   // image model has more tokens than options.max_batch_tokens.
   static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(const models::Classifier* classifier,
-                                                             ModelMetrics* metrics, ServerMetrics* server_metrics,
+                                                             ModelMetrics* metrics,
                                                              const BatcherOptions& options, const Clock* clock,
                                                              RequestCompleter* completer);
 

@@ -139,10 +139,32 @@ absl::StatusOr<absl::Span<const int64_t>> Int64Elements(const InputTensor& input
   return absl::MakeConstSpan(*storage);
 }
 
+// One input tensor a model declares (ModelMetadata) and the input kind it carries.
+struct DeclaredInput {
+  const char* name;
+  const char* datatype;
+  std::vector<int64_t> shape;  // -1: any length
+  models::ClassifierInput::Kind kind;
+};
+
+// The inputs of `model`: what ModelMetadata declares and ModelInfer accepts, one list for both.
+std::vector<DeclaredInput> DeclaredInputs(const models::ClassifierDescription& model) {
+  if (IsDocumentModel(model)) {
+    return {{kTextInput, "BYTES", {1}, models::ClassifierInput::Kind::kText},
+            {kTokenIdsInput, "INT64", {-1}, models::ClassifierInput::Kind::kTokenIds}};
+  }
+  return {{kImageInput, "BYTES", {1}, models::ClassifierInput::Kind::kImage}};
+}
+
+std::string ShapeText(absl::Span<const int64_t> shape) { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
+
+// "text (BYTES [1]), token_ids (INT64 [-1])".
 std::string AcceptedInputs(const models::ClassifierDescription& model) {
-  return IsDocumentModel(model) ? "a BYTES tensor with one UTF-8 text element (shape [1]) or an INT64 tensor of "
-                                  "token ids (shape [T] or [1, T])"
-                                : "a BYTES tensor with one encoded PNG or JPEG element (shape [1])";
+  std::vector<std::string> inputs;
+  for (const DeclaredInput& input : DeclaredInputs(model)) {
+    inputs.push_back(absl::StrCat(input.name, " (", input.datatype, " ", ShapeText(input.shape), ")"));
+  }
+  return absl::StrJoin(inputs, ", ");
 }
 
 void SetInt(google::protobuf::Map<std::string, inference::InferParameter>& parameters, const std::string& name,
@@ -150,12 +172,14 @@ void SetInt(google::protobuf::Map<std::string, inference::InferParameter>& param
   parameters[name].set_int64_param(value);
 }
 
-// The input tensor of `request` into `translated->request.input`.
+// The input tensor of `request` into `translated->request.input`, checked against the model's declared inputs:
+// its name, datatype and shape (rank included; -1 matches any length). The values themselves (an empty image,
+// an empty document) are the classifier's to check, worded as over mita.v1.
 absl::Status TranslateInput(const inference::ModelInferRequest& request, const models::ClassifierDescription& model,
                             TranslatedInferRequest* translated) {
   if (request.inputs_size() != 1) {
     return absl::InvalidArgumentError(absl::StrCat("inputs: ", request.inputs_size(), " tensors; model '", model.name,
-                                                   "' takes exactly one: ", AcceptedInputs(model)));
+                                                   "' takes exactly one of its inputs: ", AcceptedInputs(model)));
   }
   const std::string* raw = nullptr;
   if (request.raw_input_contents_size() > 0) {
@@ -170,35 +194,48 @@ absl::Status TranslateInput(const inference::ModelInferRequest& request, const m
     raw = &request.raw_input_contents(0);
   }
   const InputTensor& input = request.inputs(0);
+  const std::vector<DeclaredInput> declared_inputs = DeclaredInputs(model);
+  const DeclaredInput* declared = nullptr;
+  for (const DeclaredInput& candidate : declared_inputs) {
+    if (input.name() == candidate.name) declared = &candidate;
+  }
+  const std::string name = input.name().substr(0, 64);
+  if (declared == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("input '", name, "' is not an input of model '", model.name,
+                                                   "'; its inputs: ", AcceptedInputs(model)));
+  }
+  if (input.datatype() != declared->datatype) {
+    return absl::InvalidArgumentError(absl::StrCat("input '", name, "': datatype '", input.datatype().substr(0, 16),
+                                                   "' is not the declared ", declared->datatype));
+  }
+  bool shape_matches = input.shape_size() == static_cast<int>(declared->shape.size());
+  for (int i = 0; shape_matches && i < input.shape_size(); ++i) {
+    shape_matches = declared->shape[static_cast<size_t>(i)] == -1 ? input.shape(i) >= 0
+                                                                  : input.shape(i) == declared->shape[static_cast<size_t>(i)];
+  }
+  if (!shape_matches) {
+    return absl::InvalidArgumentError(absl::StrCat("input '", name, "': shape ", ShapeText(input.shape()),
+                                                   " does not match the declared ", ShapeText(declared->shape),
+                                                   " (one input per request; send requests concurrently, the server "
+                                                   "batches them)"));
+  }
   ASSIGN_OR_RETURN(const int64_t count, ElementCount(input));
-  const std::string shape = absl::StrCat("[", absl::StrJoin(input.shape(), ", "), "]");
   models::ClassifierInput& neutral = translated->request.input;
+  neutral.kind = declared->kind;
   if (input.datatype() == "BYTES") {
     ASSIGN_OR_RETURN(const std::vector<std::string_view> elements, BytesElements(input, raw));
-    if (count != 1 || elements.size() != 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "input '", input.name(), "': BYTES shape ", shape, " with ", elements.size(), " elements; model '",
-          model.name, "' takes one element per request (send concurrent requests; the server batches them)"));
+    if (static_cast<int64_t>(elements.size()) != count) {
+      return absl::InvalidArgumentError(absl::StrCat("input '", name, "': shape ", ShapeText(input.shape()),
+                                                     " with ", elements.size(), " elements"));
     }
-    // An input named as a declared BYTES input (image, text) is taken as that kind, so that a model of the
-    // other kind answers what it takes; any other name goes by the model's kind.
-    const bool text = input.name() == kTextInput || (input.name() != kImageInput && IsDocumentModel(model));
-    neutral.kind = text ? models::ClassifierInput::Kind::kText : models::ClassifierInput::Kind::kImage;
     neutral.bytes = elements[0];
-  } else if (input.datatype() == "INT64" && IsDocumentModel(model)) {
-    ASSIGN_OR_RETURN(const absl::Span<const int64_t> ids, Int64Elements(input, raw, &translated->token_ids));
-    const bool batch_of_one = input.shape_size() == 1 || (input.shape_size() == 2 && input.shape(0) == 1);
-    if (!batch_of_one || static_cast<int64_t>(ids.size()) != count) {
-      return absl::InvalidArgumentError(absl::StrCat("input '", input.name(), "': INT64 shape ", shape, " with ",
-                                                     ids.size(), " elements; expected shape [T] or [1, T] ",
-                                                     "holding T token ids"));
-    }
-    neutral.kind = models::ClassifierInput::Kind::kTokenIds;
-    neutral.token_ids = ids;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("input '", input.name(), "': datatype '", input.datatype(),
-                                                   "' is not accepted; model '", model.name, "' takes ",
-                                                   AcceptedInputs(model)));
+    ASSIGN_OR_RETURN(const absl::Span<const int64_t> ids, Int64Elements(input, raw, &translated->token_ids));
+    if (static_cast<int64_t>(ids.size()) != count) {
+      return absl::InvalidArgumentError(absl::StrCat("input '", name, "': shape ", ShapeText(input.shape()),
+                                                     " with ", ids.size(), " elements"));
+    }
+    neutral.token_ids = ids;
   }
   return absl::OkStatus();
 }
@@ -373,12 +410,7 @@ inference::ModelMetadataResponse ToModelMetadataResponse(const models::Classifie
     tensor->set_datatype(datatype);
     for (int64_t dimension : shape) tensor->add_shape(dimension);
   };
-  if (IsDocumentModel(model)) {
-    add(response.mutable_inputs(), kTextInput, "BYTES", {1});
-    add(response.mutable_inputs(), kTokenIdsInput, "INT64", {-1});
-  } else {
-    add(response.mutable_inputs(), kImageInput, "BYTES", {1});
-  }
+  for (const DeclaredInput& input : DeclaredInputs(model)) add(response.mutable_inputs(), input.name, input.datatype, input.shape);
   add(response.mutable_outputs(), kScoresOutput, "FP32", {static_cast<int64_t>(model.labels.size())});
   add(response.mutable_outputs(), kLabelsOutput, "BYTES", {-1});
   return response;
@@ -453,23 +485,28 @@ absl::Status WordForOpenInference(const absl::Status& status) {
   return models::WordProblems(status, OpenInferenceFieldName);
 }
 
-// One ModelInfer call: translated and submitted at construction, finished from whichever thread answers it.
+// One ModelInfer call: received, translated and submitted at construction, finished from whichever thread
+// answers it. It owns the parsed request (and input values decoded from raw contents), which the submitted
+// neutral request views.
 class OpenInferenceService::InferReactor final : public InferenceReactor {
  public:
   InferReactor(OpenInferenceService* service, grpc::CallbackServerContext* context,
-               const inference::ModelInferRequest* request, inference::ModelInferResponse* response)
-      : service_(service), request_(request), response_(response) {
+               const grpc::ByteBuffer* wire_request, grpc::ByteBuffer* wire_response)
+      : service_(service), wire_response_(wire_response) {
     // An unauthenticated call is counted with model "unknown": its request is not trusted.
     if (absl::Status status = Authenticate(service_->options_, *context); !status.ok()) {
-      FinishCall(this, *service_->metrics_, RpcMethod::kClassify, "", status);
+      FinishCall(this, *service_->metrics_, RpcMethod::kModelInfer, "", status);
       return;
     }
-    absl::StatusOr<const models::ClassifierDescription*> model = service_->engine_->FindModel(request->model_name());
-    absl::Status status = model.status();
-    if (status.ok() && service_->options_.message_size != nullptr) {
-      status = service_->options_.message_size->CheckRequest(*request);
+    // The size limit applies to the bytes the client sent, before any decoding.
+    if (absl::Status received = ReceiveRequest(service_->options_, *wire_request, &request_); !received.ok()) {
+      Answer(received);
+      return;
     }
-    if (status.ok()) status = ToInferenceRequest(*request, **model, &translated_);
+    model_ = request_.model_name();
+    absl::StatusOr<const models::ClassifierDescription*> model = service_->engine_->FindModel(model_);
+    absl::Status status = model.status();
+    if (status.ok()) status = ToInferenceRequest(request_, **model, &translated_);
     if (!status.ok()) {
       Answer(status);
       return;
@@ -484,22 +521,16 @@ class OpenInferenceService::InferReactor final : public InferenceReactor {
     absl::Duration total;
     if (result.ok()) {
       total = result->total;
-      absl::StatusOr<inference::ModelInferResponse> response = ToModelInferResponse(*request_, *result);
-      status = response.status();
-      if (response.ok()) {
-        *response_ = *std::move(response);
-        if (service_->options_.message_size != nullptr) {
-          status = service_->options_.message_size->CheckResponse(*response_);
-        }
-      }
+      absl::StatusOr<inference::ModelInferResponse> response = ToModelInferResponse(request_, *result);
+      status = response.ok() ? SendResponse(service_->options_, *response, wire_response_) : response.status();
     }
-    FinishCall(this, *service_->metrics_, RpcMethod::kClassify, request_->model_name(), WordForOpenInference(status),
-               total);
+    FinishCall(this, *service_->metrics_, RpcMethod::kModelInfer, model_, WordForOpenInference(status), total);
   }
 
   OpenInferenceService* const service_;
-  const inference::ModelInferRequest* const request_;
-  inference::ModelInferResponse* const response_;
+  grpc::ByteBuffer* const wire_response_;
+  inference::ModelInferRequest request_;
+  std::string model_;  // the request's model, once it parsed
   // Input values decoded from raw_input_contents, viewed by the submitted request until it is answered.
   TranslatedInferRequest translated_;
 };
@@ -519,63 +550,70 @@ absl::StatusOr<const models::ClassifierDescription*> OpenInferenceService::FindM
 }
 
 grpc::ServerUnaryReactor* OpenInferenceService::ServerLive(grpc::CallbackServerContext* context,
-                                                           const inference::ServerLiveRequest* /*request*/,
-                                                           inference::ServerLiveResponse* response) {
-  response->set_live(true);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+                                                           const grpc::ByteBuffer* request,
+                                                           grpc::ByteBuffer* response) {
+  return AnswerAtOnce<inference::ServerLiveRequest, inference::ServerLiveResponse>(
+      context, request, response, *metrics_, options_, RpcMethod::kServerLive, WordForOpenInference,
+      [](const inference::ServerLiveRequest&, inference::ServerLiveResponse* answer, std::string*) {
+        answer->set_live(true);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* OpenInferenceService::ServerReady(grpc::CallbackServerContext* context,
-                                                            const inference::ServerReadyRequest* /*request*/,
-                                                            inference::ServerReadyResponse* response) {
-  response->set_ready(ready_.load() && !engine_->models().empty());
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+                                                            const grpc::ByteBuffer* request,
+                                                            grpc::ByteBuffer* response) {
+  return AnswerAtOnce<inference::ServerReadyRequest, inference::ServerReadyResponse>(
+      context, request, response, *metrics_, options_, RpcMethod::kServerReady, WordForOpenInference,
+      [this](const inference::ServerReadyRequest&, inference::ServerReadyResponse* answer, std::string*) {
+        answer->set_ready(ready_.load() && !engine_->models().empty());
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* OpenInferenceService::ModelReady(grpc::CallbackServerContext* context,
-                                                           const inference::ModelReadyRequest* request,
-                                                           inference::ModelReadyResponse* response) {
-  absl::StatusOr<const models::ClassifierDescription*> model = FindModel(request->name(), request->version());
-  if (model.ok()) response->set_ready(ready_.load());
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(WordForOpenInference(model.status())));
-  return reactor;
+                                                           const grpc::ByteBuffer* request,
+                                                           grpc::ByteBuffer* response) {
+  return AnswerAtOnce<inference::ModelReadyRequest, inference::ModelReadyResponse>(
+      context, request, response, *metrics_, options_, RpcMethod::kModelReady, WordForOpenInference,
+      [this](const inference::ModelReadyRequest& asked, inference::ModelReadyResponse* answer, std::string* model) {
+        *model = asked.name();
+        RETURN_IF_ERROR(FindModel(asked.name(), asked.version()).status());
+        answer->set_ready(ready_.load());
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* OpenInferenceService::ServerMetadata(grpc::CallbackServerContext* context,
-                                                               const inference::ServerMetadataRequest* /*request*/,
-                                                               inference::ServerMetadataResponse* response) {
-  response->set_name("mita-serve");
-  response->set_version(server_version_);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+                                                               const grpc::ByteBuffer* request,
+                                                               grpc::ByteBuffer* response) {
+  return AnswerAtOnce<inference::ServerMetadataRequest, inference::ServerMetadataResponse>(
+      context, request, response, *metrics_, options_, RpcMethod::kServerMetadata, WordForOpenInference,
+      [this](const inference::ServerMetadataRequest&, inference::ServerMetadataResponse* answer, std::string*) {
+        answer->set_name("mita-serve");
+        answer->set_version(server_version_);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* OpenInferenceService::ModelMetadata(grpc::CallbackServerContext* context,
-                                                              const inference::ModelMetadataRequest* request,
-                                                              inference::ModelMetadataResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (absl::Status status = Authenticate(options_, *context); !status.ok()) {
-    FinishCall(reactor, *metrics_, RpcMethod::kGetModel, "", status);
-    return reactor;
-  }
-  absl::StatusOr<const models::ClassifierDescription*> model = FindModel(request->name(), request->version());
-  if (model.ok()) {
-    *response = ToModelMetadataResponse(**model);
-    context->AddInitialMetadata(kParametersMetadataKey, KnobsJson(**model));
-  }
-  FinishCall(reactor, *metrics_, RpcMethod::kGetModel, request->name(), WordForOpenInference(model.status()));
-  return reactor;
+                                                              const grpc::ByteBuffer* request,
+                                                              grpc::ByteBuffer* response) {
+  return AnswerAtOnce<inference::ModelMetadataRequest, inference::ModelMetadataResponse>(
+      context, request, response, *metrics_, options_, RpcMethod::kModelMetadata, WordForOpenInference,
+      [this, context](const inference::ModelMetadataRequest& asked, inference::ModelMetadataResponse* answer,
+                      std::string* model_name) {
+        *model_name = asked.name();
+        ASSIGN_OR_RETURN(const models::ClassifierDescription* model, FindModel(asked.name(), asked.version()));
+        *answer = ToModelMetadataResponse(*model);
+        context->AddInitialMetadata(kParametersMetadataKey, KnobsJson(*model));
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* OpenInferenceService::ModelInfer(grpc::CallbackServerContext* context,
-                                                           const inference::ModelInferRequest* request,
-                                                           inference::ModelInferResponse* response) {
+                                                           const grpc::ByteBuffer* request,
+                                                           grpc::ByteBuffer* response) {
   return new InferReactor(this, context, request, response);
 }
 

@@ -1,17 +1,16 @@
 // The Open Inference Protocol front end (KServe V2 gRPC, `inference.GRPCInferenceService`,
 // proto/kserve/grpc_predict_v2.proto), served beside mita.v1 on the same port, on gRPC's callback API. Every
 // ModelInfer becomes one neutral InferenceRequest for the same InferenceEngine as mita.v1 (same model lookup,
-// validation, batcher, error codes; counted as method "Classify"), and its errors are worded in this protocol's
-// terms.
+// validation, batcher, error codes), and its errors are worded in this protocol's terms.
 //
 // Mapping (one input per request; concurrent requests share server-side batches as with mita.v1):
-//   inputs, exactly one tensor ("image", "text", "token_ids" are the declared names):
-//     BYTES, one element (shape [1] or [1, 1])  image model: an encoded PNG/JPEG
-//                                              document model: UTF-8 text
-//     INT64, shape [T] or [1, T]                document model: token ids
-//     A BYTES input named "image" or "text" is taken as that kind (a model of the other kind then says what it
-//     takes); other names go by the model's kind. Typed `contents` or `raw_input_contents` (BYTES raw: 4-byte
-//     little-endian length + bytes per element; INT64 raw: 8 bytes little-endian per element).
+//   inputs, exactly one tensor, one of those the model declares (ModelMetadata), matching its name, datatype
+//   and shape (rank included):
+//     image      BYTES [1]   image model: an encoded PNG/JPEG
+//     text       BYTES [1]   document model: UTF-8 text
+//     token_ids  INT64 [-1]  document model: token ids
+//   Typed `contents` or `raw_input_contents` (BYTES raw: 4-byte little-endian length + bytes per element; INT64
+//   raw: 8 bytes little-endian per element).
 //   request parameters (the budget and options; names with the prefix "mita_" are checked, others ignored):
 //     mita_expert_count  int64   expert count m (> 0; leave it out for the model's default)
 //     mita_expert_width  int64   expert width k (> 0; likewise)
@@ -52,7 +51,7 @@
 #include "kserve/grpc_predict_v2.pb.h"
 #include "models/classifier.h"
 #include "models/request_error.h"
-#include "server/call_outcome.h"
+#include "server/unary_call.h"
 #include "server/inference_engine.h"
 #include "server/inference_reactor.h"
 #include "server/inference_request.h"
@@ -111,7 +110,16 @@ std::string OpenInferenceFieldName(const models::FieldProblem& problem);
 // unchanged.
 absl::Status WordForOpenInference(const absl::Status& status);
 
-class OpenInferenceService final : public inference::GRPCInferenceService::CallbackService {
+// The protocol's methods on the callback API, receiving the bytes the client sent (server/unary_call.h).
+using OpenInferenceRawService = inference::GRPCInferenceService::WithRawCallbackMethod_ServerLive<
+    inference::GRPCInferenceService::WithRawCallbackMethod_ServerReady<
+        inference::GRPCInferenceService::WithRawCallbackMethod_ModelReady<
+            inference::GRPCInferenceService::WithRawCallbackMethod_ServerMetadata<
+                inference::GRPCInferenceService::WithRawCallbackMethod_ModelMetadata<
+                    inference::GRPCInferenceService::WithRawCallbackMethod_ModelInfer<
+                        inference::GRPCInferenceService::Service>>>>>>;
+
+class OpenInferenceService final : public OpenInferenceRawService {
  public:
   // Serves the models of `engine` (which, like `metrics`, must outlive the service). Not ready until
   // SetReady(true). `server_version` is the ServerMetadata version.
@@ -121,27 +129,23 @@ class OpenInferenceService final : public inference::GRPCInferenceService::Callb
   // Readiness of the server and its models (ServerReady, ModelReady). Thread-safe.
   void SetReady(bool ready) { ready_.store(ready); }
 
-  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
-                                       const inference::ServerLiveRequest* request,
-                                       inference::ServerLiveResponse* response) override;
-  grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* context,
-                                        const inference::ServerReadyRequest* request,
-                                        inference::ServerReadyResponse* response) override;
-  // Errors: INVALID_ARGUMENT for an empty name, NOT_FOUND for an unknown model or version.
-  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* context,
-                                       const inference::ModelReadyRequest* request,
-                                       inference::ModelReadyResponse* response) override;
-  grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* context,
-                                           const inference::ServerMetadataRequest* request,
-                                           inference::ServerMetadataResponse* response) override;
-  // Errors: as ModelReady.
-  grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* context,
-                                          const inference::ModelMetadataRequest* request,
-                                          inference::ModelMetadataResponse* response) override;
-  // Errors: see the file comment.
-  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
-                                       const inference::ModelInferRequest* request,
-                                       inference::ModelInferResponse* response) override;
+  // Each receives its serialized request message (<Method>Request) and answers with its serialized response
+  // message (<Method>Response); a request that does not parse is INVALID_ARGUMENT. Every method is authenticated
+  // when the server has a bearer token (gRPC health stays open) and counted in mita_requests_total under its own
+  // name. ModelReady and ModelMetadata: INVALID_ARGUMENT for an empty name, NOT_FOUND for an unknown model or
+  // version. ModelInfer: see the file comment.
+  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
 
  private:
   class InferReactor;

@@ -14,6 +14,8 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <random>
+#include <utility>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,7 +23,14 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
 
+#include <grpcpp/create_channel.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/security/credentials.h>
+
 #include "absl/status/status.h"
+#include "absl/synchronization/notification.h"
+#include "kserve/grpc_predict_v2.pb.h"
+#include "mita/v1/mita.pb.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -193,8 +202,9 @@ TEST_F(MessageLimitServiceTest, FourMiBRequestIsServedAndOneByteMoreNamesTheLimi
   EXPECT_EQ(server.client().ClassifyRaw(RequestOfExactSize(2 * kFourMiB + 16)).status().code(),
             absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(MetricValue(server.registry(), "mita_oversized_messages_total", {{"direction", "request"}}), 2);
+  // Refused before it is parsed: the model it names is not read, so the call counts as model "unknown".
   EXPECT_EQ(MetricValue(server.registry(), "mita_requests_total",
-                        {{"method", "Classify"}, {"model", kModel}, {"code", "RESOURCE_EXHAUSTED"}}),
+                        {{"method", "Classify"}, {"model", "unknown"}, {"code", "RESOURCE_EXHAUSTED"}}),
             2);
   // The server still serves.
   absl::StatusOr<v1::ClassifyResponse> response = server.client().ClassifyRaw(RequestOfExactSize(1000));
@@ -355,6 +365,180 @@ TEST(DecompressionBombTest, JpegWithTooManyScansIsRejected) {
   const std::string bomb = ProgressiveJpeg(true);
   ExpectStatusParts(models::DecodeImage(bomb, 1, models::ImageDecodeLimits{}).status(),
                     absl::StatusCode::kInvalidArgument, {"invalid JPEG: more than 500 scans"});
+}
+
+// ----- malformed wire bytes -----
+
+// One unary call of `method` ("/package.Service/Method") with `bytes` as the request message, over a generic
+// stub (no client-side serialization). Returns the status and, when OK, the response bytes.
+std::pair<grpc::Status, std::string> RawCall(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                                             const std::string& bytes, absl::Duration deadline = absl::Seconds(30)) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  absl::Notification done;
+  grpc::Status status;
+  stub.UnaryCall(&context, method, grpc::StubOptions(), &request, &response, [&](grpc::Status result) {
+    status = std::move(result);
+    done.Notify();
+  });
+  done.WaitForNotification();
+  std::string out;
+  if (status.ok()) {
+    std::vector<grpc::Slice> slices;
+    (void)response.Dump(&slices);
+    for (const grpc::Slice& piece : slices) out.append(reinterpret_cast<const char*>(piece.begin()), piece.size());
+  }
+  return {status, out};
+}
+
+// The malformed kinds protobuf parsing rejects, as the first bytes of a message.
+const std::vector<std::pair<std::string, std::string>>& MalformedMessages() {
+  static const auto* messages = new std::vector<std::pair<std::string, std::string>>{
+      {"truncated varint", std::string("\x28\xff", 2)},              // field 5 (varint), continuation bit, then end
+      {"bad length", std::string("\x0a\x10" "abc", 5)},             // field 1, 16 bytes announced, 3 sent
+      {"invalid UTF-8 in a string field", std::string("\x0a\x02\xff\xfe", 4)},  // field 1 (string)
+      {"unterminated group", std::string("\x0b", 1)},                // field 1 as a start-group tag, no end
+      {"field number 0", std::string("\x00\x01", 2)},
+  };
+  return *messages;
+}
+
+class WireTest : public MessageLimitServiceTest {};
+
+// A request that does not parse is INVALID_ARGUMENT saying so, for both services, and counted once with model
+// "unknown" (before the callback API's raw methods gRPC answered INTERNAL with an empty message and nothing
+// counted it).
+TEST_F(WireTest, UnparsableRequestsAreInvalidArgumentAndCounted) {
+  test_util::InProcessServerOptions options;
+  options.open_inference = true;
+  test_util::InProcessServer server(registry_, options);
+  ASSERT_TRUE(server.status().ok()) << server.status();
+  const std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials());
+  const struct {
+    const char* method;
+    const char* label;
+    const char* message_type;
+  } methods[] = {{"/mita.v1.MitaService/Classify", "Classify", "mita.v1.ClassifyRequest"},
+                 {"/mita.v1.MitaService/GetModel", "GetModel", "mita.v1.GetModelRequest"},
+                 {"/inference.GRPCInferenceService/ModelInfer", "ModelInfer", "inference.ModelInferRequest"},
+                 {"/inference.GRPCInferenceService/ModelMetadata", "ModelMetadata", "inference.ModelMetadataRequest"}};
+  for (const auto& method : methods) {
+    for (const auto& [kind, bytes] : MalformedMessages()) {
+      SCOPED_TRACE(absl::StrCat(method.method, ": ", kind));
+      const double before = MetricValue(server.registry(), "mita_requests_total",
+                                        {{"method", method.label}, {"code", "INVALID_ARGUMENT"}});
+      const auto [status, response] = RawCall(channel, method.method, bytes);
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+      EXPECT_THAT(status.error_message(),
+                  HasSubstr(absl::StrCat("the request could not be parsed as a ", method.message_type, " message (",
+                                         bytes.size(), " bytes)")));
+      EXPECT_EQ(MetricValue(server.registry(), "mita_requests_total",
+                            {{"method", method.label}, {"code", "INVALID_ARGUMENT"}}) - before,
+                1);
+    }
+  }
+  EXPECT_EQ(MetricValue(server.registry(), "mita_requests_total",
+                        {{"method", "Classify"}, {"model", "unknown"}, {"code", "INVALID_ARGUMENT"}}),
+            static_cast<double>(MalformedMessages().size()));
+  // The server still serves.
+  absl::StatusOr<test_util::TestImages> images = test_util::FashionMnistTestPngs(1);
+  ASSERT_TRUE(images.ok());
+  client::ClassifyOptions classify;
+  classify.model = kModel;
+  EXPECT_TRUE(server.client().Classify(images->pngs[0], classify).ok());
+}
+
+// Client-side wire mutation, bounded in time: real requests of both services (an image, a document as text and
+// as token ids), serialized and then mutated (byte flips, insertions, deletions, truncation; seeded), sent as
+// they are. Every answer must be a code a bad request may get, never INTERNAL or UNKNOWN, and the server must
+// go on serving. Prints the count of each code.
+TEST_F(WireTest, MutatedWireBytesNeverGetAServerFault) {
+  test_util::InProcessServerOptions options;
+  options.open_inference = true;
+  options.engine.batching.max_queue_delay = absl::ZeroDuration();
+  test_util::InProcessServer server(registry_, options);
+  ASSERT_TRUE(server.status().ok()) << server.status();
+  const std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials());
+  absl::StatusOr<test_util::TestImages> images = test_util::FashionMnistTestPngs(1);
+  ASSERT_TRUE(images.ok());
+  std::vector<std::pair<std::string, std::string>> seeds;  // method, serialized request
+  {
+    v1::ClassifyRequest image;
+    image.set_model(kModel);
+    image.set_image(images->pngs[0]);
+    image.mutable_budget()->mutable_experts()->set_expert_count(4);
+    image.set_top_n(3);
+    seeds.emplace_back("/mita.v1.MitaService/Classify", image.SerializeAsString());
+    v1::ClassifyRequest text;
+    text.set_model("linux-doc-mita");
+    text.mutable_document()->set_text("The scheduler balances runqueues across processors.");
+    text.mutable_budget()->set_preset("fast");
+    seeds.emplace_back("/mita.v1.MitaService/Classify", text.SerializeAsString());
+    v1::ClassifyRequest ids;
+    ids.set_model("linux-doc-mita");
+    for (int64_t id : {5, 17, 300, 2, 9}) ids.mutable_document()->mutable_token_ids()->add_ids(id);
+    seeds.emplace_back("/mita.v1.MitaService/Classify", ids.SerializeAsString());
+    inference::ModelInferRequest infer;
+    infer.set_model_name(kModel);
+    auto* input = infer.add_inputs();
+    input->set_name("image");
+    input->set_datatype("BYTES");
+    input->add_shape(1);
+    input->mutable_contents()->add_bytes_contents(images->pngs[0]);
+    (*infer.mutable_parameters())["mita_expert_width"].set_int64_param(8);
+    seeds.emplace_back("/inference.GRPCInferenceService/ModelInfer", infer.SerializeAsString());
+  }
+  std::mt19937 random(20261202);
+  std::map<grpc::StatusCode, int> codes;
+  const absl::Time end = absl::Now() + absl::Seconds(8);
+  int calls = 0;
+  while (absl::Now() < end || calls < 200) {
+    const auto& [method, seed] = seeds[random() % seeds.size()];
+    std::string bytes = seed;
+    const int mutations = 1 + static_cast<int>(random() % 4);
+    for (int m = 0; m < mutations && !bytes.empty(); ++m) {
+      // Mutate near the front most of the time: the tags and lengths live there, not in the image's pixels.
+      const size_t at = random() % 2 == 0 ? random() % std::min<size_t>(bytes.size(), 48) : random() % bytes.size();
+      switch (random() % 4) {
+        case 0:
+          bytes[at] = static_cast<char>(bytes[at] ^ (1 << (random() % 8)));
+          break;
+        case 1:
+          bytes.insert(at, 1, static_cast<char>(random()));
+          break;
+        case 2:
+          bytes.erase(at, 1 + random() % 4);
+          break;
+        default:
+          bytes.resize(at);
+          break;
+      }
+    }
+    const grpc::Status status = RawCall(channel, method, bytes).first;
+    ++codes[status.error_code()];
+    ++calls;
+    ASSERT_NE(status.error_code(), grpc::StatusCode::INTERNAL) << status.error_message();
+    ASSERT_NE(status.error_code(), grpc::StatusCode::UNKNOWN) << status.error_message();
+    ASSERT_NE(status.error_code(), grpc::StatusCode::UNAVAILABLE) << "the server stopped answering";
+  }
+  std::string summary;
+  for (const auto& [code, count] : codes) absl::StrAppend(&summary, " ", code, ":", count);
+  std::printf("[ info ] %d mutated calls, by gRPC code:%s\n", calls, summary.c_str());
+  for (const auto& [code, count] : codes) {
+    EXPECT_TRUE(code == grpc::StatusCode::OK || code == grpc::StatusCode::INVALID_ARGUMENT ||
+                code == grpc::StatusCode::NOT_FOUND || code == grpc::StatusCode::RESOURCE_EXHAUSTED)
+        << "code " << code << " answered " << count << " times";
+  }
+  EXPECT_GT(codes[grpc::StatusCode::INVALID_ARGUMENT], 0);
+  client::ClassifyOptions classify;
+  classify.model = kModel;
+  EXPECT_TRUE(server.client().Classify(images->pngs[0], classify).ok());
 }
 
 // ----- zero-sized and wrong-rank tensors given to the model -----

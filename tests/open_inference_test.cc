@@ -66,9 +66,11 @@ void SetString(inference::ModelInferRequest& request, const std::string& name, c
 }
 
 // mita_requests_total{method="Classify", model=kModel, code=`code`} read from the registry.
-double ClassifyCount(const ServerMetrics& metrics, const std::string& code) {
+// Calls of `method` about `model` answered with `code`, in mita_requests_total.
+double CallCount(const ServerMetrics& metrics, const std::string& method, const std::string& code,
+                 const std::string& model = kModel) {
   return test_util::MetricValue(*metrics.registry(), "mita_requests_total",
-                                {{"method", "Classify"}, {"model", kModel}, {"code", code}});
+                                {{"method", method}, {"model", model}, {"code", code}});
 }
 
 const inference::ModelInferResponse::InferOutputTensor* FindOutput(const inference::ModelInferResponse& response,
@@ -273,7 +275,6 @@ TEST_F(OpenInferenceTest, ClassifiesARealDocumentAsTextAndAsTokenIds) {
     if (as_token_ids) {
       input->set_name("token_ids");
       input->set_datatype("INT64");
-      input->add_shape(1);
       input->add_shape(static_cast<int64_t>(ids->size()));
       for (int64_t id : *ids) input->mutable_contents()->add_int64_contents(id);
     } else {
@@ -407,15 +408,47 @@ TEST_F(OpenInferenceTest, BadRequestsGetTheMitaV1CodesWithProtocolNames) {
                 "parameter mita_expert_width: -3 must be positive");
   }
   {
-    // An input named 'image' to the document model, and 'text' to the image model: the kind mismatch, as over
-    // mita.v1, not a decoding error of the other kind.
+    // Inputs are checked against what the model declares (ModelMetadata): an input named 'image' to the
+    // document model, 'text' to the image model, or any other name is not one of its inputs; never routed by
+    // its datatype alone.
     inference::ModelInferRequest request = ImageRequest(image);
     request.set_model_name("linux-doc-mita");
     ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT,
-                "input: model 'linux-doc-mita' takes a document");
+                "input 'image' is not an input of model 'linux-doc-mita'; its inputs: text (BYTES [1]), token_ids "
+                "(INT64 [-1])");
     request = ImageRequest("some text");
     request.mutable_inputs(0)->set_name("text");
-    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT, "takes an image");
+    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT,
+                "input 'text' is not an input of model 'fashion-mnist-vit'; its inputs: image (BYTES [1])");
+    request = ImageRequest(image);
+    request.mutable_inputs(0)->set_name("INPUT0");
+    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT, "input 'INPUT0' is not an input of model");
+  }
+  {
+    // The declared shape, rank included: [1] for an image, not [1, 1] or [].
+    for (const std::vector<int64_t>& shape : {std::vector<int64_t>{1, 1}, std::vector<int64_t>{}}) {
+      inference::ModelInferRequest request = ImageRequest(image);
+      request.mutable_inputs(0)->clear_shape();
+      for (int64_t dimension : shape) request.mutable_inputs(0)->add_shape(dimension);
+      ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT, "does not match the declared [1]");
+    }
+  }
+  {
+    // An empty document has mita.v1's wording, in this protocol's names.
+    inference::ModelInferRequest request;
+    request.set_model_name("linux-doc-mita");
+    auto* input = request.add_inputs();
+    input->set_name("token_ids");
+    input->set_datatype("INT64");
+    input->add_shape(0);
+    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT,
+                "input 'token_ids': the document is empty; a document needs at least 1 token");
+    input->set_name("text");
+    input->set_datatype("BYTES");
+    input->set_shape(0, 1);
+    input->mutable_contents()->add_bytes_contents("");
+    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT,
+                "input 'text': the document is empty; a document needs at least 1 token");
   }
   {
     inference::ModelInferRequest request = ImageRequest(image);
@@ -469,13 +502,14 @@ TEST_F(OpenInferenceTest, BadRequestsGetTheMitaV1CodesWithProtocolNames) {
     inference::ModelInferRequest request = ImageRequest(image);
     request.mutable_inputs(0)->mutable_contents()->add_bytes_contents(image);
     request.mutable_inputs(0)->set_shape(0, 2);
-    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT, "takes one element per request");
+    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT,
+                "input 'image': shape [2] does not match the declared [1] (one input per request");
   }
   {
     inference::ModelInferRequest request = ImageRequest(image);
     request.mutable_inputs(0)->set_datatype("UINT8");
     ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT,
-                "input 'image': datatype 'UINT8' is not accepted; model 'fashion-mnist-vit' takes a BYTES tensor");
+                "input 'image': datatype 'UINT8' is not the declared BYTES");
   }
   {
     inference::ModelInferRequest request = ImageRequest(image);
@@ -513,10 +547,12 @@ TEST_F(OpenInferenceTest, BadRequestsGetTheMitaV1CodesWithProtocolNames) {
   }
 }
 
-// ModelInfer calls are counted as Classify: rejected by the translation, by the engine, or answered.
-TEST_F(OpenInferenceTest, CallsAreCountedAsClassify) {
-  const double invalid_before = ClassifyCount(*metrics_, "INVALID_ARGUMENT");
-  const double ok_before = ClassifyCount(*metrics_, "OK");
+// Every call is counted once under its own method name: ModelInfer rejected by the translation, by the engine,
+// or answered, and the metadata and readiness calls.
+TEST_F(OpenInferenceTest, CallsAreCountedUnderTheirOwnMethodNames) {
+  const double invalid_before = CallCount(*metrics_, "ModelInfer", "INVALID_ARGUMENT");
+  const double ok_before = CallCount(*metrics_, "ModelInfer", "OK");
+  const double classify_before = CallCount(*metrics_, "Classify", "OK");
   inference::ModelInferRequest bad_datatype = ImageRequest(images_[1]);
   bad_datatype.mutable_inputs(0)->set_datatype("FP32");
   inference::ModelInferRequest bad_budget = ImageRequest(images_[1]);
@@ -525,8 +561,34 @@ TEST_F(OpenInferenceTest, CallsAreCountedAsClassify) {
   EXPECT_EQ(Infer(bad_datatype, &response).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(Infer(bad_budget, &response).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_TRUE(Infer(ImageRequest(images_[1]), &response).ok());
-  EXPECT_EQ(ClassifyCount(*metrics_, "INVALID_ARGUMENT") - invalid_before, 2);
-  EXPECT_EQ(ClassifyCount(*metrics_, "OK") - ok_before, 1);
+  EXPECT_EQ(CallCount(*metrics_, "ModelInfer", "INVALID_ARGUMENT") - invalid_before, 2);
+  EXPECT_EQ(CallCount(*metrics_, "ModelInfer", "OK") - ok_before, 1);
+  EXPECT_EQ(CallCount(*metrics_, "Classify", "OK") - classify_before, 0);
+  const double live_before = CallCount(*metrics_, "ServerLive", "OK", "");
+  const double ready_before = CallCount(*metrics_, "ModelReady", "OK");
+  const double unknown_before = CallCount(*metrics_, "ModelMetadata", "NOT_FOUND", "unknown");
+  {
+    grpc::ClientContext context;
+    inference::ServerLiveResponse live;
+    EXPECT_TRUE(stub_->ServerLive(&context, {}, &live).ok());
+  }
+  {
+    grpc::ClientContext context;
+    inference::ModelReadyRequest request;
+    request.set_name(kModel);
+    inference::ModelReadyResponse ready;
+    EXPECT_TRUE(stub_->ModelReady(&context, request, &ready).ok());
+  }
+  {
+    grpc::ClientContext context;
+    inference::ModelMetadataRequest request;
+    request.set_name("nosuch");
+    inference::ModelMetadataResponse metadata;
+    EXPECT_EQ(stub_->ModelMetadata(&context, request, &metadata).error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+  EXPECT_EQ(CallCount(*metrics_, "ServerLive", "OK", "") - live_before, 1);
+  EXPECT_EQ(CallCount(*metrics_, "ModelReady", "OK") - ready_before, 1);
+  EXPECT_EQ(CallCount(*metrics_, "ModelMetadata", "NOT_FOUND", "unknown") - unknown_before, 1);
 }
 
 TEST_F(OpenInferenceTest, HealthAndMetadata) {
@@ -662,14 +724,13 @@ TEST(OpenInferenceTranslationTest, DocumentsBecomeTextOrTokenIds) {
     EXPECT_EQ(request.top_n, 4);
   }
 
-  // INT64 token ids, typed and raw (8 bytes little-endian each), shape [1, T].
+  // INT64 token ids, typed and raw (8 bytes little-endian each), shape [T].
   const std::vector<int64_t> ids = {101, 2023, 7, 102, int64_t{1} << 40};
   inference::ModelInferRequest tokens;
   tokens.set_model_name("doc");
   input = tokens.add_inputs();
   input->set_name("token_ids");
   input->set_datatype("INT64");
-  input->add_shape(1);
   input->add_shape(static_cast<int64_t>(ids.size()));
   for (int64_t id : ids) input->mutable_contents()->add_int64_contents(id);
   {
@@ -693,11 +754,11 @@ TEST(OpenInferenceTranslationTest, DocumentsBecomeTextOrTokenIds) {
   }
 
   // Errors: a shape that disagrees with the elements; INT64 for an image model.
-  raw.mutable_inputs(0)->set_shape(1, 4);
+  raw.mutable_inputs(0)->set_shape(0, 4);
   {
     TranslatedInferRequest translated;
     EXPECT_THAT(std::string(ToInferenceRequest(raw, model, &translated).message()),
-                HasSubstr("INT64 shape [1, 4] with 5 elements"));
+                HasSubstr("input 'token_ids': shape [4] with 5 elements"));
   }
   models::ClassifierDescription image_model = model;
   image_model.input_kind = models::InputKind::kImage;

@@ -18,7 +18,7 @@
 #include "absl/status/statusor.h"
 #include "client/mita_client.h"
 #include "prometheus/registry.h"
-#include "server/call_outcome.h"
+#include "server/unary_call.h"
 #include "server/inference_engine.h"
 #include "server/mita_v1_service.h"
 #include "server/open_inference_service.h"

@@ -551,7 +551,8 @@ TEST_F(ServiceTest, MetricsScrapeHasRoutingAndPruningSeries) {
   EXPECT_GT(SampleValue(text, absl::StrCat("mita_requested_expert_count_count{", model, "}")), 0);
   EXPECT_GT(SampleValue(text, absl::StrCat("mita_requested_expert_width_count{", model, "}")), 0);
   EXPECT_GT(SampleValue(text, absl::StrCat("mita_full_attention_requests_total{", model, "}")), 0);
-  EXPECT_EQ(SampleValue(text, "mita_queue_depth"), 0) << "nothing is queued between requests";
+  EXPECT_EQ(SampleValue(text, "mita_queue_depth{model=\"fashion-mnist-vit\"}"), 0)
+      << "nothing is queued between requests";
   // No series is labelled with a model name taken from a request.
   EXPECT_THAT(text, ::testing::Not(HasSubstr("model=\"missing\"")));
 }
