@@ -24,6 +24,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "prometheus/metric_family.h"
+#include "kserve/grpc_predict_v2.grpc.pb.h"
 #include "server/inference_engine.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
@@ -77,6 +78,7 @@ struct TestServer {
     options.front_end.authenticator = authenticator;
     options.credentials = std::move(credentials);
     options.health = true;
+    options.open_inference = true;
     test->in_process = std::make_unique<test_util::InProcessServer>(test->registry.get(), std::move(options));
     EXPECT_TRUE(test->in_process->status().ok()) << test->in_process->status();
     if (!test->in_process->status().ok()) return nullptr;
@@ -236,6 +238,69 @@ TEST(BearerTokenTest, CallsWithoutTheRightTokenAreUnauthenticated) {
     }
   }
   EXPECT_EQ(unauthenticated, 3 + 4);
+}
+
+// Every Open Inference Protocol call is authenticated like ModelInfer when the server has a token (before
+// 2026-12-02 ServerLive, ServerReady, ModelReady and ServerMetadata answered anyone), counted under its own
+// method name; gRPC health stays open.
+TEST(BearerTokenTest, EveryOpenInferenceCallNeedsTheToken) {
+  absl::StatusOr<std::unique_ptr<BearerTokenAuthenticator>> authenticator = BearerTokenAuthenticator::FromToken("t0ken");
+  ASSERT_TRUE(authenticator.ok());
+  std::unique_ptr<TestServer> server = TestServer::Start(grpc::InsecureServerCredentials(), authenticator->get());
+  ASSERT_NE(server, nullptr);
+  std::unique_ptr<inference::GRPCInferenceService::Stub> stub = inference::GRPCInferenceService::NewStub(
+      grpc::CreateChannel(server->target, grpc::InsecureChannelCredentials()));
+  auto call = [&](bool with_token, auto invoke) {
+    grpc::ClientContext context;
+    if (with_token) context.AddMetadata("authorization", "Bearer t0ken");
+    return invoke(context).error_code();
+  };
+  for (const bool with_token : {false, true}) {
+    const grpc::StatusCode expected = with_token ? grpc::StatusCode::OK : grpc::StatusCode::UNAUTHENTICATED;
+    SCOPED_TRACE(with_token ? "with the token" : "without a token");
+    EXPECT_EQ(call(with_token, [&](grpc::ClientContext& context) {
+                inference::ServerLiveResponse response;
+                return stub->ServerLive(&context, {}, &response);
+              }),
+              expected);
+    EXPECT_EQ(call(with_token, [&](grpc::ClientContext& context) {
+                inference::ServerReadyResponse response;
+                return stub->ServerReady(&context, {}, &response);
+              }),
+              expected);
+    EXPECT_EQ(call(with_token, [&](grpc::ClientContext& context) {
+                inference::ServerMetadataResponse response;
+                return stub->ServerMetadata(&context, {}, &response);
+              }),
+              expected);
+    EXPECT_EQ(call(with_token, [&](grpc::ClientContext& context) {
+                inference::ModelReadyRequest request;
+                request.set_name(kModel);
+                inference::ModelReadyResponse response;
+                return stub->ModelReady(&context, request, &response);
+              }),
+              expected);
+    EXPECT_EQ(call(with_token, [&](grpc::ClientContext& context) {
+                inference::ModelMetadataRequest request;
+                request.set_name(kModel);
+                inference::ModelMetadataResponse response;
+                return stub->ModelMetadata(&context, request, &response);
+              }),
+              expected);
+  }
+  for (const char* method : {"ServerLive", "ServerReady", "ServerMetadata"}) {
+    EXPECT_EQ(test_util::MetricValue(*server->metrics->registry(), "mita_requests_total",
+                                     {{"method", method}, {"model", ""}, {"code", "UNAUTHENTICATED"}}),
+              1)
+        << method;
+  }
+  for (const char* method : {"ModelReady", "ModelMetadata"}) {
+    EXPECT_EQ(test_util::MetricValue(*server->metrics->registry(), "mita_requests_total",
+                                     {{"method", method}, {"model", "unknown"}, {"code", "UNAUTHENTICATED"}}),
+              1)
+        << method;
+  }
+  EXPECT_EQ(HealthCheckCode(server->target), grpc::StatusCode::OK);
 }
 
 TEST(BearerTokenTest, TokenFilesAndHeaders) {
