@@ -92,9 +92,11 @@ pack)
   done
   cp -L /lib64/ld-linux-x86-64.so.2 "$bundle/fallback/glibc/"
   strip --strip-unneeded "$bundle"/lib/*.so* 2>/dev/null || true
-  # The main job's inputs, from Debian packages the GPU machine lacks: 200 Fashion-MNIST test images (PNG), the
-  # held-out Linux documentation and its ~20K-token concatenation (scripts/run_main_job.sh makes the same).
-  "$build/tools/mita-export-images" --split=t10k --count=200 --out="$bundle/data/images" > /dev/null
+  # The main job's inputs (scripts/run_main_job.sh), from Debian packages the GPU machine lacks: 200 Fashion-MNIST
+  # test images (PNG; images/manifest.csv) and the held-out Linux documentation (heldout.csv), each with paths
+  # relative to its own folder, as mita-client reads them.
+  (cd "$bundle/data" && "$build/tools/mita-export-images" --split=t10k --count=200 --out=images > /dev/null)
+  sed -i 's|^images/||' "$bundle/data/images/manifest.csv"  # the client reads paths relative to the manifest
   /usr/bin/python3 tools/build_document_corpus.py --out "$bundle/data/corpus" --vocab-size 0 \
     > "$bundle/data/corpus.log" 2>&1
   # Only the held-out documents travel (the training split stays here).
@@ -104,6 +106,7 @@ pack)
   done
   find "$bundle/data/corpus" -type d -empty -delete
   rm -f "$bundle/data/heldout.list"
+  awk -F'\t' '{print "corpus/" $1 "," $2}' "$bundle/data/corpus/heldout.tsv" > "$bundle/data/heldout.csv"
   {
     echo "built $(date -u +%FT%TZ) from $(git rev-parse --short HEAD)$(git diff --quiet || echo '+changes') on" \
       "$(. /etc/os-release && echo "$PRETTY_NAME")"
