@@ -37,9 +37,13 @@ int SetIntraOpThreads(int threads) {
   using GetThreads = int (*)();
   auto set_threads = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
   auto get_threads = reinterpret_cast<GetThreads>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  if (set_threads == nullptr || get_threads == nullptr) return 0;
-  set_threads(threads);
-  return get_threads();
+  if (set_threads != nullptr && get_threads != nullptr) {
+    set_threads(threads);
+    return get_threads();
+  }
+  // MKL's C API (mkl_service.h): int mkl_get_max_threads(void).
+  auto mkl_threads = reinterpret_cast<GetThreads>(dlsym(RTLD_DEFAULT, "mkl_get_max_threads"));
+  return mkl_threads != nullptr ? mkl_threads() : 0;
 }
 
 bool KeepFreedMemoryForReuse() {

@@ -17,7 +17,8 @@ void ReexecWithPassiveOpenMpWaitIfUnset(char** argv);
 
 // Sets the intra-op thread count, `threads` >= 1, of LibTorch (at::set_num_threads) and of the BLAS library
 // when it is OpenBLAS (openblas_set_num_threads, looked up at run time, so that another BLAS works unchanged
-// and keeps its own setting). Returns the BLAS thread count now in effect, or 0 when the BLAS has no such call.
+// and keeps its own setting). Returns the BLAS thread count now in effect: OpenBLAS's, else MKL's (the PyPI
+// wheel's LibTorch links MKL in, and at::set_num_threads sets it), or 0 when the BLAS reports none.
 //
 // Why both: LibTorch's setting does not reach OpenBLAS, whose pthread build (Debian's libopenblas0-pthread)
 // starts one worker per core and lets it spin in sched_yield after every multi-threaded GEMM, taking CPU from

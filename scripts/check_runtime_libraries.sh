@@ -5,13 +5,25 @@
 # (approximated by the Essential and Priority: required packages, which debian:12-slim holds); and every
 # listed package must own at least one of those libraries (nothing listed that is not needed).
 # What it cannot check without a Docker engine: that apt resolves the same versions in the image.
-# Usage: scripts/check_runtime_libraries.sh [BINARY...]  (default: build/server/mita-server and
+# With --wheel=DIR (a build against the PyPI torch wheel, MITA_LIBTORCH=pypi; DIR is the folder the wheels were
+# installed into, which an image copies whole as deploy/Dockerfile.cuda does): libraries under DIR come from
+# the wheels, and the packages the wheel replaces (Debian's LibTorch, OpenBLAS and libgomp) are left out of
+# the list.
+# Usage: scripts/check_runtime_libraries.sh [--wheel=DIR] [BINARY...]  (default: build/server/mita-server and
 # build/server/mita-health-probe). Exit 0 when the set is exact, 1 otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+wheel_dir=
+if [[ ${1:-} == --wheel=* ]]; then
+  wheel_dir=$(readlink -f "${1#--wheel=}")
+  shift
+fi
 binaries=("$@")
 [ ${#binaries[@]} -gt 0 ] || binaries=(build/server/mita-server build/server/mita-health-probe)
 mapfile -t listed < <(grep -v -E '^\s*(#|$)' deploy/runtime-packages.txt)
+if [ -n "$wheel_dir" ]; then
+  mapfile -t listed < <(printf '%s\n' "${listed[@]}" | grep -v -E '^(libtorch|libopenblas|libgomp1$)')
+fi
 
 declare -A allowed=()
 while read -r package; do allowed[$package]=1; done < <(
@@ -24,8 +36,17 @@ done < <(dpkg-query -W -f='${Package} ${Essential} ${Priority}\n')
 # Every resolved library, its real path and the usrmerge twins (/usr/lib and /lib are the same files), are
 # looked up in one dpkg -S call (each call reads the whole file database).
 declare -A owners=() real=()
+# Libraries of the wheels (--wheel) are set aside: they belong to no Debian package.
+declare -A from_wheel=()
 mapfile -t libraries < <(for binary in "${binaries[@]}"; do
   [ -x "$binary" ] && ldd "$binary" | awk '/=>/ && $3 ~ /^\// {print $3}'; done | sort -u)
+if [ -n "$wheel_dir" ]; then
+  kept=()
+  for library in "${libraries[@]}"; do
+    if [[ $(readlink -f "$library") == "$wheel_dir"/* ]]; then from_wheel[$library]=1; else kept+=("$library"); fi
+  done
+  libraries=("${kept[@]}")
+fi
 mapfile -t real_paths < <(readlink -f "${libraries[@]}")
 candidates=()
 for i in "${!libraries[@]}"; do
@@ -54,8 +75,9 @@ for binary in "${binaries[@]}"; do
   if ldd "$binary" | grep -q "not found"; then
     echo "$binary: unresolved libraries:"; ldd "$binary" | grep "not found"; status=1
   fi
-  count=0
+  count=0 wheel_count=0
   while read -r library; do
+    if [ -n "${from_wheel[$library]:-}" ]; then wheel_count=$((wheel_count + 1)); continue; fi
     find_owner "$library"
     count=$((count + 1))
     if [ "$package" = "?" ]; then
@@ -65,7 +87,7 @@ for binary in "${binaries[@]}"; do
     fi
     used[$package]=1
   done < <(ldd "$binary" | awk '/=>/ && $3 ~ /^\// {print $3}')
-  echo "$binary: $count shared libraries resolved"
+  echo "$binary: $count shared libraries resolved${wheel_dir:+, $wheel_count more from the wheels in $wheel_dir}"
 done
 for package in "${listed[@]}"; do
   if [ -z "${used[$package]:-}" ]; then
