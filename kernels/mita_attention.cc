@@ -185,7 +185,8 @@ absl::StatusOr<at::Tensor> MitaAttentionForward(const at::Tensor& q, const at::T
                                                    internal::MitaForwardOptions{});
 }
 
-absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const AttentionInterrupt& interrupt) {
   if (absl::Status status = CheckQueryKeyValue(q, k, v); !status.ok()) return status;
   return RunWithoutThrowing("full attention", [&]() -> at::Tensor {
     at::NoGradGuard no_grad;
@@ -202,10 +203,16 @@ absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::T
     const at::Tensor scores = at::empty({chunk, tokens}, q.options());
     const at::Tensor probabilities = at::empty({chunk, tokens}, q.options());
     for (int64_t b = 0; b < batch; ++b) {
+      bool stopped = false;
       for (int64_t h = 0; h < heads; ++h) {
         const at::Tensor queries = q[b][h], keys_transposed = k[b][h].t(), values = v[b][h];
         const at::Tensor head_output = output[b][h];
         for (int64_t start = 0; start < tokens; start += chunk) {
+          stopped = stopped || (interrupt && interrupt(b));
+          if (stopped) {
+            head_output.narrow(0, start, tokens - start).zero_();
+            break;
+          }
           const int64_t length = std::min(chunk, tokens - start);
           at::Tensor chunk_scores = scores.narrow(0, 0, length);
           at::Tensor chunk_probabilities = probabilities.narrow(0, 0, length);

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -90,13 +91,20 @@ absl::StatusOr<at::Tensor> MitaAttentionForward(const at::Tensor& q, const at::T
                                                 std::vector<MitaItemStatistics>* statistics = nullptr,
                                                 MitaBackend backend = MitaBackend::kAuto);
 
+// Asked during long attention work: true stops the work on batch item `item`.
+using AttentionInterrupt = std::function<bool(int64_t item)>;
+
 // Full softmax attention softmax(q k^T / sqrt(d)) v with ATen ops (mm, softmax), per (item, head) in query
 // chunks so the score buffer stays under 2^20 elements at any N; the serving path for "full attention" budgets
 // and, per docs/design.md section 2.7, what MiTA equals with k = N and no compressed branch.
 // q, k, v: [B, H, N, d], same shape, float32 or float64 -> new contiguous [B, H, N, d] of q's dtype.
+// `interrupt` (optional) is asked before every query chunk of batch item `item`; when it answers true, the
+// rest of that item is skipped and its remaining output rows are 0 (the caller knows why it stopped): long
+// inputs stop within one chunk (at most 2^20 scores) of their caller leaving.
 // Errors: INVALID_ARGUMENT when a tensor is undefined or not 4-D, when dtypes are not float32/float64 or
 // differ, or when shapes or devices differ.
-absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const AttentionInterrupt& interrupt = nullptr);
 
 // Image landmarks (official DeiT MiTA code, docs/design.md section 2.1): the q tokens 0 .. N-2 (the cls token
 // included, the last patch token dropped) laid row-major on an S x S grid, S = sqrt(N - 1), average-pooled

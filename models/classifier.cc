@@ -50,7 +50,7 @@ std::string ClassifierDescription::Summary() const {
 }
 
 absl::StatusOr<BatchItem> Classifier::Prepare(const ClassifierInput& input, const BudgetRequest& budget,
-                                              const InputLimits& limits) const {
+                                              const InputLimits& limits, const StopCheck& stop) const {
   const ClassifierDescription& model = description();
   const std::optional<InputKind> kind = KindOf(input);
   if (kind != model.input_kind) {
@@ -62,7 +62,7 @@ absl::StatusOr<BatchItem> Classifier::Prepare(const ClassifierInput& input, cons
                                                         : std::string(" and none was set")));
   }
   ASSIGN_OR_RETURN(ResolvedBudget resolved, ResolveBudget(model.knobs, budget));
-  ASSIGN_OR_RETURN(PreparedInput prepared, PrepareInput(input, limits));
+  ASSIGN_OR_RETURN(PreparedInput prepared, PrepareInput(input, limits, stop));
   BatchItem item;
   item.input = std::move(prepared.input);
   item.tokens = prepared.tokens;

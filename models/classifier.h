@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <string>
@@ -103,12 +104,19 @@ struct BatchItem {
   int64_t compute_units = 0;
 };
 
+// Whether long work should go on: OK, or the status to stop with (CANCELLED, DEADLINE_EXCEEDED).
+using StopCheck = std::function<absl::Status()>;
+// Whether the caller of batch item `item` still waits for it: OK, or why not (CANCELLED, DEADLINE_EXCEEDED).
+using ItemCheck = std::function<absl::Status(size_t item)>;
+
 // Output of one batched forward.
 struct ClassifierOutput {
-  // Class logits [B, num_classes], float32.
+  // Class logits [B, num_classes], float32 (the rows of stopped items are 0).
   at::Tensor logits;
   // B entries: statistics[b][layer] for item b when requested and item b ran MiTA; statistics[b] empty otherwise.
   std::vector<std::vector<kernels::MitaItemStatistics>> statistics;
+  // B entries: OK for an item that ran to the end; else the status its ItemCheck stopped it with.
+  std::vector<absl::Status> stopped;
 };
 
 // A model the server can host. Implementations are immutable after creation and thread-safe.
@@ -124,16 +132,21 @@ class Classifier {
   // Errors: INVALID_ARGUMENT carrying field problems (request_error.h): the wrong or no input (kInput), a bad
   // budget (kPreset, kExperts, kExpertCount, kExpertWidth), a bad input (kImage, kDocument, kDocumentText,
   // kDocumentTokenIds); RESOURCE_EXHAUSTED when memory runs out.
+  // `stop` (optional) is asked between pieces of long preparation work (e.g. every piece of a long text); a
+  // non-OK answer ends Prepare with that status.
   absl::StatusOr<BatchItem> Prepare(const ClassifierInput& input, const BudgetRequest& budget,
-                                    const InputLimits& limits) const;
+                                    const InputLimits& limits, const StopCheck& stop = nullptr) const;
 
   // Runs a packed batch: items from Prepare of this classifier, each with its own budget; the dense layers run
   // on all items' tokens at once, attention per item. An item's logits do not depend on the other items (up to
-  // float rounding). `want_statistics`: fill ClassifierOutput::statistics. Runs under c10::InferenceMode.
+  // float rounding). `want_statistics`: fill ClassifierOutput::statistics. `check` (optional) is asked for every
+  // running item between layers (and inside long attention): an item whose caller left is dropped from the
+  // packed batch, and the others go on (ClassifierOutput::stopped says which stopped). Runs under
+  // c10::InferenceMode.
   // Errors: INVALID_ARGUMENT for an empty batch or items this classifier did not prepare; RESOURCE_EXHAUSTED
   // when memory runs out; INTERNAL when ATen or a kernel fails on validated input.
-  virtual absl::StatusOr<ClassifierOutput> Run(absl::Span<const BatchItem* const> items,
-                                               bool want_statistics) const = 0;
+  virtual absl::StatusOr<ClassifierOutput> Run(absl::Span<const BatchItem* const> items, bool want_statistics,
+                                               const ItemCheck& check = nullptr) const = 0;
 
  protected:
   // The input as the model takes it: the tensor of BatchItem::input and its token counts.
@@ -144,8 +157,8 @@ class Classifier {
   };
   // Decodes or tokenizes an input of this classifier's kind (Prepare has checked the kind).
   // Errors: INVALID_ARGUMENT carrying field problems; RESOURCE_EXHAUSTED when memory runs out.
-  virtual absl::StatusOr<PreparedInput> PrepareInput(const ClassifierInput& input,
-                                                     const InputLimits& limits) const = 0;
+  virtual absl::StatusOr<PreparedInput> PrepareInput(const ClassifierInput& input, const InputLimits& limits,
+                                                     const StopCheck& stop) const = 0;
 };
 
 // One class of a classification: index, softmax probability.

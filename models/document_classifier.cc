@@ -14,6 +14,8 @@
 #include <ATen/ops/linear.h>
 #include <ATen/ops/nonzero.h>
 #include <ATen/ops/stack.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
 
 #include "absl/status/status.h"
@@ -86,7 +88,8 @@ absl::StatusOr<std::unique_ptr<DocumentClassifier>> DocumentClassifier::Create(
 absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& token_ids,
                                                              absl::Span<const int64_t> lengths,
                                                              absl::Span<const AttentionBudget> budgets,
-                                                             bool want_statistics, kernels::MitaBackend backend) const {
+                                                             bool want_statistics, kernels::MitaBackend backend,
+                                                             const ItemCheck& check) const {
   if (!token_ids.defined() || token_ids.dim() != 1 || token_ids.scalar_type() != at::kLong ||
       !token_ids.device().is_cpu()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -127,6 +130,7 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
   const int64_t head_dim = config_.head_dim();
   ClassifierOutput output;
   output.statistics.resize(batch);
+  output.stopped.assign(batch, absl::OkStatus());
   at::Tensor logits;
   try {
     c10::InferenceMode inference_mode;
@@ -141,8 +145,36 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
         }
       }
     }
+    // The documents still running (indices into the batch), and where each one's rows start in x.
+    std::vector<int64_t> active(batch);
+    for (int64_t b = 0; b < batch; ++b) active[b] = b;
     std::vector<int64_t> offsets(batch);
-    for (int64_t b = 1; b < batch; ++b) offsets[b] = offsets[b - 1] + lengths[b - 1];
+    auto place = [&] {
+      int64_t offset = 0;
+      for (int64_t b : active) {
+        offsets[b] = offset;
+        offset += lengths[b];
+      }
+    };
+    place();
+    // Drops the documents whose caller left, taking their rows out of x (the packed batch shrinks).
+    auto drop_gone = [&](at::Tensor& x) {
+      if (!check) return;
+      std::vector<int64_t> kept, rows;
+      for (int64_t b : active) {
+        absl::Status wanted = check(static_cast<size_t>(b));
+        if (!wanted.ok()) {
+          output.stopped[b] = std::move(wanted);
+          continue;
+        }
+        kept.push_back(b);
+        for (int64_t t = 0; t < lengths[b]; ++t) rows.push_back(offsets[b] + t);
+      }
+      if (kept.size() == active.size()) return;
+      active = std::move(kept);
+      if (!active.empty()) x = x.index_select(0, at::tensor(rows, at::TensorOptions().dtype(at::kLong)));
+      place();
+    };
 
     // Embedding [T, C], then the position convolution per document (zero padding at each document's ends, so
     // no information crosses between documents): [N, C] -> [1, C, N] -> depthwise conv -> added back.
@@ -157,12 +189,15 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
     }
 
     for (size_t layer = 0; layer < blocks_.size(); ++layer) {
+      drop_gone(x);
+      if (active.empty()) break;
       const Block& block = blocks_[layer];
+      const int64_t rows = x.size(0);
       const at::Tensor normed =
           at::layer_norm(x, {channels}, block.norm1_weight, block.norm1_bias, config_.layer_norm_eps);
-      const at::Tensor qkv = at::linear(normed, block.qkv_weight, block.qkv_bias);  // [T, 3C]
-      at::Tensor merged = at::empty({total, channels}, x.options());               // heads merged, [T, C]
-      for (int64_t b = 0; b < batch; ++b) {
+      const at::Tensor qkv = at::linear(normed, block.qkv_weight, block.qkv_bias);  // [rows, 3C]
+      at::Tensor merged = at::empty({rows, channels}, x.options());                 // heads merged
+      for (int64_t b : active) {
         const int64_t tokens = lengths[b];
         // [N, 3C] -> [1, N, 3, H, d] -> [3, 1, H, N, d]: strided views the kernels read in place.
         const at::Tensor document_qkv =
@@ -170,7 +205,10 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
         const at::Tensor q = document_qkv[0], k = document_qkv[1], v = document_qkv[2];
         absl::StatusOr<at::Tensor> attention;  // [1, H, N, d]
         if (budgets[b].full_attention) {
-          attention = kernels::FullAttentionForward(q, k, v);
+          // Quadratic in N: asks, every query chunk, whether the document's caller is still there.
+          kernels::AttentionInterrupt interrupt;
+          if (check) interrupt = [&check, b](int64_t) { return !check(static_cast<size_t>(b)).ok(); };
+          attention = kernels::FullAttentionForward(q, k, v, interrupt);
         } else {
           absl::StatusOr<at::Tensor> landmarks = kernels::SequenceLandmarks(q, budgets[b].expert_count);
           if (!landmarks.ok()) return internal::KernelFault(landmarks.status());
@@ -192,15 +230,24 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
       const at::Tensor hidden = at::gelu(at::linear(normed2, block.fc1_weight, block.fc1_bias), "none");
       x = x.add(at::linear(hidden, block.fc2_weight, block.fc2_bias));
     }
-    const at::Tensor normed = at::layer_norm(x, {channels}, norm_weight_, norm_bias_, config_.layer_norm_eps);
-    std::vector<at::Tensor> pooled(batch);
-    for (int64_t b = 0; b < batch; ++b) pooled[b] = normed.narrow(0, offsets[b], lengths[b]).mean(0);
-    logits = at::linear(at::stack(pooled), head_weight_, head_bias_);
-    // A normal (not inference-mode) tensor, so callers may modify it in place outside InferenceMode.
+    drop_gone(x);
+    logits = at::zeros({batch, config_.num_classes}, x.options());
+    if (!active.empty()) {
+      const at::Tensor normed = at::layer_norm(x, {channels}, norm_weight_, norm_bias_, config_.layer_norm_eps);
+      std::vector<at::Tensor> pooled;
+      for (int64_t b : active) pooled.push_back(normed.narrow(0, offsets[b], lengths[b]).mean(0));
+      logits.index_copy_(0, at::tensor(active, at::TensorOptions().dtype(at::kLong)),
+                         at::linear(at::stack(pooled), head_weight_, head_bias_));
+    }
+    // A stopped document's statistics cover only the layers it ran: drop them with its answer.
+    for (int64_t b = 0; b < batch; ++b) {
+      if (!output.stopped[b].ok()) output.statistics[b].clear();
+    }
   } catch (const std::exception&) {
     return kernels::CurrentExceptionStatus(absl::StrCat("document forward (", total, " tokens)"));
   }
   try {
+    // A normal (not inference-mode) tensor, so callers may modify it in place outside InferenceMode.
     output.logits = logits.clone();
   } catch (const std::exception&) {
     return kernels::CurrentExceptionStatus(absl::StrCat("document forward (", total, " tokens)"));
@@ -209,9 +256,12 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
 }
 
 absl::StatusOr<Classifier::PreparedInput> DocumentClassifier::PrepareInput(const ClassifierInput& input,
-                                                                           const InputLimits& limits) const {
+                                                                           const InputLimits& limits,
+                                                                           const StopCheck& stop) const {
   constexpr char kEmpty[] = "the document is empty; a document needs at least 1 token";
+  const int64_t max_tokens = std::min(config_.max_tokens, limits.max_tokens);
   std::vector<int64_t> ids;
+  bool complete = true;  // whether `ids` are all of the document's tokens
   RequestField field = RequestField::kDocumentText;
   if (input.kind == ClassifierInput::Kind::kText) {
     const std::string_view text = input.bytes;
@@ -219,13 +269,24 @@ absl::StatusOr<Classifier::PreparedInput> DocumentClassifier::PrepareInput(const
     if (absl::Status status = ValidateUtf8(text); !status.ok()) {
       return InvalidRequest(field, std::string(status.message()));
     }
+    // Only whitespace is no document, whichever whitespace and whichever tokenizer.
+    if (IsOnlyWhitespace(text)) {
+      return InvalidRequest(field, absl::StrCat("the ", text.size(),
+                                                "-byte text is only whitespace; a document needs at least 1 token"));
+    }
     if (tokenizer_ == nullptr) return InvalidRequest(field, "this model has no tokenizer: send token ids");
-    absl::StatusOr<std::vector<int64_t>> encoded = tokenizer_->Encode(text);
+    // Only what the limit needs is tokenized: max_tokens + 1 ids tell a document over the limit.
+    absl::StatusOr<BoundedEncoding> encoded = EncodeBounded(*tokenizer_, text, max_tokens, stop);
     if (!encoded.ok()) {
-      if (absl::IsResourceExhausted(encoded.status())) return encoded.status();
+      const absl::StatusCode code = encoded.status().code();
+      if (code == absl::StatusCode::kResourceExhausted || code == absl::StatusCode::kCancelled ||
+          code == absl::StatusCode::kDeadlineExceeded) {
+        return encoded.status();
+      }
       return InvalidRequest(field, std::string(encoded.status().message()));
     }
-    ids = *std::move(encoded);
+    ids = std::move(encoded->ids);
+    complete = encoded->complete;
     if (ids.empty()) {
       return InvalidRequest(field, absl::StrCat("the ", text.size(), "-byte text has no tokens (tokenizer ",
                                                 tokenizer_->name(), "); a document needs at least 1 token"));
@@ -243,15 +304,16 @@ absl::StatusOr<Classifier::PreparedInput> DocumentClassifier::PrepareInput(const
     }
     ids.assign(sent.begin(), sent.end());
   }
-  const int64_t input_tokens = static_cast<int64_t>(ids.size());
-  const int64_t max_tokens = std::min(config_.max_tokens, limits.max_tokens);
-  if (input_tokens > max_tokens) {
+  // Tokens before truncation; a lower bound (max_tokens + 1) when the text was not read to its end.
+  const int64_t input_tokens = complete ? static_cast<int64_t>(ids.size()) : max_tokens + 1;
+  if (static_cast<int64_t>(ids.size()) > max_tokens) {
     if (!input.truncate) {
       const std::string source =
           config_.max_tokens <= limits.max_tokens ? std::string("the model's max_tokens") : limits.max_tokens_source;
+      const std::string count = complete ? absl::StrCat(ids.size()) : absl::StrCat("more than ", max_tokens);
       return InvalidRequest({{field, -1,
-                              absl::StrCat("the document has ", input_tokens, " tokens, over the limit of ",
-                                           max_tokens, " tokens (", source, ")")},
+                              absl::StrCat("the document has ", count, " tokens, over the limit of ", max_tokens,
+                                           " tokens (", source, ")")},
                              {RequestField::kTruncate, -1,
                               absl::StrCat("set it to classify the first ", max_tokens, " tokens")}});
     }
@@ -268,7 +330,7 @@ absl::StatusOr<Classifier::PreparedInput> DocumentClassifier::PrepareInput(const
 }
 
 absl::StatusOr<ClassifierOutput> DocumentClassifier::Run(absl::Span<const BatchItem* const> items,
-                                                         bool want_statistics) const {
+                                                         bool want_statistics, const ItemCheck& check) const {
   if (items.empty()) return absl::InvalidArgumentError("items: the batch is empty");
   // A packed batch without padding: the documents' token ids back to back, [T]; the dense layers run on all T
   // tokens at once, attention per document with its own N, m and k.
@@ -293,7 +355,7 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Run(absl::Span<const BatchI
   } catch (const std::exception&) {
     return kernels::CurrentExceptionStatus("packing the batch's documents");
   }
-  return Forward(token_ids, lengths, budgets, want_statistics);
+  return Forward(token_ids, lengths, budgets, want_statistics, kernels::MitaBackend::kAuto, check);
 }
 
 }  // namespace mita::models

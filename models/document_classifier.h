@@ -59,9 +59,13 @@ class DocumentClassifier final : public Classifier {
   // lengths/budgets count mismatch or B = 0, a length outside [1, max_tokens], lengths not summing to T, or an
   // invalid or unapplied budget (messages name the document index and the allowed range); RESOURCE_EXHAUSTED
   // when memory runs out; INTERNAL when ATen or a kernel fails on validated input.
+  // `check` (optional): asked for every running document before each layer and at the end, and inside full
+  // attention every query chunk; a document whose caller left is taken out of the packed batch (its logits row
+  // is 0, ClassifierOutput::stopped[b] says why) and the others go on.
   absl::StatusOr<ClassifierOutput> Forward(const at::Tensor& token_ids, absl::Span<const int64_t> lengths,
                                            absl::Span<const AttentionBudget> budgets, bool want_statistics,
-                                           kernels::MitaBackend backend = kernels::MitaBackend::kAuto) const;
+                                           kernels::MitaBackend backend = kernels::MitaBackend::kAuto,
+                                           const ItemCheck& check = nullptr) const;
 
   const DocumentConfig& config() const { return config_; }
   const ClassifierDescription& description() const override { return description_; }
@@ -69,8 +73,8 @@ class DocumentClassifier final : public Classifier {
   const Tokenizer* tokenizer() const { return tokenizer_.get(); }
 
   // Packs the items' token ids back to back [T] and runs Forward with their lengths and budgets.
-  absl::StatusOr<ClassifierOutput> Run(absl::Span<const BatchItem* const> items,
-                                       bool want_statistics) const override;
+  absl::StatusOr<ClassifierOutput> Run(absl::Span<const BatchItem* const> items, bool want_statistics,
+                                       const ItemCheck& check = nullptr) const override;
 
   ~DocumentClassifier() override;
 
@@ -80,7 +84,8 @@ class DocumentClassifier final : public Classifier {
   // Errors: INVALID_ARGUMENT carrying kDocumentText / kDocumentTokenIds problems (empty, invalid UTF-8 with
   // its byte offset, an id out of range with its index, too long: the limit, who sets it, and a kTruncate
   // hint); RESOURCE_EXHAUSTED when the ids cannot be allocated.
-  absl::StatusOr<PreparedInput> PrepareInput(const ClassifierInput& input, const InputLimits& limits) const override;
+  absl::StatusOr<PreparedInput> PrepareInput(const ClassifierInput& input, const InputLimits& limits,
+                                             const StopCheck& stop) const override;
 
  private:
   struct Block;

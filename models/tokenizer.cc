@@ -3,6 +3,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -11,6 +12,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
 #include "models/sentencepiece_adapter.h"
 
 #ifndef MITA_SENTENCEPIECE_MODULE
@@ -175,6 +177,71 @@ absl::Status CheckTokenizerFits(const Tokenizer& tokenizer, const DocumentConfig
 }
 
 std::unique_ptr<Tokenizer> MakeBytesTokenizer() { return std::make_unique<BytesTokenizer>(); }
+
+namespace {
+
+bool IsAsciiWhitespace(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+
+// The code point of the well-formed UTF-8 sequence at text[i] of `length` bytes.
+uint32_t CodePoint(std::string_view text, size_t i, size_t length) {
+  const auto byte = [&](size_t j) { return static_cast<uint32_t>(static_cast<unsigned char>(text[j])); };
+  if (length == 1) return byte(i);
+  uint32_t value = byte(i) & (0xFFu >> (length + 1));
+  for (size_t j = 1; j < length; ++j) value = value << 6 | (byte(i + j) & 0x3F);
+  return value;
+}
+
+// Unicode's White_Space property (PropList.txt): 25 code points.
+bool IsUnicodeWhitespace(uint32_t c) {
+  return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+}
+
+}  // namespace
+
+bool IsOnlyWhitespace(std::string_view utf8_text) {
+  size_t i = 0;
+  while (i < utf8_text.size()) {
+    const size_t length = WellFormedSequenceLength(utf8_text, i);
+    if (length == 0 || !IsUnicodeWhitespace(CodePoint(utf8_text, i, length))) return false;
+    i += length;
+  }
+  return true;
+}
+
+absl::StatusOr<BoundedEncoding> EncodeBounded(const Tokenizer& tokenizer, std::string_view utf8_text,
+                                              int64_t max_tokens, const std::function<absl::Status()>& stop,
+                                              size_t piece_bytes) {
+  BoundedEncoding encoding;
+  piece_bytes = std::max<size_t>(piece_bytes, 8);
+  size_t start = 0;
+  while (start < utf8_text.size()) {
+    if (stop) {
+      if (absl::Status go_on = stop(); !go_on.ok()) return go_on;
+    }
+    size_t end = std::min(utf8_text.size(), start + piece_bytes);
+    if (end < utf8_text.size()) {
+      // Cut right before the last whitespace byte of the piece: no piece of a text spans whitespace, so the ids
+      // are those of the whole text. Without whitespace, cut at a character boundary.
+      size_t cut = end;
+      while (cut > start + 1 && !IsAsciiWhitespace(utf8_text[cut])) --cut;
+      if (cut > start + 1) {
+        end = cut;
+      } else {
+        while (end > start + 1 && (static_cast<unsigned char>(utf8_text[end]) & 0xC0) == 0x80) --end;
+      }
+    }
+    ASSIGN_OR_RETURN(std::vector<int64_t> ids, tokenizer.Encode(utf8_text.substr(start, end - start)));
+    const size_t room = static_cast<size_t>(max_tokens) + 1 - encoding.ids.size();
+    encoding.ids.insert(encoding.ids.end(), ids.begin(), ids.begin() + std::min(room, ids.size()));
+    start = end;
+    if (static_cast<int64_t>(encoding.ids.size()) > max_tokens) {
+      encoding.complete = start >= utf8_text.size() && ids.size() <= room;
+      if (!encoding.complete) return encoding;
+    }
+  }
+  return encoding;
+}
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadSentencePieceTokenizer(const std::string& model_path) {
   std::error_code error_code;

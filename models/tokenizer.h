@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -31,6 +32,31 @@ class Tokenizer {
   // "bytes" or "sentencepiece".
   virtual std::string name() const = 0;
 };
+
+// Whether `utf8_text` (well-formed UTF-8) holds only characters of Unicode's White_Space property (true for the
+// empty text): spaces, tabs, line breaks, U+00A0, U+2028, U+3000, ...
+bool IsOnlyWhitespace(std::string_view utf8_text);
+
+// Token ids of a text encoded piece by piece (EncodeBounded).
+struct BoundedEncoding {
+  // At most max_tokens + 1 ids.
+  std::vector<int64_t> ids;
+  // False when encoding stopped early because more than max_tokens ids were found.
+  bool complete = true;
+};
+
+// How many bytes EncodeBounded hands the tokenizer at once (8 KiB).
+inline constexpr size_t kEncodePieceBytes = size_t{8} << 10;
+
+// Encodes `utf8_text` (checked with ValidateUtf8) in pieces of at most `piece_bytes` bytes, each cut right
+// before an ASCII whitespace byte when it has one (SentencePiece never joins pieces across whitespace, so the
+// ids equal those of the whole text), else at a character boundary. Time and memory grow linearly with the
+// bytes read, whatever the text (SentencePiece on one long run of unknown characters grows about as its
+// square), and encoding stops once more than `max_tokens` ids exist. `stop` (optional) is asked before every
+// piece. Errors: the tokenizer's; `stop`'s status when it says to stop.
+absl::StatusOr<BoundedEncoding> EncodeBounded(const Tokenizer& tokenizer, std::string_view utf8_text,
+                                              int64_t max_tokens, const std::function<absl::Status()>& stop,
+                                              size_t piece_bytes = kEncodePieceBytes);
 
 // OK when every id of `tokenizer` fits config.vocab_size (the embedding table). Errors: INVALID_ARGUMENT
 // "tokenizer.model: the sentencepiece tokenizer has 40 tokens, config.json vocab_size is 30".

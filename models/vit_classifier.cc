@@ -14,6 +14,7 @@
 #include <ATen/ops/linear.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
 
 #include "absl/status/status.h"
@@ -94,7 +95,8 @@ absl::StatusOr<std::unique_ptr<VitClassifier>> VitClassifier::Create(std::string
 
 absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images,
                                                         absl::Span<const AttentionBudget> budgets,
-                                                        bool want_statistics, kernels::MitaBackend backend) const {
+                                                        bool want_statistics, kernels::MitaBackend backend,
+                                                        const ItemCheck& check) const {
   const int64_t side = config_.image_size;
   if (!images.defined() || images.dim() != 4 || images.size(0) < 1 || images.size(1) != config_.in_channels ||
       images.size(2) != side || images.size(3) != side) {
@@ -112,19 +114,6 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
   }
   for (const AttentionBudget& budget : budgets) RETURN_IF_ERROR(CheckBudget(description_.knobs, budget));
 
-  // Items grouped by attention kind and pool side P (landmarks are computed per group, one ImageLandmarks call).
-  std::vector<int64_t> full_items, mita_items;
-  std::map<int64_t, std::vector<int64_t>> mita_items_by_side;  // P -> positions in mita_items
-  for (int64_t b = 0; b < batch; ++b) {
-    if (budgets[b].full_attention) {
-      full_items.push_back(b);
-    } else {
-      const auto pool_side = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(budgets[b].expert_count))));
-      mita_items_by_side[pool_side].push_back(static_cast<int64_t>(mita_items.size()));
-      mita_items.push_back(b);
-    }
-  }
-
   const int64_t tokens = config_.tokens();
   const int64_t channels = config_.embed_dim;
   const int64_t heads = config_.num_heads;
@@ -132,6 +121,7 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
   const int64_t grid = config_.grid_side();
   ClassifierOutput output;
   output.statistics.resize(batch);
+  output.stopped.assign(batch, absl::OkStatus());
   at::Tensor logits;
 
   try {
@@ -139,10 +129,49 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
     auto index_tensor = [](const std::vector<int64_t>& values) {
       return at::tensor(values, at::TensorOptions().dtype(at::kLong));
     };
-    const at::Tensor full_index = index_tensor(full_items);
-    const at::Tensor mita_index = index_tensor(mita_items);
-    const bool all_mita = full_items.empty();
-    const bool all_full = mita_items.empty();
+    // The images still running (indices into the batch; row i of x is image active[i]), grouped by attention
+    // kind and pool side P (landmarks are computed per group, one ImageLandmarks call). Positions are rows of x.
+    std::vector<int64_t> active(batch);
+    for (int64_t b = 0; b < batch; ++b) active[b] = b;
+    struct Groups {
+      std::vector<int64_t> full_items, mita_items;
+      std::map<int64_t, std::vector<int64_t>> mita_items_by_side;  // P -> positions in mita_items
+      at::Tensor full_index, mita_index;
+    } groups;
+    auto group = [&] {
+      groups = Groups{};
+      for (int64_t row = 0; row < static_cast<int64_t>(active.size()); ++row) {
+        const AttentionBudget& budget = budgets[active[row]];
+        if (budget.full_attention) {
+          groups.full_items.push_back(row);
+        } else {
+          const auto pool_side = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(budget.expert_count))));
+          groups.mita_items_by_side[pool_side].push_back(static_cast<int64_t>(groups.mita_items.size()));
+          groups.mita_items.push_back(row);
+        }
+      }
+      groups.full_index = index_tensor(groups.full_items);
+      groups.mita_index = index_tensor(groups.mita_items);
+    };
+    group();
+    // Drops the images whose caller left, taking their rows out of x.
+    auto drop_gone = [&](at::Tensor& x) {
+      if (!check) return;
+      std::vector<int64_t> kept, rows;
+      for (int64_t row = 0; row < static_cast<int64_t>(active.size()); ++row) {
+        absl::Status wanted = check(static_cast<size_t>(active[row]));
+        if (!wanted.ok()) {
+          output.stopped[active[row]] = std::move(wanted);
+          continue;
+        }
+        kept.push_back(active[row]);
+        rows.push_back(row);
+      }
+      if (kept.size() == active.size()) return;
+      active = std::move(kept);
+      if (!active.empty()) x = x.index_select(0, index_tensor(rows));
+      group();
+    };
 
     // Patch embedding: [B, C_in, side, side] -> [B, S*S, C]; prepend cls; add positions -> [B, N, C].
     at::Tensor x = at::conv2d(images, patch_weight_, patch_bias_, /*stride=*/{config_.patch_size, config_.patch_size})
@@ -151,12 +180,17 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
     x = at::cat({cls_token_.expand({batch, 1, channels}), x}, 1).add(pos_embed_);
 
     for (size_t layer = 0; layer < blocks_.size(); ++layer) {
+      drop_gone(x);
+      if (active.empty()) break;
+      const int64_t rows = static_cast<int64_t>(active.size());
+      const bool all_mita = groups.full_items.empty();
+      const bool all_full = groups.mita_items.empty();
       const Block& block = blocks_[layer];
       const at::Tensor normed = at::layer_norm(x, {channels}, block.norm1_weight, block.norm1_bias,
                                                config_.layer_norm_eps);
       // [B, N, 3C] -> [B, N, 3, H, d] -> [3, B, H, N, d]: channels ordered [q | k | v], head h owns h*d .. h*d+d-1.
       const at::Tensor qkv = at::linear(normed, block.qkv_weight, block.qkv_bias)
-                                 .reshape({batch, tokens, 3, heads, head_dim})
+                                 .reshape({rows, tokens, 3, heads, head_dim})
                                  .permute({2, 0, 3, 1, 4});
       // Strided views into the fused qkv output: the kernels read them in place (no per-layer copies).
       const at::Tensor q = qkv[0];
@@ -168,19 +202,19 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
       at::Tensor attention;
       at::Tensor mita_output, full_output;
       if (!all_full) {
-        const at::Tensor q_mita = all_mita ? q : q.index_select(0, mita_index);
-        const at::Tensor k_mita = all_mita ? k : k.index_select(0, mita_index);
-        const at::Tensor v_mita = all_mita ? v : v.index_select(0, mita_index);
-        std::vector<kernels::MitaItem> items(mita_items.size());
-        for (const auto& [pool_side, positions] : mita_items_by_side) {
-          const bool whole = positions.size() == mita_items.size();
+        const at::Tensor q_mita = all_mita ? q : q.index_select(0, groups.mita_index);
+        const at::Tensor k_mita = all_mita ? k : k.index_select(0, groups.mita_index);
+        const at::Tensor v_mita = all_mita ? v : v.index_select(0, groups.mita_index);
+        std::vector<kernels::MitaItem> items(groups.mita_items.size());
+        for (const auto& [pool_side, positions] : groups.mita_items_by_side) {
+          const bool whole = positions.size() == groups.mita_items.size();
           const at::Tensor q_group = whole ? q_mita : q_mita.index_select(0, index_tensor(positions));
           absl::StatusOr<at::Tensor> landmarks = kernels::ImageLandmarks(q_group, pool_side);  // [b, H, P*P, d]
           if (!landmarks.ok()) return internal::KernelFault(landmarks.status());
           for (size_t j = 0; j < positions.size(); ++j) {
             kernels::MitaItem& item = items[positions[j]];
             item.landmarks = (*landmarks)[static_cast<int64_t>(j)];
-            item.expert_width = budgets[mita_items[positions[j]]].expert_width;
+            item.expert_width = budgets[active[groups.mita_items[positions[j]]]].expert_width;
           }
         }
         std::vector<kernels::MitaItemStatistics> statistics;
@@ -189,16 +223,16 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
         if (!result.ok()) return internal::KernelFault(result.status());
         mita_output = *std::move(result);
         if (want_statistics) {
-          for (size_t j = 0; j < mita_items.size() && j < statistics.size(); ++j) {
-            output.statistics[mita_items[j]].push_back(std::move(statistics[j]));
+          for (size_t j = 0; j < groups.mita_items.size() && j < statistics.size(); ++j) {
+            output.statistics[active[groups.mita_items[j]]].push_back(std::move(statistics[j]));
           }
         }
       }
       if (!all_mita) {
         absl::StatusOr<at::Tensor> result =
-            kernels::FullAttentionForward(all_full ? q : q.index_select(0, full_index),
-                                          all_full ? k : k.index_select(0, full_index),
-                                          all_full ? v : v.index_select(0, full_index));
+            kernels::FullAttentionForward(all_full ? q : q.index_select(0, groups.full_index),
+                                          all_full ? k : k.index_select(0, groups.full_index),
+                                          all_full ? v : v.index_select(0, groups.full_index));
         if (!result.ok()) return internal::KernelFault(result.status());
         full_output = *std::move(result);
       }
@@ -207,25 +241,25 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
       } else if (all_mita) {
         attention = mita_output;
       } else {
-        attention = at::empty({batch, heads, tokens, head_dim}, q.options());
-        attention.index_copy_(0, mita_index, mita_output);
-        attention.index_copy_(0, full_index, full_output);
+        attention = at::empty({rows, heads, tokens, head_dim}, q.options());
+        attention.index_copy_(0, groups.mita_index, mita_output);
+        attention.index_copy_(0, groups.full_index, full_output);
       }
 
       // Merge heads: [B, H, N, d] -> [B, N, C] (a fresh tensor: the DWC term is added in place below).
-      at::Tensor merged = attention.transpose(1, 2).reshape({batch, tokens, channels}).clone();
+      at::Tensor merged = attention.transpose(1, 2).reshape({rows, tokens, channels}).clone();
       if (config_.depthwise_conv) {
         // DWC: v of the patch tokens 1 .. N-1, heads merged, on the S x S grid (token t = 1 + r*S + c):
         // [B, H, N-1, d] -> [B, N-1, C] -> [B, C, S, S]; depthwise 3x3 conv, zero padding 1; added to the
         // attention output of the same tokens before proj.
         const at::Tensor v_grid = v.narrow(2, 1, tokens - 1)
                                       .transpose(1, 2)
-                                      .reshape({batch, grid, grid, channels})
+                                      .reshape({rows, grid, grid, channels})
                                       .permute({0, 3, 1, 2});
         const at::Tensor local = at::conv2d(v_grid, block.dwc_weight, block.dwc_bias, /*stride=*/{1, 1},
                                             /*padding=*/{1, 1}, /*dilation=*/{1, 1}, /*groups=*/channels)
                                      .permute({0, 2, 3, 1})
-                                     .reshape({batch, tokens - 1, channels});
+                                     .reshape({rows, tokens - 1, channels});
         merged.narrow(1, 1, tokens - 1).add_(local);
       }
       x = x.add(at::linear(merged, block.proj_weight, block.proj_bias));
@@ -234,9 +268,17 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
       const at::Tensor hidden = at::gelu(at::linear(normed2, block.fc1_weight, block.fc1_bias), "none");
       x = x.add(at::linear(hidden, block.fc2_weight, block.fc2_bias));
     }
-    // LayerNorm is per token, so normalising only the cls token equals norm(x)[:, 0].
-    const at::Tensor cls = at::layer_norm(x.select(1, 0), {channels}, norm_weight_, norm_bias_, config_.layer_norm_eps);
-    logits = at::linear(cls, head_weight_, head_bias_);
+    drop_gone(x);
+    logits = at::zeros({batch, config_.num_classes}, images.options());
+    if (!active.empty()) {
+      // LayerNorm is per token, so normalising only the cls token equals norm(x)[:, 0].
+      const at::Tensor cls =
+          at::layer_norm(x.select(1, 0), {channels}, norm_weight_, norm_bias_, config_.layer_norm_eps);
+      logits.index_copy_(0, index_tensor(active), at::linear(cls, head_weight_, head_bias_));
+    }
+    for (int64_t b = 0; b < batch; ++b) {
+      if (!output.stopped[b].ok()) output.statistics[b].clear();
+    }
   } catch (const std::exception&) {
     return kernels::CurrentExceptionStatus("classifier forward");
   }
@@ -250,7 +292,8 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
 }
 
 absl::StatusOr<Classifier::PreparedInput> VitClassifier::PrepareInput(const ClassifierInput& input,
-                                                                      const InputLimits& limits) const {
+                                                                      const InputLimits& limits,
+                                                                      const StopCheck& /*stop*/) const {
   const std::string_view bytes = input.bytes;
   if (bytes.empty()) return InvalidRequest(RequestField::kImage, "empty");
   if (static_cast<int64_t>(bytes.size()) > limits.max_encoded_image_bytes) {
@@ -271,7 +314,7 @@ absl::StatusOr<Classifier::PreparedInput> VitClassifier::PrepareInput(const Clas
 }
 
 absl::StatusOr<ClassifierOutput> VitClassifier::Run(absl::Span<const BatchItem* const> items,
-                                                    bool want_statistics) const {
+                                                    bool want_statistics, const ItemCheck& check) const {
   if (items.empty()) return absl::InvalidArgumentError("items: the batch is empty");
   std::vector<at::Tensor> images;
   std::vector<AttentionBudget> budgets;
@@ -287,7 +330,7 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Run(absl::Span<const BatchItem* 
   } catch (const std::exception&) {
     return kernels::CurrentExceptionStatus("stacking the batch's images");
   }
-  return Forward(stacked, budgets, want_statistics);
+  return Forward(stacked, budgets, want_statistics, kernels::MitaBackend::kAuto, check);
 }
 
 }  // namespace mita::models

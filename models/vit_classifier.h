@@ -43,23 +43,27 @@ class VitClassifier final : public Classifier {
   // statistics: resized to B; statistics[b] holds one entry per layer when want_statistics and item b ran MiTA.
   // Errors: INVALID_ARGUMENT for a wrong image shape, dtype or device, a budget count != B or an invalid budget;
   // RESOURCE_EXHAUSTED when memory runs out; INTERNAL when ATen or a kernel fails otherwise on validated input.
+  // `check` (optional): asked for every running image before each layer and at the end; an image whose caller
+  // left is taken out of the batch (its logits row is 0, ClassifierOutput::stopped[b] says why).
   absl::StatusOr<ClassifierOutput> Forward(const at::Tensor& images, absl::Span<const AttentionBudget> budgets,
                                            bool want_statistics,
-                                           kernels::MitaBackend backend = kernels::MitaBackend::kAuto) const;
+                                           kernels::MitaBackend backend = kernels::MitaBackend::kAuto,
+                                           const ItemCheck& check = nullptr) const;
 
   const VitConfig& config() const { return config_; }
   const ClassifierDescription& description() const override { return description_; }
 
   // Stacks the items' images [B, C, H, W] and runs Forward with their budgets.
-  absl::StatusOr<ClassifierOutput> Run(absl::Span<const BatchItem* const> items,
-                                       bool want_statistics) const override;
+  absl::StatusOr<ClassifierOutput> Run(absl::Span<const BatchItem* const> items, bool want_statistics,
+                                       const ItemCheck& check = nullptr) const override;
 
   ~VitClassifier() override;
 
  protected:
   // Decodes the image (limits: the config's max_image_side, the server's max_encoded_image_bytes) and
   // preprocesses it to [C, image_size, image_size]; tokens = config().tokens().
-  absl::StatusOr<PreparedInput> PrepareInput(const ClassifierInput& input, const InputLimits& limits) const override;
+  absl::StatusOr<PreparedInput> PrepareInput(const ClassifierInput& input, const InputLimits& limits,
+                                             const StopCheck& stop) const override;
 
  private:
   struct Block;

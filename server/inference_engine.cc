@@ -15,9 +15,7 @@ namespace {
 
 constexpr int64_t kDefaultTopN = 5;
 
-// gRPC cancels a call whose deadline passed by its own clock, which can run slightly ahead of the deadline seen
-// here: a cancellation that close to the deadline is the deadline.
-constexpr absl::Duration kDeadlineClockSlack = absl::Milliseconds(5);
+constexpr absl::Duration kDeadlineClockSlack = PendingRequest::kDeadlineClockSlack;
 
 }  // namespace
 
@@ -140,8 +138,17 @@ void InferenceEngine::Prepare(const std::shared_ptr<PendingRequest>& request) {
   if (clock_->Now() >= request->request.deadline) {
     item = absl::DeadlineExceededError("the deadline passed before the request was queued; it was not run");
   } else {
+    // Long preparation (a long text, piece by piece) stops when the caller leaves.
+    const models::StopCheck stop = [this, &request]() -> absl::Status {
+      bool deadline_passed = false;
+      if (request->LeftAt(clock_->Now(), &deadline_passed) == absl::InfiniteFuture()) return absl::OkStatus();
+      return deadline_passed
+                 ? absl::DeadlineExceededError("the deadline passed while its input was prepared; it was not run")
+                 : absl::CancelledError("the call was cancelled while its input was prepared; it was not run");
+    };
     try {
-      item = request->runner->classifier().Prepare(request->request.input, request->request.budget, input_limits_);
+      item = request->runner->classifier().Prepare(request->request.input, request->request.budget, input_limits_,
+                                                   stop);
     } catch (const std::exception& e) {
       // Never crash on a request; an exception here is a server fault.
       item = absl::InternalError(absl::StrCat("unexpected error preparing the input: ", e.what()));
@@ -186,6 +193,7 @@ void InferenceEngine::Cancel(PendingRequest& request) {
     absl::MutexLock lock(&request.mu);
     if (request.cancelled) return;
     request.cancelled = true;
+    request.cancelled_at = clock_->Now();
     ticket = request.ticket;
   }
   const absl::Time now = clock_->Now();

@@ -193,6 +193,12 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
           .Help("Requests whose batch ran although their caller had given up (cancelled, deadline passed) before "
                 "the batch started; 0 by design.")
           .Register(*registry_);
+  auto& compute_after_caller_left =
+      prometheus::BuildCounter()
+          .Name("mita_compute_after_caller_left_seconds_total")
+          .Help("Forward time spent for callers who had left (cancelled, deadline passed) while their batch ran: "
+                "from when each left to when its work stopped, by its share of the batch's tokens; seconds.")
+          .Register(*registry_);
   auto& load_imbalance =
       prometheus::BuildHistogram()
           .Name("mita_attention_expert_load_imbalance")
@@ -256,6 +262,7 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
     model->applied_expert_width_ = &applied_expert_width.Add(labels, width_buckets);
     model->full_attention_ = &full_attention.Add(labels);
     model->executed_after_cancel_ = &executed_after_cancel.Add(labels);
+    model->compute_after_caller_left_ = &compute_after_caller_left.Add(labels);
     for (int64_t layer = 0; layer < info.layers; ++layer) {
       const prometheus::Labels layer_labels = {{"model", info.name}, {"layer", std::to_string(layer)}};
       ModelMetrics::Layer series;

@@ -43,6 +43,10 @@
 //                                                             had given up (cancelled, deadline passed) before
 //                                                             the batch started. 0 by design: the guard of the
 //                                                             drop-before-run guarantee.
+//   mita_compute_after_caller_left_seconds_total{model} counter Forward time spent for callers who had left
+//                                                             while their batch ran: from when each left to
+//                                                             when its work stopped (between layers), by its
+//                                                             share of the batch's tokens.
 //   mita_requested_expert_count{model}              histogram Expert count m admitted MiTA requests asked
 //                                                             for (after the model's defaults and presets).
 //   mita_requested_expert_width{model}              histogram Expert width k they asked for.
@@ -118,6 +122,11 @@ class ModelMetrics {
   void ObserveCompute(absl::Duration compute) { compute_->Observe(absl::ToDoubleSeconds(compute)); }
   // One request run although its caller had given up before its batch started.
   void CountExecutedAfterCancel() { executed_after_cancel_->Increment(); }
+  // Forward time spent for callers who had already left (their share of a batch, from when they left to when
+  // their work stopped).
+  void AddComputeAfterCallerLeft(absl::Duration compute) {
+    compute_after_caller_left_->Increment(absl::ToDoubleSeconds(compute));
+  }
   // Requests in one batch run.
   void ObserveBatchSize(int64_t requests) { batch_size_->Observe(static_cast<double>(requests)); }
   // Tokens of one packed batch run.
@@ -167,6 +176,7 @@ class ModelMetrics {
   prometheus::Gauge* queue_compute_units_ = nullptr;
   prometheus::Counter* full_attention_ = nullptr;
   prometheus::Counter* executed_after_cancel_ = nullptr;
+  prometheus::Counter* compute_after_caller_left_ = nullptr;
   std::vector<Layer> layers_;
 };
 

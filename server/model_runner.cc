@@ -3,6 +3,7 @@
 
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
 #include <exception>
 #include <utility>
 #include <vector>
@@ -112,12 +113,22 @@ void ModelRunner::ProcessBatch(Batch<BatchTask> batch) {
     // machine makes this 0; the metric and the tests watch it.
     if (task->request->current_stage() != RequestStage::kStarted) metrics_->CountExecutedAfterCancel();
   }
+  // Between layers the forward asks whether each caller still waits: work for one that left stops there.
+  std::vector<absl::Time> stopped_at(runnable.size(), absl::InfiniteFuture());
+  const models::ItemCheck check = [&](size_t i) -> absl::Status {
+    const absl::Time now = clock_->Now();
+    bool deadline_passed = false;
+    if (runnable[i]->request->LeftAt(now, &deadline_passed) == absl::InfiniteFuture()) return absl::OkStatus();
+    stopped_at[i] = std::min(stopped_at[i], now);
+    return deadline_passed ? absl::DeadlineExceededError("the deadline passed while its batch ran; its work was stopped")
+                           : absl::CancelledError("the call was cancelled while its batch ran; its work was stopped");
+  };
   absl::Status failure;
   absl::StatusOr<models::ClassifierOutput> output = absl::UnknownError("not run");
   absl::StatusOr<std::vector<std::vector<models::ClassScore>>> classes = absl::UnknownError("not run");
   try {
     c10::InferenceMode inference_mode;
-    output = classifier_->Run(items, /*want_statistics=*/true);
+    output = classifier_->Run(items, /*want_statistics=*/true, check);
     if (output.ok()) classes = models::TopClasses(output->logits, top_n);
     if (!output.ok()) {
       failure = BatchFailure(model.name, output.status());
@@ -127,7 +138,19 @@ void ModelRunner::ProcessBatch(Batch<BatchTask> batch) {
   } catch (...) {
     failure = BatchFailure(model.name, kernels::CurrentExceptionStatus("batch"));
   }
-  const absl::Duration compute = clock_->Now() - start;
+  const absl::Time end = clock_->Now();
+  const absl::Duration compute = end - start;
+  // Compute spent for callers who had already left: from when each left to when its work stopped (or the batch
+  // ended), by its share of the batch's tokens.
+  absl::Duration after_caller_left;
+  for (size_t b = 0; b < runnable.size(); ++b) {
+    const absl::Time left = std::max(runnable[b]->request->LeftAt(end), start);
+    const absl::Time stopped = std::min(stopped_at[b], end);
+    if (left < stopped) {
+      after_caller_left += (stopped - left) * (static_cast<double>(runnable[b]->item.tokens) / batch_tokens);
+    }
+  }
+  if (after_caller_left > absl::ZeroDuration()) metrics_->AddComputeAfterCallerLeft(after_caller_left);
 
   metrics_->ObserveBatchSize(batch_size);
   metrics_->ObserveBatchTokens(batch_tokens);
@@ -136,6 +159,10 @@ void ModelRunner::ProcessBatch(Batch<BatchTask> batch) {
     PendingRequest& request = *task.request;
     if (!failure.ok()) {
       completer_->Complete(request, failure);
+      continue;
+    }
+    if (b < output->stopped.size() && !output->stopped[b].ok()) {
+      completer_->Complete(request, output->stopped[b]);
       continue;
     }
     InferenceResult result;

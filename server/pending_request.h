@@ -35,6 +35,10 @@ enum class RequestStage : int {
 };
 
 struct PendingRequest {
+  // gRPC cancels a call whose deadline passed by its own clock, which can run slightly ahead of the deadline
+  // seen here: a cancellation that close to the deadline is the deadline.
+  static constexpr absl::Duration kDeadlineClockSlack = absl::Milliseconds(5);
+
   PendingRequest(InferenceRequest request_in, ModelRunner* runner_in, absl::Time receipt_in, InferenceDone done_in)
       : request(std::move(request_in)), runner(runner_in), receipt(receipt_in), done(std::move(done_in)) {}
 
@@ -44,6 +48,30 @@ struct PendingRequest {
     return stage.compare_exchange_strong(expected, static_cast<int>(to));
   }
   RequestStage current_stage() const { return static_cast<RequestStage>(stage.load()); }
+
+  // When the caller stopped waiting (cancelled, or its deadline passed), as seen at `now`; InfiniteFuture() when
+  // it still waits. `*deadline_passed` (optional) says whether the deadline is why.
+  absl::Time LeftAt(absl::Time now, bool* deadline_passed = nullptr) {
+    bool was_cancelled = false;
+    absl::Time cancel_time = absl::InfiniteFuture();
+    {
+      absl::MutexLock lock(&mu);
+      was_cancelled = cancelled;
+      cancel_time = cancelled_at;
+    }
+    const absl::Time deadline = request.deadline;
+    absl::Time left = absl::InfiniteFuture();
+    bool by_deadline = false;
+    if (deadline <= now && (!was_cancelled || cancel_time >= deadline - kDeadlineClockSlack)) {
+      left = deadline;
+      by_deadline = true;
+    } else if (was_cancelled) {
+      left = cancel_time;
+      by_deadline = deadline != absl::InfiniteFuture() && cancel_time >= deadline - kDeadlineClockSlack;
+    }
+    if (deadline_passed != nullptr) *deadline_passed = by_deadline;
+    return left;
+  }
 
   const InferenceRequest request;
   ModelRunner* const runner;
@@ -58,6 +86,7 @@ struct PendingRequest {
 
   absl::Mutex mu;
   bool cancelled ABSL_GUARDED_BY(mu) = false;
+  absl::Time cancelled_at ABSL_GUARDED_BY(mu) = absl::InfiniteFuture();  // when Cancel was called
   uint64_t ticket ABSL_GUARDED_BY(mu) = 0;  // the batcher's ticket; 0 before admission
 };
 

@@ -161,6 +161,12 @@ TEST_F(CancellationTest, CallCancelledWhileItsBatchRunsIsNotCountedAsAnswered) {
   EXPECT_EQ(MetricValue(metrics, "mita_requests_total",
                         {{"method", "Classify"}, {"model", kDocumentModel}, {"code", "OK"}}),
             0);
+  // The work stopped when the caller left (within a query chunk of full attention), and the compute spent after
+  // it left is counted.
+  const double after_left = MetricValue(metrics, "mita_compute_after_caller_left_seconds_total",
+                                        {{"model", kDocumentModel}});
+  EXPECT_GT(after_left, 0);
+  std::printf("[ info ] compute after the caller left: %.4f s\n", after_left);
 }
 
 TEST_F(CancellationTest, CancelledCallLeavesTheQueueAtOnceAndIsNeverRun) {

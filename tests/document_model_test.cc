@@ -269,6 +269,76 @@ TEST_F(SentencePieceTest, EncodesAsSpmEncode) {
   EXPECT_TRUE(empty->empty());
 }
 
+// EncodeBounded hands the tokenizer pieces cut before whitespace: the ids equal those of the whole text (here
+// with pieces far smaller than the default, so that every piece boundary is exercised), on the embedded
+// document model's tokenizer and on the one trained in the test; it stops after max_tokens + 1 ids; `stop` is
+// asked before every piece and ends the encoding with its status.
+TEST_F(SentencePieceTest, BoundedEncodingEqualsTheWholeTextAndStops) {
+  const std::string text = ReadFile(SourceDirectory() + "/docs/design.md") + "\n\t  trailing  spaces   and\n\nlines ";
+  ASSERT_GT(text.size(), 5000u);
+  std::vector<std::unique_ptr<Tokenizer>> tokenizers;
+  absl::StatusOr<std::unique_ptr<Tokenizer>> trained = LoadSentencePieceTokenizer(work_ + "/tokenizer.model");
+  ASSERT_TRUE(trained.ok()) << trained.status();
+  tokenizers.push_back(*std::move(trained));
+  absl::StatusOr<std::unique_ptr<Tokenizer>> embedded =
+      LoadSentencePieceTokenizer(SourceDirectory() + "/models/repository/linux-doc-mita/tokenizer.model");
+  ASSERT_TRUE(embedded.ok()) << embedded.status();
+  tokenizers.push_back(*std::move(embedded));
+  tokenizers.push_back(MakeBytesTokenizer());
+  for (const std::unique_ptr<Tokenizer>& tokenizer : tokenizers) {
+    absl::StatusOr<std::vector<int64_t>> whole = tokenizer->Encode(text);
+    ASSERT_TRUE(whole.ok());
+    for (size_t piece_bytes : {size_t{64}, size_t{500}, kEncodePieceBytes}) {
+      SCOPED_TRACE(absl::StrCat(tokenizer->name(), ", pieces of ", piece_bytes, " bytes"));
+      int pieces = 0;
+      absl::StatusOr<BoundedEncoding> bounded = EncodeBounded(
+          *tokenizer, text, int64_t{1} << 40,
+          [&pieces] {
+            ++pieces;
+            return absl::OkStatus();
+          },
+          piece_bytes);
+      ASSERT_TRUE(bounded.ok()) << bounded.status();
+      EXPECT_TRUE(bounded->complete);
+      EXPECT_EQ(bounded->ids, *whole);
+      EXPECT_GE(pieces, static_cast<int>(text.size() / piece_bytes));
+      // Stops once more than max_tokens ids exist: the first max_tokens + 1 of the whole text's.
+      absl::StatusOr<BoundedEncoding> cut = EncodeBounded(*tokenizer, text, 100, nullptr, piece_bytes);
+      ASSERT_TRUE(cut.ok());
+      EXPECT_FALSE(cut->complete);
+      EXPECT_EQ(cut->ids, std::vector<int64_t>(whole->begin(), whole->begin() + 101));
+    }
+  }
+  // A run of characters the model does not know, without whitespace, is cut at character boundaries.
+  std::string emoji;
+  for (int i = 0; i < 5000; ++i) emoji += "\xF0\x9F\x98\x80";
+  int pieces = 0;
+  absl::StatusOr<BoundedEncoding> unknown = EncodeBounded(*tokenizers[0], emoji, 1 << 20, [&pieces] {
+    ++pieces;
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(unknown.ok()) << unknown.status();
+  EXPECT_EQ(pieces, static_cast<int>((emoji.size() + kEncodePieceBytes - 1) / kEncodePieceBytes));
+  // `stop` ends it.
+  int asked = 0;
+  absl::StatusOr<BoundedEncoding> stopped = EncodeBounded(*tokenizers[0], emoji, 1 << 20, [&asked] {
+    return ++asked < 2 ? absl::OkStatus() : absl::CancelledError("the caller left");
+  });
+  ExpectStatus(stopped.status(), absl::StatusCode::kCancelled, "the caller left");
+  EXPECT_EQ(asked, 2);
+}
+
+TEST(Utf8Test, OnlyWhitespaceIsUnicodesWhiteSpace) {
+  EXPECT_TRUE(IsOnlyWhitespace(""));
+  EXPECT_TRUE(IsOnlyWhitespace(" \t\r\n\v\f"));
+  // U+0085, U+00A0, U+1680, U+2000, U+200A, U+2028, U+2029, U+202F, U+205F, U+3000.
+  EXPECT_TRUE(IsOnlyWhitespace("\xC2\x85\xC2\xA0\xE1\x9A\x80\xE2\x80\x80\xE2\x80\x8A\xE2\x80\xA8\xE2\x80\xA9"
+                               "\xE2\x80\xAF\xE2\x81\x9F\xE3\x80\x80"));
+  EXPECT_FALSE(IsOnlyWhitespace(" a "));
+  EXPECT_FALSE(IsOnlyWhitespace("\xE2\x80\x8B"));  // U+200B ZERO WIDTH SPACE is not White_Space
+  EXPECT_FALSE(IsOnlyWhitespace("\xF0\x9F\x98\x80"));
+}
+
 TEST_F(SentencePieceTest, MissingOrCorruptModelIsAnError) {
   ExpectStatus(LoadSentencePieceTokenizer(work_ + "/absent.model").status(), absl::StatusCode::kNotFound,
                "absent.model");
@@ -431,13 +501,14 @@ TEST_F(DocumentTwinTest, PrepareAndRunThroughTheClassifierInterface) {
   using Problems = std::vector<FieldProblem>;
   EXPECT_EQ(FieldProblems(classifier.Prepare(text, {}, limits).status()),
             (Problems{{RequestField::kDocumentText, -1,
-                       "the document has 22 tokens, over the limit of 10 tokens (flag --max_batch_tokens)"},
+                       "the document has more than 10 tokens, over the limit of 10 tokens (flag --max_batch_tokens)"},
                       {RequestField::kTruncate, -1, "set it to classify the first 10 tokens"}}));
   text.truncate = true;
   absl::StatusOr<BatchItem> cut = classifier.Prepare(text, {}, limits);
   ASSERT_TRUE(cut.ok()) << cut.status();
   EXPECT_EQ(cut->tokens, 10);
-  EXPECT_EQ(cut->input_tokens, 22);
+  // Tokenized only as far as the limit needs: the count before truncation is a lower bound.
+  EXPECT_EQ(cut->input_tokens, 11);
   EXPECT_EQ(cut->budget.preset, "default");
   // Token ids: each is range-checked, naming its position.
   const std::vector<int64_t> ids = {1, 2, 300};
@@ -515,6 +586,51 @@ TEST_F(DocumentTwinTest, MixedPackedBatchEqualsEachDocumentAlone) {
       EXPECT_EQ(batched->statistics[b][layer].queries_per_expert, alone->statistics[0][layer].queries_per_expert);
     }
   }
+}
+
+// A document whose caller left is dropped from the packed batch between layers (or inside full attention's
+// query chunks); the others go on and get the logits they get alone.
+TEST_F(DocumentTwinTest, DocumentsWhoseCallerLeftAreDroppedAndTheOthersGoOn) {
+  const std::vector<int64_t> lengths = {300, 1200, 57, 800};
+  const std::vector<AttentionBudget> budgets =
+      Applied({{false, 16, 64}, {true, 0, 0}, {false, 4, 16}, {true, 0, 0}}, lengths);
+  const at::Tensor tokens = at::randint(0, 256, {Sum(lengths)}, at::TensorOptions().dtype(at::kLong));
+  // Document 1 (full attention) leaves during its first layer's attention, document 2 before the second layer.
+  std::map<size_t, int> asked;
+  const ItemCheck check = [&asked](size_t item) -> absl::Status {
+    const int calls = ++asked[item];
+    if (item == 1 && calls > 3) return absl::CancelledError("document 1 left");
+    if (item == 2 && calls > 1) return absl::DeadlineExceededError("document 2's deadline passed");
+    return absl::OkStatus();
+  };
+  absl::StatusOr<ClassifierOutput> output =
+      model_->Forward(tokens, lengths, budgets, true, kernels::MitaBackend::kAuto, check);
+  ASSERT_TRUE(output.ok()) << output.status();
+  ASSERT_EQ(output->stopped.size(), 4u);
+  EXPECT_TRUE(output->stopped[0].ok());
+  ExpectStatus(output->stopped[1], absl::StatusCode::kCancelled, "document 1 left");
+  ExpectStatus(output->stopped[2], absl::StatusCode::kDeadlineExceeded, "document 2's deadline passed");
+  EXPECT_TRUE(output->stopped[3].ok());
+  EXPECT_EQ(output->logits[1].abs().max().item<double>(), 0.0);
+  EXPECT_TRUE(output->statistics[2].empty());
+  // Full attention asked once per query chunk: far more often than once per layer.
+  EXPECT_GT(asked[3], 4);
+  int64_t offset = 0;
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    if (b == 0 || b == 3) {
+      absl::StatusOr<ClassifierOutput> alone =
+          model_->Forward(tokens.narrow(0, offset, lengths[b]), {lengths[b]}, {budgets[b]}, true);
+      ASSERT_TRUE(alone.ok());
+      EXPECT_LE(output->logits[static_cast<int64_t>(b)].sub(alone->logits[0]).abs().max().item<double>(), 1e-5) << b;
+    }
+    offset += lengths[b];
+  }
+  // Everybody gone: nothing left to run, every document stopped.
+  absl::StatusOr<ClassifierOutput> none = model_->Forward(
+      tokens, lengths, budgets, false, kernels::MitaBackend::kAuto,
+      [](size_t) { return absl::CancelledError("gone"); });
+  ASSERT_TRUE(none.ok());
+  for (const absl::Status& stopped : none->stopped) EXPECT_EQ(stopped.code(), absl::StatusCode::kCancelled);
 }
 
 TEST_F(DocumentTwinTest, ForwardRejectsBadInputsNamingTheRange) {

@@ -702,6 +702,32 @@ TEST(VitClassifierTest, PrepareAndRunThroughTheClassifierInterface) {
             (Problems{{RequestField::kInput, -1, "model 'fashion-mnist-vit' takes an image and none was set"}}));
 }
 
+// An image whose caller left is dropped between layers; the others get the logits they get alone.
+TEST(VitClassifierTest, ImagesWhoseCallerLeftAreDroppedAndTheOthersGoOn) {
+  absl::StatusOr<std::unique_ptr<VitClassifier>> model = LoadVitClassifier(RepositoryPath() + "/fashion-mnist-vit");
+  ASSERT_TRUE(model.ok()) << model.status();
+  at::manual_seed(7);
+  const at::Tensor images = at::randn({4, 1, 28, 28});
+  const std::vector<AttentionBudget> budgets = {{false, 9, 16}, {true, 0, 0}, {false, 4, 8}, {false, 9, 16}};
+  std::map<size_t, int> asked;
+  const ItemCheck check = [&asked](size_t item) -> absl::Status {
+    return item == 2 && ++asked[item] > 2 ? absl::CancelledError("image 2 left") : absl::OkStatus();
+  };
+  absl::StatusOr<ClassifierOutput> output =
+      (*model)->Forward(images, budgets, true, kernels::MitaBackend::kAuto, check);
+  ASSERT_TRUE(output.ok()) << output.status();
+  ExpectStatus(output->stopped[2], absl::StatusCode::kCancelled, "image 2 left");
+  EXPECT_TRUE(output->statistics[2].empty());
+  EXPECT_EQ(output->logits[2].abs().max().item<double>(), 0.0);
+  for (int64_t b : {0, 1, 3}) {
+    EXPECT_TRUE(output->stopped[static_cast<size_t>(b)].ok());
+    absl::StatusOr<ClassifierOutput> alone = (*model)->Forward(images.narrow(0, b, 1), {budgets[b]}, true);
+    ASSERT_TRUE(alone.ok());
+    EXPECT_LE(output->logits[b].sub(alone->logits[0]).abs().max().item<double>(), 1e-5) << b;
+    EXPECT_EQ(output->statistics[static_cast<size_t>(b)].size(), alone->statistics[0].size());
+  }
+}
+
 // The images the Python comparison uses: the first `count` Fashion-MNIST test images, preprocessed.
 absl::StatusOr<at::Tensor> FashionMnistBatch(const VitConfig& config, int64_t count) {
   absl::StatusOr<datasets::FashionMnist> data = datasets::ReadFashionMnist("t10k");

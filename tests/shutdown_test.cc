@@ -231,6 +231,44 @@ std::set<int> ThreadIds(pid_t pid) {
   return ids;
 }
 
+// Drain is bounded by its flag even while a long batch runs: at the drain timeout the server cancels the calls
+// still running, and the forward stops within a query chunk of full attention instead of running to its end
+// (before 2026-12-02 one running batch held shutdown 3.5 s past --drain_timeout_s=2).
+TEST(ShutdownTest, DrainTimeoutStopsARunningLongBatch) {
+  const std::string log_path = absl::StrCat(::testing::TempDir(), "/shutdown_long_batch_", getpid(), ".log");
+  constexpr int kShortDrainS = 2;
+  const StartedServer server = StartServerAndWaitForPort(
+      {"--model_repository=" + RepositoryPath(), "--listen=127.0.0.1:0", "--metrics_listen=",
+       absl::StrCat("--drain_timeout_s=", kShortDrainS)},
+      log_path);
+  ASSERT_GT(server.pid, 0);
+  ASSERT_NE(server.port, 0) << "the server did not start; log:\n" << ReadFile(log_path);
+  std::unique_ptr<client::MitaClient> client = client::MitaClient::Connect(absl::StrCat("127.0.0.1:", server.port));
+  // A 65,536-token document under full attention: tens of seconds of forward on a CPU.
+  std::string text;
+  while (text.size() < 400000) absl::StrAppend(&text, "Interrupts are balanced across processors, ", text.size(), ". ");
+  client::ClassifyOptions options;
+  options.model = "linux-doc-mita";
+  options.full_attention = true;
+  options.truncate = true;
+  options.deadline = absl::Seconds(600);
+  absl::Status answer;
+  std::thread caller([&] { answer = client->ClassifyText(text, options).status(); });
+  absl::SleepFor(absl::Seconds(3));  // tokenized, admitted and computing
+  const absl::Time signalled = absl::Now();
+  ASSERT_EQ(kill(server.pid, SIGTERM), 0);
+  const int wait_status = WaitForExit(server.pid, absl::Seconds(120));
+  const absl::Duration shutdown = absl::Now() - signalled;
+  caller.join();
+  ASSERT_NE(wait_status, -1) << "the server did not exit; log:\n" << ReadFile(log_path);
+  EXPECT_TRUE(WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0) << "log:\n" << ReadFile(log_path);
+  std::printf("[ info ] SIGTERM to exit with a long batch running: %s (--drain_timeout_s=%d)\n",
+              absl::FormatDuration(shutdown).c_str(), kShortDrainS);
+  EXPECT_LT(shutdown, absl::Seconds(kShortDrainS + 3)) << "log:\n" << ReadFile(log_path);
+  EXPECT_FALSE(answer.ok());
+  EXPECT_NE(ReadFile(log_path).find("drain timeout"), std::string::npos) << ReadFile(log_path);
+}
+
 // Threading of a loaded server (server/main.cc): OpenBLAS gets the --torch_threads count (its pthread build
 // otherwise starts a worker per core that spins after each GEMM), and no thread is started per call (gRPC's
 // callback API holds no thread for a waiting call; docs/serving.md, "Threads").
