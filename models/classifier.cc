@@ -73,6 +73,11 @@ absl::StatusOr<BatchItem> Classifier::Prepare(const ClassifierInput& input, cons
   return item;
 }
 
+absl::StatusOr<int64_t> Classifier::PreparationBytes(const ClassifierInput& input, const InputLimits& limits) const {
+  if (KindOf(input) != description().input_kind) return 0;
+  return InputPreparationBytes(input, limits);
+}
+
 absl::StatusOr<std::vector<std::vector<ClassScore>>> TopClasses(const at::Tensor& logits,
                                                                 absl::Span<const int64_t> top_n) {
   if (!logits.defined() || logits.dim() != 2 || logits.size(0) != static_cast<int64_t>(top_n.size())) {

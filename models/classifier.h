@@ -137,6 +137,12 @@ class Classifier {
   absl::StatusOr<BatchItem> Prepare(const ClassifierInput& input, const BudgetRequest& budget,
                                     const InputLimits& limits, const StopCheck& stop = nullptr) const;
 
+  // The working memory Prepare will need for `input`, bytes, found from cheap checks and headers only (an
+  // image's declared size and decode scale, a text's length); the server admits preparation by it. An input of
+  // the wrong kind costs 0 (Prepare refuses it). Errors: INVALID_ARGUMENT as Prepare for an input refused from
+  // its header alone (a kImage problem: unknown format, declared size over the limits, a bad JPEG header).
+  absl::StatusOr<int64_t> PreparationBytes(const ClassifierInput& input, const InputLimits& limits) const;
+
   // Runs a packed batch: items from Prepare of this classifier, each with its own budget; the dense layers run
   // on all items' tokens at once, attention per item. An item's logits do not depend on the other items (up to
   // float rounding). `want_statistics`: fill ClassifierOutput::statistics. `check` (optional) is asked for every
@@ -159,6 +165,9 @@ class Classifier {
   // Errors: INVALID_ARGUMENT carrying field problems; RESOURCE_EXHAUSTED when memory runs out.
   virtual absl::StatusOr<PreparedInput> PrepareInput(const ClassifierInput& input, const InputLimits& limits,
                                                      const StopCheck& stop) const = 0;
+  // PreparationBytes of an input of this classifier's kind.
+  virtual absl::StatusOr<int64_t> InputPreparationBytes(const ClassifierInput& input,
+                                                        const InputLimits& limits) const = 0;
 };
 
 // One class of a classification: index, softmax probability.

@@ -255,6 +255,18 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
   return output;
 }
 
+absl::StatusOr<int64_t> DocumentClassifier::InputPreparationBytes(const ClassifierInput& input,
+                                                                  const InputLimits& limits) const {
+  // Tokenization is bounded (EncodeBounded): one 8 KiB piece with its pieces and ids at a time, and at most
+  // max_tokens + 1 ids kept, each held as int64 in the id list and in the input tensor.
+  const int64_t max_tokens = std::min(config_.max_tokens, limits.max_tokens);
+  const int64_t tokens = input.kind == ClassifierInput::Kind::kText
+                             ? std::min<int64_t>(static_cast<int64_t>(input.bytes.size()), max_tokens + 1)
+                             : std::min<int64_t>(static_cast<int64_t>(input.token_ids.size()), max_tokens + 1);
+  constexpr int64_t kPieceWorkingBytes = int64_t{256} << 10;
+  return 2 * static_cast<int64_t>(sizeof(int64_t)) * tokens + kPieceWorkingBytes;
+}
+
 absl::StatusOr<Classifier::PreparedInput> DocumentClassifier::PrepareInput(const ClassifierInput& input,
                                                                            const InputLimits& limits,
                                                                            const StopCheck& stop) const {

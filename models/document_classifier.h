@@ -86,6 +86,8 @@ class DocumentClassifier final : public Classifier {
   // hint); RESOURCE_EXHAUSTED when the ids cannot be allocated.
   absl::StatusOr<PreparedInput> PrepareInput(const ClassifierInput& input, const InputLimits& limits,
                                              const StopCheck& stop) const override;
+  absl::StatusOr<int64_t> InputPreparationBytes(const ClassifierInput& input,
+                                                const InputLimits& limits) const override;
 
  private:
   struct Block;

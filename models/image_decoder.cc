@@ -41,6 +41,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "kernels/status_macros.h"
 #include "models/request_error.h"
 
 namespace mita::models {
@@ -64,6 +65,15 @@ absl::Status CheckDeclaredSize(absl::string_view format, int64_t width, int64_t 
   }
   return absl::OkStatus();
 }
+
+constexpr int64_t kDecoderStateBytes = int64_t{1} << 20;
+
+int64_t WorkingBytes(int64_t width, int64_t height, int64_t channels) {
+  return width * height * (4 + 6 * channels) + kDecoderStateBytes;
+}
+
+// libjpeg's output size of `side` at scale `eighths` / 8 (jdiv_round_up, jdmaster.c).
+int64_t ScaledSide(int64_t side, int eighths) { return (side * eighths + 7) / 8; }
 
 uint8_t RoundToByte(double value) {
   value = value < 0 ? 0 : (value > 255 ? 255 : value);
@@ -330,7 +340,7 @@ bool ReadJpegScanlines(jpeg_decompress_struct& info, JpegErrorManager& manager, 
   jpeg_start_decompress(&info);
   source_channels = info.output_components;
   const size_t row_bytes = static_cast<size_t>(info.output_width) * info.output_components;
-  // Sized by the caller from the header; the output size equals it (no scaling requested).
+  // Sized by the caller from its plan; the output size (after DCT scaling) must equal it.
   if (samples.size() != row_bytes * info.output_height) ERREXIT(&info, JERR_BAD_BUFFER_MODE);
   while (info.output_scanline < info.output_height) {
     JSAMPROW row = samples.data() + static_cast<size_t>(info.output_scanline) * row_bytes;
@@ -340,25 +350,58 @@ bool ReadJpegScanlines(jpeg_decompress_struct& info, JpegErrorManager& manager, 
   return true;
 }
 
-absl::StatusOr<DecodedImage> DecodeJpeg(absl::string_view bytes, int64_t channels, const ImageDecodeLimits& limits) {
+// A libjpeg decompressor with our error handling; destroyed with the object.
+struct JpegDecoder {
   jpeg_decompress_struct info;
   JpegErrorManager manager;
-  std::memset(&info, 0, sizeof(info));  // so that the cleanup is safe whatever fails
-  std::memset(&manager, 0, sizeof(manager));
-  info.err = jpeg_std_error(&manager.base);
-  manager.base.error_exit = JpegErrorExit;
-  manager.base.emit_message = JpegEmitMessage;
-  struct Cleanup {
-    jpeg_decompress_struct* info;
-    ~Cleanup() { jpeg_destroy_decompress(info); }
-  } cleanup{&info};
+  JpegDecoder() {
+    std::memset(&info, 0, sizeof(info));  // so that the cleanup is safe whatever fails
+    std::memset(&manager, 0, sizeof(manager));
+    info.err = jpeg_std_error(&manager.base);
+    manager.base.error_exit = JpegErrorExit;
+    manager.base.emit_message = JpegEmitMessage;
+  }
+  ~JpegDecoder() { jpeg_destroy_decompress(&info); }
+  JpegDecoder(const JpegDecoder&) = delete;
+  JpegDecoder& operator=(const JpegDecoder&) = delete;
+};
 
+// Chooses the DCT scale of a JPEG of `width` x `height`: the smallest that keeps each axis at least
+// kJpegOversampling x the target (or whole), then smaller while over the limits. Errors: over the limits even
+// at 1/8.
+absl::StatusOr<int> ChooseJpegScale(int64_t width, int64_t height, const ImageDecodeLimits& limits) {
+  if (width <= 0 || height <= 0) return CheckDeclaredSize("JPEG", width, height, limits);
+  int eighths = 8;
+  if (limits.target_width > 0 && limits.target_height > 0) {
+    const int64_t want_width = std::min(width, kJpegOversampling * limits.target_width);
+    const int64_t want_height = std::min(height, kJpegOversampling * limits.target_height);
+    while (eighths > 1 && ScaledSide(width, eighths - 1) >= want_width &&
+           ScaledSide(height, eighths - 1) >= want_height) {
+      --eighths;
+    }
+  }
+  while (eighths > 1 && (ScaledSide(width, eighths) > limits.max_width || ScaledSide(height, eighths) > limits.max_height)) {
+    --eighths;
+  }
+  if (ScaledSide(width, eighths) > limits.max_width || ScaledSide(height, eighths) > limits.max_height) {
+    return Invalid(absl::StrCat("JPEG declares ", width, "x", height, " pixels, over the limit of ", limits.max_width,
+                                "x", limits.max_height, " (max width x max height) even decoded at 1/8 scale"));
+  }
+  return eighths;
+}
+
+absl::StatusOr<DecodedImage> DecodeJpeg(absl::string_view bytes, int64_t channels, const ImageDecodeLimits& limits) {
+  JpegDecoder decoder;
+  jpeg_decompress_struct& info = decoder.info;
+  JpegErrorManager& manager = decoder.manager;
   if (!ReadJpegHeader(info, manager, bytes, channels)) {
     return Invalid(absl::StrCat("invalid JPEG: ", manager.message));
   }
-  const int64_t width = info.image_width;
-  const int64_t height = info.image_height;
-  if (absl::Status status = CheckDeclaredSize("JPEG", width, height, limits); !status.ok()) return status;
+  ASSIGN_OR_RETURN(const int eighths, ChooseJpegScale(info.image_width, info.image_height, limits));
+  info.scale_num = static_cast<unsigned>(eighths);
+  info.scale_denom = 8;
+  const int64_t width = ScaledSide(info.image_width, eighths);
+  const int64_t height = ScaledSide(info.image_height, eighths);
   const int components = info.out_color_space == JCS_GRAYSCALE ? 1 : (info.out_color_space == JCS_CMYK ? 4 : 3);
   std::vector<uint8_t> samples(static_cast<size_t>(width * height * components));
   int source_channels = 0;
@@ -390,20 +433,57 @@ absl::StatusOr<DecodedImage> DecodeJpeg(absl::string_view bytes, int64_t channel
   return image;
 }
 
-}  // namespace
+bool IsPng(absl::string_view data) { return data.size() >= 8 && std::memcmp(data.data(), kPngSignature, 8) == 0; }
 
-absl::StatusOr<DecodedImage> DecodeImage(std::string_view bytes, int64_t channels, const ImageDecodeLimits& limits) {
+bool IsJpeg(absl::string_view data) {
+  return data.size() >= 3 && static_cast<uint8_t>(data[0]) == 0xFF && static_cast<uint8_t>(data[1]) == 0xD8 &&
+         static_cast<uint8_t>(data[2]) == 0xFF;
+}
+
+absl::Status CheckDecodeArguments(absl::string_view data, int64_t channels) {
   if (channels != 1 && channels != 3) {
     return Invalid(absl::StrCat("requested channels ", channels, " must be 1 (gray) or 3 (RGB)"));
   }
-  const absl::string_view data(bytes.data(), bytes.size());
   if (data.empty()) return Invalid("empty input: expected PNG or JPEG bytes");
-  if (data.size() >= 8 && std::memcmp(data.data(), kPngSignature, 8) == 0) return DecodePng(data, channels, limits);
-  if (data.size() >= 3 && static_cast<uint8_t>(data[0]) == 0xFF && static_cast<uint8_t>(data[1]) == 0xD8 &&
-      static_cast<uint8_t>(data[2]) == 0xFF) {
-    return DecodeJpeg(data, channels, limits);
+  if (!IsPng(data) && !IsJpeg(data)) return Invalid("unknown format: expected PNG or JPEG (by signature)");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ImageDecodePlan> PlanImageDecode(std::string_view bytes, int64_t channels,
+                                                const ImageDecodeLimits& limits) {
+  const absl::string_view data(bytes.data(), bytes.size());
+  RETURN_IF_ERROR(CheckDecodeArguments(data, channels));
+  ImageDecodePlan plan;
+  if (IsPng(data)) {
+    plan.format = ImageDecodePlan::Format::kPng;
+    if (PeekPngSize(data, plan.declared_width, plan.declared_height)) {
+      RETURN_IF_ERROR(CheckDeclaredSize("PNG", plan.declared_width, plan.declared_height, limits));
+    }
+    // Without a readable IHDR the decoder fails on the header, before allocating pixels.
+    plan.decoded_width = plan.declared_width;
+    plan.decoded_height = plan.declared_height;
+  } else {
+    plan.format = ImageDecodePlan::Format::kJpeg;
+    JpegDecoder decoder;
+    if (!ReadJpegHeader(decoder.info, decoder.manager, data, channels)) {
+      return Invalid(absl::StrCat("invalid JPEG: ", decoder.manager.message));
+    }
+    plan.declared_width = decoder.info.image_width;
+    plan.declared_height = decoder.info.image_height;
+    ASSIGN_OR_RETURN(plan.scale_eighths, ChooseJpegScale(plan.declared_width, plan.declared_height, limits));
+    plan.decoded_width = ScaledSide(plan.declared_width, plan.scale_eighths);
+    plan.decoded_height = ScaledSide(plan.declared_height, plan.scale_eighths);
   }
-  return Invalid("unknown format: expected PNG or JPEG (by signature)");
+  plan.working_bytes = WorkingBytes(plan.decoded_width, plan.decoded_height, channels);
+  return plan;
+}
+
+absl::StatusOr<DecodedImage> DecodeImage(std::string_view bytes, int64_t channels, const ImageDecodeLimits& limits) {
+  const absl::string_view data(bytes.data(), bytes.size());
+  RETURN_IF_ERROR(CheckDecodeArguments(data, channels));
+  return IsPng(data) ? DecodePng(data, channels, limits) : DecodeJpeg(data, channels, limits);
 }
 
 absl::StatusOr<at::Tensor> PreprocessImage(const DecodedImage& image, const VitConfig& config) {
@@ -427,8 +507,8 @@ absl::StatusOr<at::Tensor> PreprocessImage(const DecodedImage& image, const VitC
                       at::TensorOptions().dtype(at::kByte))
             .permute({2, 0, 1})
             .unsqueeze(0)
-            .to(at::kFloat)
-            .contiguous();
+            .contiguous()  // planar bytes first, so that only one float copy is made
+            .to(at::kFloat);
     // Shrink the axes that are too large by area averaging (exact box averages when the ratio is an integer),
     // then enlarge the rest bilinearly (align_corners = false, the half-pixel convention of PIL and OpenCV).
     const int64_t shrunk_height = std::min(image.height, side);

@@ -291,6 +291,23 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
   return output;
 }
 
+ImageDecodeLimits VitClassifier::DecodeLimits() const {
+  ImageDecodeLimits limits;
+  limits.max_width = config_.max_image_side;
+  limits.max_height = config_.max_image_side;
+  limits.target_width = config_.image_size;
+  limits.target_height = config_.image_size;
+  return limits;
+}
+
+absl::StatusOr<int64_t> VitClassifier::InputPreparationBytes(const ClassifierInput& input,
+                                                             const InputLimits& limits) const {
+  // Size first: an image over the byte limit is refused by Prepare before its header matters.
+  if (input.bytes.empty() || static_cast<int64_t>(input.bytes.size()) > limits.max_encoded_image_bytes) return 0;
+  ASSIGN_OR_RETURN(const ImageDecodePlan plan, PlanImageDecode(input.bytes, config_.in_channels, DecodeLimits()));
+  return plan.working_bytes;
+}
+
 absl::StatusOr<Classifier::PreparedInput> VitClassifier::PrepareInput(const ClassifierInput& input,
                                                                       const InputLimits& limits,
                                                                       const StopCheck& /*stop*/) const {
@@ -300,9 +317,7 @@ absl::StatusOr<Classifier::PreparedInput> VitClassifier::PrepareInput(const Clas
     return InvalidRequest(RequestField::kImage, absl::StrCat(bytes.size(), " bytes is over the limit of ",
                                                              limits.max_encoded_image_bytes, " bytes"));
   }
-  ImageDecodeLimits decode_limits;
-  decode_limits.max_width = config_.max_image_side;
-  decode_limits.max_height = config_.max_image_side;
+  const ImageDecodeLimits decode_limits = DecodeLimits();
   try {
     ASSIGN_OR_RETURN(const DecodedImage decoded, DecodeImage(bytes, config_.in_channels, decode_limits));
     ASSIGN_OR_RETURN(at::Tensor image, PreprocessImage(decoded, config_));

@@ -12,6 +12,7 @@
 #include "absl/types/span.h"
 #include "kernels/mita_attention.h"
 #include "models/classifier.h"
+#include "models/image_decoder.h"
 #include "models/model_config.h"
 
 namespace mita::models {
@@ -64,6 +65,10 @@ class VitClassifier final : public Classifier {
   // preprocesses it to [C, image_size, image_size]; tokens = config().tokens().
   absl::StatusOr<PreparedInput> PrepareInput(const ClassifierInput& input, const InputLimits& limits,
                                              const StopCheck& stop) const override;
+  absl::StatusOr<int64_t> InputPreparationBytes(const ClassifierInput& input,
+                                                const InputLimits& limits) const override;
+  // The decoder's limits: the config's max_image_side, and its image_size as the resize target.
+  ImageDecodeLimits DecodeLimits() const;
 
  private:
   struct Block;

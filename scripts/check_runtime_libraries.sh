@@ -19,7 +19,7 @@ if [[ ${1:-} == --wheel=* ]]; then
   shift
 fi
 binaries=("$@")
-[ ${#binaries[@]} -gt 0 ] || binaries=(build/server/mita-server build/server/mita-health-probe)
+[ ${#binaries[@]} -gt 0 ] || binaries=(build/server/mita-server build/server/mita-server-core build/server/mita-health-probe)
 mapfile -t listed < <(grep -v -E '^\s*(#|$)' deploy/runtime-packages.txt)
 if [ -n "$wheel_dir" ]; then
   mapfile -t listed < <(printf '%s\n' "${listed[@]}" | grep -v -E '^(libtorch|libopenblas|libgomp1$)')

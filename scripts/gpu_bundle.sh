@@ -24,7 +24,7 @@ shift || true
 LIMIT_BYTES=$((64 * 1024 * 1024))
 TORCH_VERSION_PREFIX=2.11.
 TORCH_CUDA=13.0
-BINARIES=(server/mita-server server/mita-health-probe client/mita-client client/mita-bench tools/mita-eval
+BINARIES=(server/mita-server server/mita-server-core server/mita-health-probe client/mita-client client/mita-bench tools/mita-eval
           tools/mita-bench-documents tests/kernels_test tests/models_test tests/document_model_test
           tests/mita_cuda_check)
 # glibc's own libraries: the machine's are used when new enough (see `env`), else the bundle's glibc/ folder.

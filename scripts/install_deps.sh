@@ -13,7 +13,7 @@ LIBTORCH="${MITA_LIBTORCH:-pypi}"
 PACKAGES=(
   build-essential cmake ninja-build pkg-config git ca-certificates
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  libabsl-dev prometheus-cpp-dev nlohmann-json3-dev
+  libabsl-dev prometheus-cpp-dev libmicrohttpd-dev nlohmann-json3-dev
   libpng-dev libjpeg62-turbo-dev libsentencepiece-dev sentencepiece linux-doc-6.1
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   openssl

@@ -6,6 +6,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
 #include "models/request_error.h"
@@ -53,6 +54,14 @@ absl::StatusOr<std::unique_ptr<InferenceEngine>> InferenceEngine::Create(const M
     return absl::InvalidArgumentError(
         absl::StrCat("preparation_threads ", options.preparation_threads, " must be >= 0"));
   }
+  if (options.long_document_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("long_document_tokens ", options.long_document_tokens, " must be >= 0 (flag --long_document_tokens)"));
+  }
+  if (options.preparation_memory_bytes < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("preparation_memory_bytes ", options.preparation_memory_bytes,
+                                                   " must be >= 1 (", options.preparation_memory_bytes_source, ")"));
+  }
   if (options.preparation_queue_capacity < 1) {
     return absl::InvalidArgumentError(absl::StrCat("preparation_queue_capacity ", options.preparation_queue_capacity,
                                                    " must be >= 1 (", options.preparation_queue_capacity_source,
@@ -66,7 +75,7 @@ absl::StatusOr<std::unique_ptr<InferenceEngine>> InferenceEngine::Create(const M
     }
     ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner,
                      ModelRunner::Create(package->classifier.get(), model_metrics, engine->options_.batching,
-                                         clock, engine.get()));
+                                         clock, engine.get(), engine->options_.long_document_tokens));
     engine->runners_.emplace(package->name, std::move(runner));
   }
   const int threads = engine->options_.preparation_threads > 0
@@ -74,6 +83,8 @@ absl::StatusOr<std::unique_ptr<InferenceEngine>> InferenceEngine::Create(const M
                           : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   engine->preparation_ = std::make_unique<PreparationPool>(threads, engine->options_.preparation_queue_capacity,
                                                            engine->options_.preparation_queue_capacity_source);
+  engine->preparation_memory_ = std::make_unique<PreparationMemory>(engine->options_.preparation_memory_bytes,
+                                                                    engine->options_.preparation_memory_bytes_source);
   return engine;
 }
 
@@ -147,8 +158,20 @@ void InferenceEngine::Prepare(const std::shared_ptr<PendingRequest>& request) {
                  : absl::CancelledError("the call was cancelled while its input was prepared; it was not run");
     };
     try {
-      item = request->runner->classifier().Prepare(request->request.input, request->request.budget, input_limits_,
-                                                   stop);
+      // Admitted to preparation by its working memory (an image's header tells its decoded size).
+      const models::Classifier& classifier = request->runner->classifier();
+      const absl::StatusOr<int64_t> bytes = classifier.PreparationBytes(request->request.input, input_limits_);
+      absl::Status taken = bytes.ok() ? preparation_memory_->Acquire(*bytes, stop) : bytes.status();
+      if (taken.ok()) {
+        metrics_->SetPreparationMemory(preparation_memory_->in_use());
+        const absl::Cleanup release = [&] {
+          preparation_memory_->Release(*bytes);
+          metrics_->SetPreparationMemory(preparation_memory_->in_use());
+        };
+        item = classifier.Prepare(request->request.input, request->request.budget, input_limits_, stop);
+      } else {
+        item = std::move(taken);
+      }
     } catch (const std::exception& e) {
       // Never crash on a request; an exception here is a server fault.
       item = absl::InternalError(absl::StrCat("unexpected error preparing the input: ", e.what()));

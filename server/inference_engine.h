@@ -52,6 +52,13 @@ struct EngineOptions {
   // Requests waiting for a preparation thread before new ones get RESOURCE_EXHAUSTED.
   int64_t preparation_queue_capacity = 1024;
   std::string preparation_queue_capacity_source = "flag --preparation_queue_capacity";
+  // Working memory all preparations together may take (decoding images, tokenizing), bytes; an input is
+  // admitted to preparation by its header's estimate (Classifier::PreparationBytes) and waits for room.
+  int64_t preparation_memory_bytes = int64_t{1} << 30;
+  // Documents of more tokens run in a lane of their own (ModelRunner), beside shorter requests instead of ahead
+  // of them; 0: one lane.
+  int64_t long_document_tokens = 8192;
+  std::string preparation_memory_bytes_source = "flag --preparation_memory_bytes";
 };
 
 // A submitted request, for its caller: Cancel() says the caller stopped waiting. Thread-safe.
@@ -129,6 +136,7 @@ class InferenceEngine final : private RequestCompleter {
   models::InputLimits input_limits_;
   std::map<std::string, std::unique_ptr<ModelRunner>> runners_;  // immutable after Create
   std::unique_ptr<PreparationPool> preparation_;
+  std::unique_ptr<PreparationMemory> preparation_memory_;
   std::atomic<bool> draining_{false};
   absl::Mutex in_flight_mu_;
   int64_t in_flight_ ABSL_GUARDED_BY(in_flight_mu_) = 0;  // submitted, not yet answered

@@ -1,4 +1,4 @@
-// mita-server: serves the model packages of a model repository over gRPC (mita.v1.MitaService, the Open
+// mita-server-core (started by the mita-server launcher, server/launcher.cc): serves the model packages of a model repository over gRPC (mita.v1.MitaService, the Open
 // Inference Protocol inference.GRPCInferenceService, grpc.health.v1, server reflection) and exports Prometheus
 // metrics over HTTP.
 //
@@ -14,10 +14,14 @@
 //   --queue_compute_units=4294967296       Compute units (tokens x attention width: M + k for MiTA, N for full
 //                                          attention) queued per model before RESOURCE_EXHAUSTED.
 //   --batch_threads=1                      Batch threads per model.
+//   --long_document_tokens=8192            Longer documents run in a lane of their own (one batch thread), beside
+//                                          shorter requests instead of ahead of them; 0: one lane.
 //   --torch_threads=0                      Intra-op threads of LibTorch and OpenBLAS; 0: the hardware concurrency
 //                                          (LibTorch 1.13 otherwise starts with half the cores).
 //   --preparation_threads=0                Threads decoding and tokenizing inputs; 0: the hardware concurrency.
 //   --preparation_queue_capacity=1024      Requests waiting for a preparation thread before RESOURCE_EXHAUSTED.
+//   --preparation_memory_bytes=1073741824  Working memory all inputs being decoded or tokenized may take (1 GiB);
+//                                          an image is admitted by its header's estimate and waits for room.
 //   --keep_freed_memory=true               Keep freed memory in the C heap for the next request instead of
 //                                          unmapping it (kernels/runtime_environment.h; resident memory stays
 //                                          at its high-water mark).
@@ -31,6 +35,12 @@
 //   --auth_token_file                      File holding a bearer token: mita.v1 calls must send
 //                                          "authorization: Bearer <token>" (UNAUTHENTICATED otherwise);
 //                                          health and reflection stay open. Use with TLS.
+//   --max_concurrent_streams=256           Calls in flight per client connection (HTTP/2 streams); more wait.
+//   --max_connection_idle_s=300            A connection without calls for this long is closed (0: never).
+//   --keepalive_time_s=60                  Ping a connection silent for this long; with
+//   --keepalive_timeout_s=20               no answer within this, the connection and its calls are closed.
+//
+// The gRPC port is bound exclusively: a second server on a port in use fails to start.
 //
 // Shutdown: on SIGTERM or SIGINT the health status goes NOT_SERVING (health checks keep being answered while
 // draining), new Classify calls get UNAVAILABLE, the batchers run what is queued without waiting for batches
@@ -39,12 +49,15 @@
 // 250 ms more before it stops), and the process exits 0. The last log line counts the requests
 // admitted since start and how many were answered OK or with an error.
 #include <ATen/Parallel.h>
+#include <grpc/grpc.h>
+#include <google/protobuf/stubs/logging.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
 #include <signal.h>
+#include <sys/prctl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -72,7 +85,9 @@
 #include "server/mita_v1_service.h"
 #include "server/open_inference_service.h"
 #include "server/message_limits.h"
+#include "server/listen_address.h"
 #include "server/metrics.h"
+#include "server/metrics_http_server.h"
 #include "server/model_registry.h"
 #include "server/security.h"
 
@@ -91,12 +106,18 @@ ABSL_FLAG(int64_t, queue_compute_units, int64_t{1} << 32,
           "Compute units queued per model before new requests get RESOURCE_EXHAUSTED; a request costs tokens x "
           "attention width (expert_count + expert_width under MiTA, tokens under full attention).");
 ABSL_FLAG(int32_t, batch_threads, 1, "Threads forming and running batches, per model.");
+ABSL_FLAG(int64_t, long_document_tokens, 8192,
+          "Documents of more tokens run in a lane of their own (one batch thread per model), beside shorter "
+          "requests instead of ahead of them; 0: one lane.");
 ABSL_FLAG(int32_t, torch_threads, 0,
           "Intra-op threads of LibTorch and of the BLAS library (OpenBLAS); 0: the hardware concurrency.");
 ABSL_FLAG(int32_t, preparation_threads, 0,
           "Threads that decode images and tokenize documents before admission; 0: the hardware concurrency.");
 ABSL_FLAG(int64_t, preparation_queue_capacity, 1024,
           "Requests waiting for a preparation thread before new ones get RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, preparation_memory_bytes, int64_t{1} << 30,
+          "Working memory, bytes, that all inputs being decoded or tokenized may take together; each is admitted by "
+          "the estimate from its header (an image's decoded size) and waits for room; one needing more is refused.");
 ABSL_FLAG(bool, keep_freed_memory, true,
           "Keep freed memory in the C heap for reuse by the next request (no per-block mmap, no trimming): long "
           "documents skip re-faulting their buffers in; resident memory stays at its high-water mark.");
@@ -109,6 +130,14 @@ ABSL_FLAG(std::string, tls_cert_file, "", "PEM certificate chain of the gRPC por
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
 ABSL_FLAG(std::string, tls_client_ca_file, "",
           "PEM CA certificates; when set, clients must present a certificate signed by them (mutual TLS).");
+ABSL_FLAG(int32_t, max_concurrent_streams, 256,
+          "Calls in flight per client connection (HTTP/2 streams); further calls on it wait for one to end.");
+ABSL_FLAG(int32_t, max_connection_idle_s, 300,
+          "Seconds a client connection may stay without calls before the server closes it; 0: never.");
+ABSL_FLAG(int32_t, keepalive_time_s, 60,
+          "Seconds of silence on a connection after which the server pings it (HTTP/2 keepalive).");
+ABSL_FLAG(int32_t, keepalive_timeout_s, 20,
+          "Seconds the server waits for a keepalive ping's answer before closing the connection and its calls.");
 ABSL_FLAG(std::string, auth_token_file, "",
           "File holding a bearer token that every mita.v1 call must send as 'authorization: Bearer <token>' "
           "(health checks and reflection stay open); empty: no authentication.");
@@ -129,17 +158,64 @@ int Fail(const std::string& message) {
   return 1;
 }
 
+// The shutdown signals, blocked in every thread; the main thread waits for them with sigwait.
+sigset_t ShutdownSignals() {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  return signals;
+}
+
+// Blocks the shutdown signals before any shared library's initialisers run, for a server started directly
+// rather than through the mita-server launcher (server/launcher.cc, which blocks them within a millisecond of
+// exec): a SIGTERM during start-up stays pending and is taken by sigwait once serving, so the process drains
+// and exits 0 like any other time.
+void BlockShutdownSignals(int, char**, char**) {
+  const sigset_t signals = ShutdownSignals();
+  sigprocmask(SIG_BLOCK, &signals, nullptr);
+}
+__attribute__((section(".preinit_array"), used)) void (*const kBlockShutdownSignals)(int, char**, char**) =
+    &BlockShutdownSignals;
+
+// Protobuf's log lines, rate-limited: parsing a request with invalid UTF-8 in a string field logs one ERROR line
+// per message, which a client could use to flood the log (the request itself is answered INVALID_ARGUMENT and
+// counted). At most one line per second reaches stderr, with the number of lines dropped before it.
+void RateLimitedProtobufLog(google::protobuf::LogLevel level, const char* filename, int line,
+                            const std::string& message) {
+  static absl::Mutex mu(absl::kConstInit);
+  static absl::Time last = absl::InfinitePast();
+  static int64_t dropped = 0;
+  absl::MutexLock lock(&mu);
+  const absl::Time now = absl::Now();
+  if (level < google::protobuf::LOGLEVEL_FATAL && now - last < absl::Seconds(1)) {
+    ++dropped;
+    return;
+  }
+  last = now;
+  Log(absl::StrCat("protobuf ", filename, ":", line, ": ", message,
+                   dropped > 0 ? absl::StrCat(" (", dropped, " earlier protobuf log lines dropped)") : ""));
+  dropped = 0;
+}
+
+// Checks that a flag is in [low, high]; the error names the flag and the range.
+absl::Status CheckFlagRange(const char* flag, int64_t value, int64_t low, int64_t high) {
+  if (value >= low && value <= high) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("flag --", flag, ": ", value, " is out of range: allowed [", low, ", ", high, "]"));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  mita::kernels::ReexecWithPassiveOpenMpWaitIfUnset(argv);
-  // Block the shutdown signals in every thread; the main thread waits for them with sigwait.
-  sigset_t shutdown_signals;
-  sigemptyset(&shutdown_signals);
-  sigaddset(&shutdown_signals, SIGTERM);
-  sigaddset(&shutdown_signals, SIGINT);
+  // Named like its launcher, so that pgrep/pkill mita-server find the server (/proc/PID/comm).
+  prctl(PR_SET_NAME, "mita-server", 0, 0, 0);
+  // Blocked already (BlockShutdownSignals); again in case the preinit array did not run.
+  sigset_t shutdown_signals = ShutdownSignals();
   pthread_sigmask(SIG_BLOCK, &shutdown_signals, nullptr);
+  mita::kernels::ReexecWithPassiveOpenMpWaitIfUnset(argv);
 
+  google::protobuf::SetLogHandler(&RateLimitedProtobufLog);
   absl::SetProgramUsageMessage("Serves MiTA classifiers over gRPC. mita-server --model_repository=DIR [flags]");
   // --help lists the flags of this file (Abseil would look for a file named after the binary).
   absl::FlagsUsageConfig usage_config;
@@ -158,6 +234,23 @@ int main(int argc, char** argv) {
   if (!(delay_ms >= 0 && delay_ms <= 60000)) return Fail("--max_queue_delay_ms must be in [0, 60000]");
   const int32_t drain_timeout_s = absl::GetFlag(FLAGS_drain_timeout_s);
   if (drain_timeout_s < 0) return Fail("--drain_timeout_s must be >= 0");
+
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  if (absl::StatusOr<mita::server::ListenAddress> parsed = mita::server::ParseListenAddress(listen, "--listen");
+      !parsed.ok()) {
+    return Fail(std::string(parsed.status().message()));
+  }
+  const int32_t max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  const int32_t max_connection_idle_s = absl::GetFlag(FLAGS_max_connection_idle_s);
+  const int32_t keepalive_time_s = absl::GetFlag(FLAGS_keepalive_time_s);
+  const int32_t keepalive_timeout_s = absl::GetFlag(FLAGS_keepalive_timeout_s);
+  for (const absl::Status& status :
+       {CheckFlagRange("max_concurrent_streams", max_concurrent_streams, 1, 1 << 20),
+        CheckFlagRange("max_connection_idle_s", max_connection_idle_s, 0, 86400 * 365),
+        CheckFlagRange("keepalive_time_s", keepalive_time_s, 1, 86400 * 365),
+        CheckFlagRange("keepalive_timeout_s", keepalive_timeout_s, 1, 3600)}) {
+    if (!status.ok()) return Fail(std::string(status.message()));
+  }
 
   int32_t torch_threads = absl::GetFlag(FLAGS_torch_threads);
   if (torch_threads < 0) return Fail("--torch_threads must be >= 0");
@@ -185,6 +278,10 @@ int main(int argc, char** argv) {
   options.max_encoded_image_bytes = message_limits.max_receive_bytes;
   options.preparation_threads = preparation_threads;
   options.preparation_queue_capacity = preparation_queue_capacity;
+  options.preparation_memory_bytes = absl::GetFlag(FLAGS_preparation_memory_bytes);
+  options.long_document_tokens = absl::GetFlag(FLAGS_long_document_tokens);
+  if (options.long_document_tokens < 0) return Fail("--long_document_tokens must be >= 0 (0: one lane)");
+  if (options.preparation_memory_bytes < 1) return Fail("--preparation_memory_bytes must be >= 1");
   if (absl::Status status = mita::server::ValidateBatcherOptions(options.batching); !status.ok()) {
     return Fail(std::string(status.message()));
   }
@@ -222,7 +319,10 @@ int main(int argc, char** argv) {
   if (!metrics_listen.empty()) {
     absl::StatusOr<std::unique_ptr<mita::server::MetricsHttpServer>> started =
         mita::server::MetricsHttpServer::Start(metrics_listen, metrics.registry());
-    if (!started.ok()) return Fail(absl::StrCat(started.status().message(), " (flag --metrics_listen)"));
+    if (!started.ok()) {
+      const bool names_flag = started.status().code() == absl::StatusCode::kInvalidArgument;
+      return Fail(absl::StrCat(started.status().message(), names_flag ? "" : " (flag --metrics_listen)"));
+    }
     metrics_server = *std::move(started);
   }
 
@@ -236,15 +336,26 @@ int main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  const std::string listen = absl::GetFlag(FLAGS_listen);
   int selected_port = 0;
   builder.AddListeningPort(listen, *credentials, &selected_port);
+  // Without this gRPC sets SO_REUSEPORT, and a second server on the same port would start and share it.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, max_concurrent_streams);
+  if (max_connection_idle_s > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, max_connection_idle_s * 1000);
+  }
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, keepalive_time_s * 1000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, keepalive_timeout_s * 1000);
+  // Clients may ping as often as every 10 s without calls in flight (gRPC's default refuses pings without calls).
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   front_end.message_size->ConfigureServer(builder);
   builder.RegisterService(&mita_v1);
   builder.RegisterService(&open_inference);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || selected_port == 0) {
-    return Fail(absl::StrCat("cannot listen on '", listen, "' (flag --listen)"));
+    return Fail(absl::StrCat("cannot listen on '", listen,
+                             "' (flag --listen): the address is not local, or the port is in use"));
   }
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
   if (health != nullptr) {
@@ -268,7 +379,8 @@ int main(int argc, char** argv) {
                    " max_batch_tokens=", options.batching.max_batch_tokens,
                    " queue_capacity=", options.batching.queue_capacity,
                    " queue_compute_units=", options.batching.queue_compute_units,
-                   " batch_threads=", options.batching.num_batch_threads, " torch_threads=", at::get_num_threads(),
+                   " batch_threads=", options.batching.num_batch_threads,
+                   " long_document_tokens=", options.long_document_tokens, " torch_threads=", at::get_num_threads(),
                    " blas_threads=", blas_threads, " preparation_threads=", preparation_threads,
                    " keep_freed_memory=", keep_freed_memory ? "true" : "false"));
 

@@ -1,17 +1,6 @@
 #include "server/metrics.h"
 
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <sys/time.h>
-#include <unistd.h>
 
-#include <cerrno>
-#include <cstring>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,7 +8,6 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "prometheus/text_serializer.h"
 
 namespace mita::server {
 namespace {
@@ -230,6 +218,12 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
     const auto method = static_cast<RpcMethod>(m);
     other_requests_[m] = add_code_counters(method, IsModelMethod(method) ? "unknown" : "");
   }
+  preparation_memory_ = &prometheus::BuildGauge()
+                             .Name("mita_preparation_memory_bytes")
+                             .Help("Working memory taken by the inputs being decoded or tokenized (estimates from "
+                                   "their headers), bytes; bounded by --preparation_memory_bytes.")
+                             .Register(*registry_)
+                             .Add({});
 
   const Histogram::BucketBoundaries count_buckets = PowersOfTwo(12);  // up to 4096 experts
   const Histogram::BucketBoundaries width_buckets = PowersOfTwo(16);  // up to 65536 keys
@@ -288,157 +282,6 @@ void ServerMetrics::CountRequest(RpcMethod method, const ModelMetrics* model, ab
   const CodeCounters& counters =
       (model == nullptr || !IsModelMethod(method)) ? other_requests_[m] : model->requests_[m];
   counters[index]->Increment();
-}
-
-absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    const std::string& address, std::shared_ptr<prometheus::Registry> registry) {
-  // Split "host:port", "[v6]:port".
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos || colon + 1 == address.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("metrics address '", address, "' is not host:port"));
-  }
-  std::string host = address.substr(0, colon);
-  const std::string port_text = address.substr(colon + 1);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-  int port_number = 0;
-  if (!absl::SimpleAtoi(port_text, &port_number) || port_number < 0 || port_number > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("metrics address '", address, "': bad port '", port_text, "'"));
-  }
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  addrinfo* resolved = nullptr;
-  const int gai =
-      getaddrinfo(host.empty() || host == "*" ? nullptr : host.c_str(), port_text.c_str(), &hints, &resolved);
-  if (gai != 0) {
-    return absl::UnavailableError(absl::StrCat("metrics: cannot resolve '", address, "': ", gai_strerror(gai)));
-  }
-  int listen_fd = -1;
-  std::string error = "no address";
-  for (addrinfo* ai = resolved; ai != nullptr && listen_fd < 0; ai = ai->ai_next) {
-    const int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
-    if (fd < 0) {
-      error = std::strerror(errno);
-      continue;
-    }
-    const int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 64) != 0) {
-      error = std::strerror(errno);
-      close(fd);
-      continue;
-    }
-    listen_fd = fd;
-  }
-  freeaddrinfo(resolved);
-  if (listen_fd < 0) return absl::UnavailableError(absl::StrCat("metrics: cannot listen on '", address, "': ", error));
-  sockaddr_storage bound{};
-  socklen_t bound_size = sizeof(bound);
-  int port = port_number;
-  if (getsockname(listen_fd, reinterpret_cast<sockaddr*>(&bound), &bound_size) == 0) {
-    port = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
-                                       : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
-  }
-  int wake[2];
-  if (pipe2(wake, O_CLOEXEC) != 0) {
-    const std::string message = std::strerror(errno);
-    close(listen_fd);
-    return absl::UnavailableError(absl::StrCat("metrics: pipe: ", message));
-  }
-  std::unique_ptr<MetricsHttpServer> server(
-      new MetricsHttpServer(listen_fd, wake[0], wake[1], port, std::move(registry)));
-  server->thread_ = std::thread([raw = server.get()] { raw->Run(); });
-  return server;
-}
-
-MetricsHttpServer::MetricsHttpServer(int listen_fd, int wake_read_fd, int wake_write_fd, int port,
-                                     std::shared_ptr<prometheus::Registry> registry)
-    : listen_fd_(listen_fd),
-      wake_read_fd_(wake_read_fd),
-      wake_write_fd_(wake_write_fd),
-      port_(port),
-      registry_(std::move(registry)) {}
-
-MetricsHttpServer::~MetricsHttpServer() {
-  Stop();
-  close(listen_fd_);
-  close(wake_read_fd_);
-  close(wake_write_fd_);
-}
-
-void MetricsHttpServer::Stop() {
-  absl::MutexLock lock(&stop_mu_);
-  if (stopped_) return;
-  stopped_ = true;
-  const char byte = 0;
-  while (write(wake_write_fd_, &byte, 1) < 0 && errno == EINTR) {
-  }
-  if (thread_.joinable()) thread_.join();
-}
-
-void MetricsHttpServer::Run() {
-  while (true) {
-    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_read_fd_, POLLIN, 0}};
-    if (poll(fds, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      return;
-    }
-    if (fds[1].revents != 0) return;
-    if ((fds[0].revents & POLLIN) == 0) continue;
-    const int connection = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (connection < 0) continue;
-    Serve(connection);
-    close(connection);
-  }
-}
-
-void MetricsHttpServer::Serve(int connection_fd) const {
-  timeval timeout{5, 0};
-  setsockopt(connection_fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-  setsockopt(connection_fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
-  // Read the request head (the request line is all that matters); at most 16 KiB.
-  std::string head;
-  char buffer[4096];
-  while (head.find("\r\n\r\n") == std::string::npos && head.find("\n\n") == std::string::npos && head.size() < 16384) {
-    const ssize_t n = recv(connection_fd, buffer, sizeof(buffer), 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    head.append(buffer, static_cast<size_t>(n));
-  }
-  const std::string request_line = head.substr(0, head.find_first_of("\r\n"));
-  const std::vector<std::string> parts = absl::StrSplit(request_line, ' ', absl::SkipEmpty());
-  std::string status = "200 OK";
-  std::string content_type = "text/plain; version=0.0.4; charset=utf-8";
-  std::string body;
-  const bool head_only = !parts.empty() && parts[0] == "HEAD";
-  if (parts.size() < 2) {
-    status = "400 Bad Request";
-    body = "bad request\n";
-    content_type = "text/plain; charset=utf-8";
-  } else if (parts[0] != "GET" && parts[0] != "HEAD") {
-    status = "405 Method Not Allowed";
-    body = "only GET and HEAD\n";
-    content_type = "text/plain; charset=utf-8";
-  } else if (const std::string path = parts[1].substr(0, parts[1].find('?')); path != "/metrics") {
-    status = "404 Not Found";
-    body = "metrics are at /metrics\n";
-    content_type = "text/plain; charset=utf-8";
-  } else {
-    std::ostringstream text;
-    prometheus::TextSerializer().Serialize(text, registry_->Collect());
-    body = text.str();
-  }
-  std::string response = absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", content_type,
-                                      "\r\nContent-Length: ", body.size(), "\r\nConnection: close\r\n\r\n");
-  if (!head_only) response += body;
-  size_t sent = 0;
-  while (sent < response.size()) {
-    const ssize_t n = send(connection_fd, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
-    sent += static_cast<size_t>(n);
-  }
 }
 
 }  // namespace mita::server

@@ -1,10 +1,6 @@
 // Prometheus metrics of the server (prometheus-cpp), scraped over HTTP at /metrics on a separate address.
 //
-// Why not prometheus::Exposer: it serves HTTP with civetweb, whose threads are created with a fixed 100 KiB
-// stack (Debian's civetweb 1.15, USE_STACK_SIZE). In a process that links LibTorch the static TLS of its
-// dependency tree is larger than that, so pthread_create fails with EINVAL and the Exposer constructor throws
-// ("null context when constructing CivetServer"; civetweb logs "Cannot create threads: error 0").
-// MetricsHttpServer below is a small blocking HTTP/1.1 endpoint with prometheus::TextSerializer instead.
+// server/metrics_http_server.h serves them over HTTP.
 //
 // Families are registered once at start and every label combination is created up front; the hot path only
 // observes through references kept here (no lookups, no allocation, no locks beyond the metric's own atomics).
@@ -35,6 +31,8 @@
 //                                                             queue_compute_units (--queue_compute_units),
 //                                                             task_over_queue_compute_units (one request costs
 //                                                             more than the whole queue), shutting_down.
+//   mita_preparation_memory_bytes                   gauge     Working memory taken by the inputs being decoded
+//                                                             or tokenized (header estimates), bytes.
 //   mita_request_tokens{model}                      histogram Tokens of each admitted request (image: patches
 //                                                             + cls; document: after truncation).
 //   mita_batch_tokens{model}                        histogram Tokens per packed batch run (one observation per
@@ -69,7 +67,6 @@
 #include <map>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -203,6 +200,9 @@ class ServerMetrics {
   // ignored for server-wide methods (model=""). Codes outside 0..16 count as UNKNOWN.
   void CountRequest(RpcMethod method, const ModelMetrics* model, absl::StatusCode code);
 
+  // Sets mita_preparation_memory_bytes.
+  void SetPreparationMemory(int64_t bytes) { preparation_memory_->Set(static_cast<double>(bytes)); }
+
   // The registry to serve (MetricsHttpServer) or collect in tests.
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
@@ -212,48 +212,10 @@ class ServerMetrics {
   std::map<std::string, std::unique_ptr<ModelMetrics>> models_;
   // mita_requests_total with model="unknown" (model methods) and model="" (server-wide ones), by RpcMethod.
   std::array<CodeCounters, kNumRpcMethods> other_requests_{};
+  prometheus::Gauge* preparation_memory_ = nullptr;
 };
 
 // The gRPC name of a status code ("OK", "INVALID_ARGUMENT", ...; "UNKNOWN" for codes outside 0..16).
 const char* StatusCodeName(absl::StatusCode code);
-
-// Serves a registry in the Prometheus text format (version 0.0.4) at GET /metrics (HEAD too) on one thread;
-// other paths get 404 and other methods 405. One connection at a time, closed after each answer; a client
-// gets 5 s to send its request. Thread-safe.
-class MetricsHttpServer {
- public:
-  // Listens on `address`, "host:port" ("0.0.0.0:9464", "127.0.0.1:0", "[::]:9464", "localhost:9464"; port 0
-  // picks a free port, see port()). Errors: INVALID_ARGUMENT for a malformed address; UNAVAILABLE when it
-  // cannot be resolved or bound (the message names the address and the system error).
-  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& address,
-                                                                  std::shared_ptr<prometheus::Registry> registry);
-
-  // Stops serving (Stop()).
-  ~MetricsHttpServer();
-
-  MetricsHttpServer(const MetricsHttpServer&) = delete;
-  MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
-
-  // The bound TCP port.
-  int port() const { return port_; }
-
-  // Stops accepting, finishes the connection in progress and joins the thread. Idempotent.
-  void Stop();
-
- private:
-  MetricsHttpServer(int listen_fd, int wake_read_fd, int wake_write_fd, int port,
-                    std::shared_ptr<prometheus::Registry> registry);
-  void Run();
-  void Serve(int connection_fd) const;
-
-  const int listen_fd_;
-  const int wake_read_fd_;
-  const int wake_write_fd_;
-  const int port_;
-  const std::shared_ptr<prometheus::Registry> registry_;
-  absl::Mutex stop_mu_;
-  bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;
-  std::thread thread_;
-};
 
 }  // namespace mita::server

@@ -30,7 +30,8 @@ absl::Status QueuedDeadlineExceeded(absl::Duration queued) {
 absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const models::Classifier* classifier,
                                                                  ModelMetrics* metrics,
                                                                  const BatcherOptions& options, const Clock* clock,
-                                                                 RequestCompleter* completer) {
+                                                                 RequestCompleter* completer,
+                                                                 int64_t long_input_tokens) {
   if (classifier == nullptr || metrics == nullptr || clock == nullptr ||
       completer == nullptr) {
     return absl::InvalidArgumentError("classifier, metrics, clock and completer must be set");
@@ -42,14 +43,38 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const models::C
                                                    model.tokens_per_input, " tokens of one input of model '",
                                                    model.name, "'"));
   }
+  if (long_input_tokens < 0) return absl::InvalidArgumentError("long_input_tokens must be >= 0");
   std::unique_ptr<ModelRunner> runner(new ModelRunner(classifier, metrics, clock, completer));
   ModelRunner* self = runner.get();
-  absl::StatusOr<std::unique_ptr<DynamicBatcher<BatchTask>>> batcher = DynamicBatcher<BatchTask>::Create(
-      options, [self](Batch<BatchTask> batch) { self->ProcessBatch(std::move(batch)); }, clock,
-      [metrics](const QueueDepthChange& change) { metrics->AddQueued(change.tasks_delta, change.compute_units_delta); });
-  if (!batcher.ok()) return batcher.status();
-  runner->batcher_ = *std::move(batcher);
+  // A second lane only where inputs can be long: a document model whose documents may exceed the threshold.
+  const bool two_lanes = long_input_tokens > 0 && model.document.has_value() &&
+                         std::min(model.document->max_tokens, options.max_batch_tokens) > long_input_tokens;
+  for (int lane = 0; lane < (two_lanes ? 2 : 1); ++lane) {
+    BatcherOptions lane_options = options;
+    if (lane == 1) lane_options.num_batch_threads = 1;  // long documents one after another, beside the short
+    absl::StatusOr<std::unique_ptr<DynamicBatcher<BatchTask>>> batcher = DynamicBatcher<BatchTask>::Create(
+        lane_options, [self](Batch<BatchTask> batch) { self->ProcessBatch(std::move(batch)); }, clock,
+        [metrics](const QueueDepthChange& change) {
+          metrics->AddQueued(change.tasks_delta, change.compute_units_delta);
+        });
+    if (!batcher.ok()) return batcher.status();
+    runner->lanes_.push_back(*std::move(batcher));
+  }
+  runner->long_input_tokens_ = two_lanes ? long_input_tokens : 0;
   return runner;
+}
+
+std::unique_ptr<BatchTask> ModelRunner::TakeBack(uint64_t ticket) {
+  const uint64_t lane = ticket % kLanes;
+  return lane < lanes_.size() ? lanes_[lane]->Cancel(ticket / kLanes) : nullptr;
+}
+
+void ModelRunner::BeginShutdown() {
+  for (auto& lane : lanes_) lane->BeginShutdown();
+}
+
+void ModelRunner::Shutdown() {
+  for (auto& lane : lanes_) lane->Shutdown();
 }
 
 absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, uint64_t* ticket) {
@@ -57,10 +82,14 @@ absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, uint64_t* tick
   const models::AttentionBudget applied = (*task)->item.budget.budget;
   const int64_t tokens = (*task)->item.tokens;
   AdmissionRejection rejection = AdmissionRejection::kNone;
-  if (absl::Status status = batcher_->Submit(task, &rejection, ticket); !status.ok()) {
+  const size_t lane = long_input_tokens_ > 0 && tokens > long_input_tokens_ ? 1 : 0;
+  uint64_t lane_ticket = 0;
+  if (absl::Status status = lanes_[lane]->Submit(task, &rejection, &lane_ticket); !status.ok()) {
     metrics_->CountRejection(rejection);
     return status;
   }
+  // The lane travels in the ticket; lane tickets start at 1, so a ticket is never 0.
+  if (ticket != nullptr) *ticket = lane_ticket * kLanes + lane;
   // `*task` now belongs to the batcher (and may already be running): use only the copies.
   metrics_->ObserveBudget(requested, applied);
   metrics_->ObserveRequestTokens(tokens);

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -24,13 +25,17 @@ class RequestCompleter {
 
 class ModelRunner {
  public:
-  // Starts the model's batcher with `options`. `classifier`, `metrics`, `clock` and
-  // `completer` must outlive the runner. Errors: INVALID_ARGUMENT for invalid options, or when one input of an
-  // image model has more tokens than options.max_batch_tokens.
+  // Starts the model's batcher with `options`. `classifier`, `metrics`, `clock` and `completer` must outlive the
+  // runner. `long_input_tokens` > 0: inputs of more tokens go to a second lane, a batcher of their own with one
+  // batch thread, so that a long document's forward never holds up shorter requests (they run beside it); made
+  // only for a document model whose documents can be that long. Each lane has the queue limits of `options`.
+  // Errors: INVALID_ARGUMENT for invalid options, or when one input of an image model has more tokens than
+  // options.max_batch_tokens.
   static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(const models::Classifier* classifier,
                                                              ModelMetrics* metrics,
                                                              const BatcherOptions& options, const Clock* clock,
-                                                             RequestCompleter* completer);
+                                                             RequestCompleter* completer,
+                                                             int64_t long_input_tokens = 0);
 
   const models::Classifier& classifier() const { return *classifier_; }
   ModelMetrics* metrics() const { return metrics_; }
@@ -41,12 +46,15 @@ class ModelRunner {
   absl::Status Admit(std::unique_ptr<BatchTask>* task, uint64_t* ticket);
 
   // The task with `ticket`, taken back out of the queue; nullptr when a batch thread already has it.
-  std::unique_ptr<BatchTask> TakeBack(uint64_t ticket) { return batcher_->Cancel(ticket); }
+  std::unique_ptr<BatchTask> TakeBack(uint64_t ticket);
 
   // Stops admitting and releases what is queued without waiting for batches to fill (returns at once).
-  void BeginShutdown() { batcher_->BeginShutdown(); }
+  void BeginShutdown();
   // Runs what is queued and joins the batch threads.
-  void Shutdown() { batcher_->Shutdown(); }
+  void Shutdown();
+
+  // Lanes (1, or 2 with a long-input lane).
+  size_t num_lanes() const { return lanes_.size(); }
 
  private:
   ModelRunner(const models::Classifier* classifier, ModelMetrics* metrics, const Clock* clock,
@@ -60,7 +68,10 @@ class ModelRunner {
   ModelMetrics* const metrics_;
   const Clock* const clock_;
   RequestCompleter* const completer_;
-  std::unique_ptr<DynamicBatcher<BatchTask>> batcher_;
+  static constexpr uint64_t kLanes = 2;
+  // lanes_[0]: every input, or those of at most long_input_tokens_ tokens; lanes_[1]: the longer ones.
+  std::vector<std::unique_ptr<DynamicBatcher<BatchTask>>> lanes_;
+  int64_t long_input_tokens_ = 0;
 };
 
 // The status every request of a batch gets when the model's forward failed with `forward`. The requests were

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace mita::server {
 
@@ -56,6 +57,49 @@ void PreparationPool::Run() {
     }
     job();
   }
+}
+
+PreparationMemory::PreparationMemory(int64_t capacity_bytes, std::string capacity_source)
+    : capacity_(std::max<int64_t>(1, capacity_bytes)), capacity_source_(std::move(capacity_source)) {}
+
+absl::Status PreparationMemory::Acquire(int64_t bytes, const std::function<absl::Status()>& stop) {
+  bytes = std::max<int64_t>(0, bytes);
+  if (bytes > capacity_) {
+    constexpr double kMiB = 1 << 20;
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "preparing this input needs about %.1f MiB of working memory, more than the %.1f MiB that preparation may "
+        "use (%s)",
+        bytes / kMiB, capacity_ / kMiB, capacity_source_));
+  }
+  int marker = 0;  // this waiter's identity in waiters_
+  absl::MutexLock lock(&mu_);
+  waiters_.push_back(&marker);
+  auto my_turn = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return waiters_.front() == &marker && in_use_ + bytes <= capacity_;
+  };
+  while (!mu_.AwaitWithTimeout(absl::Condition(&my_turn), absl::Milliseconds(10))) {
+    if (stop == nullptr) continue;
+    mu_.Unlock();
+    absl::Status stopped = stop();
+    mu_.Lock();
+    if (!stopped.ok() && !my_turn()) {
+      waiters_.erase(std::find(waiters_.begin(), waiters_.end(), &marker));
+      return stopped;
+    }
+  }
+  waiters_.erase(std::find(waiters_.begin(), waiters_.end(), &marker));
+  in_use_ += bytes;
+  return absl::OkStatus();
+}
+
+void PreparationMemory::Release(int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  in_use_ -= std::max<int64_t>(0, bytes);
+}
+
+int64_t PreparationMemory::in_use() const {
+  absl::MutexLock lock(&mu_);
+  return in_use_;
 }
 
 }  // namespace mita::server

@@ -51,4 +51,31 @@ class PreparationPool {
   absl::Mutex join_mu_;
 };
 
+// Working memory shared by the preparations (decoding, tokenizing), in bytes: each takes its estimate
+// (Classifier::PreparationBytes) before it starts and gives it back when done, so that concurrent decodes of
+// large images stay within the capacity whatever their number. Waiters are served in arrival order (a large
+// image is not overtaken forever by small ones). Thread-safe.
+class PreparationMemory {
+ public:
+  // `capacity_bytes` >= 1, named by `capacity_source` in errors (e.g. "flag --preparation_memory_bytes").
+  PreparationMemory(int64_t capacity_bytes, std::string capacity_source);
+
+  // Waits until `bytes` are free and takes them. While waiting, `stop` (optional) is asked every 10 ms; its
+  // first non-OK answer is returned (nothing taken). Errors: RESOURCE_EXHAUSTED when `bytes` exceed the whole
+  // capacity (the message gives both in MiB and the source).
+  absl::Status Acquire(int64_t bytes, const std::function<absl::Status()>& stop) ABSL_LOCKS_EXCLUDED(mu_);
+  // Gives back what one Acquire took.
+  void Release(int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+
+  int64_t in_use() const ABSL_LOCKS_EXCLUDED(mu_);
+  int64_t capacity() const { return capacity_; }
+
+ private:
+  const int64_t capacity_;
+  const std::string capacity_source_;
+  mutable absl::Mutex mu_;
+  int64_t in_use_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<const void*> waiters_ ABSL_GUARDED_BY(mu_);  // arrival order
+};
+
 }  // namespace mita::server

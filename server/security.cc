@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <system_error>
 #include <utility>
@@ -102,9 +103,14 @@ absl::StatusOr<std::unique_ptr<BearerTokenAuthenticator>> BearerTokenAuthenticat
 
 absl::Status BearerTokenAuthenticator::Check(const grpc::ServerContextBase& context) const {
   const auto& metadata = context.client_metadata();
-  auto it = metadata.find("authorization");
-  if (it == metadata.end()) return CheckHeader(nullptr);
-  const std::string value(it->second.data(), it->second.size());
+  const auto [first, last] = metadata.equal_range("authorization");
+  if (first == last) return CheckHeader(nullptr);
+  // Two headers are ambiguous (a proxy may check one, the server the other): refused, whatever they hold.
+  if (std::next(first) != last) {
+    return absl::UnauthenticatedError(absl::StrCat("the call carries ", std::distance(first, last),
+                                                   " 'authorization' metadata entries; send exactly one"));
+  }
+  const std::string value(first->second.data(), first->second.size());
   return CheckHeader(&value);
 }
 

@@ -49,7 +49,8 @@ class BearerTokenAuthenticator {
 
   // OK when the call's metadata has "authorization: Bearer <token>" with this token (the scheme is
   // case-insensitive). Errors: UNAUTHENTICATED "missing ..." when there is no such metadata,
-  // UNAUTHENTICATED "invalid bearer token" when the token differs (never echoed).
+  // UNAUTHENTICATED "invalid bearer token" when the token differs (never echoed), UNAUTHENTICATED naming the
+  // count when the call carries more than one "authorization" entry.
   absl::Status Check(const grpc::ServerContextBase& context) const;
   // The same check on the value of an "authorization" header; nullptr: absent.
   absl::Status CheckHeader(const std::string* authorization) const;

@@ -1,9 +1,11 @@
 // Image decoding (PNG, JPEG) and preprocessing tests.
+#include <algorithm>
 #include <cmath>
 #include <csetjmp>
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <png.h>
@@ -374,6 +376,114 @@ TEST(DecodeJpegTest, DeclaredSizeOverTheLimitIsRejectedBeforeDecoding) {
     patched[at + 1] = static_cast<char>(65000 & 0xFF);
   }
   ExpectInvalid(patched, "declares 65000x65000 pixels, over the limit of 4096x4096");
+}
+
+VitConfig PreprocessConfig(int64_t channels);  // below, with the preprocessing tests
+
+// A camera-sized image: smooth shapes plus noise, deterministic.
+std::vector<uint8_t> PhotoPixels(int64_t width, int64_t height) {
+  std::vector<uint8_t> pixels(static_cast<size_t>(width * height));
+  uint32_t state = 12345;
+  for (int64_t y = 0; y < height; ++y) {
+    for (int64_t x = 0; x < width; ++x) {
+      state = state * 1664525u + 1013904223u;
+      const double noise = static_cast<double>(state >> 24) / 255.0 * 40.0 - 20.0;
+      const double value = 128.0 + 70.0 * std::sin(x / 97.0) * std::cos(y / 131.0) + noise;
+      pixels[static_cast<size_t>(y * width + x)] = static_cast<uint8_t>(std::clamp(value, 0.0, 255.0));
+    }
+  }
+  return pixels;
+}
+
+// Before 2026-12-02 a 6000x4000 photo was refused (over the 4096 limit); it is now decoded at the smallest DCT
+// scale that keeps 4x the model's input (1/8 here: 750x500), and the model input made from it matches the one
+// made from the full-size decode.
+TEST(DecodeJpegTest, LargeJpegDecodesAtReducedDctScaleCloseToTheFullDecode) {
+  constexpr int64_t kWidth = 6000, kHeight = 4000;
+  absl::StatusOr<std::string> jpeg = datasets::EncodeJpeg(PhotoPixels(kWidth, kHeight), kWidth, kHeight, 1, 90);
+  ASSERT_TRUE(jpeg.ok()) << jpeg.status();
+  const VitConfig config = PreprocessConfig(1);
+  ImageDecodeLimits limits;  // 4096 x 4096
+  limits.target_width = config.image_size;
+  limits.target_height = config.image_size;
+  absl::StatusOr<ImageDecodePlan> plan = PlanImageDecode(*jpeg, 1, limits);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->format, ImageDecodePlan::Format::kJpeg);
+  EXPECT_EQ(plan->declared_width, kWidth);
+  EXPECT_EQ(plan->declared_height, kHeight);
+  EXPECT_EQ(plan->scale_eighths, 1);
+  EXPECT_EQ(plan->decoded_width, 750);
+  EXPECT_EQ(plan->decoded_height, 500);
+  EXPECT_EQ(plan->working_bytes, 750 * 500 * (4 + 6) + (1 << 20));
+  const DecodedImage scaled = Decode(*jpeg, 1, limits);
+  EXPECT_EQ(scaled.width, 750);
+  EXPECT_EQ(scaled.height, 500);
+
+  // The reference: the whole image decoded, then area-averaged by the same preprocessing.
+  ImageDecodeLimits whole;
+  whole.max_width = kWidth;
+  whole.max_height = kHeight;
+  const DecodedImage full = Decode(*jpeg, 1, whole);
+  ASSERT_EQ(full.width, kWidth);
+  absl::StatusOr<at::Tensor> from_scaled = PreprocessImage(scaled, config);
+  absl::StatusOr<at::Tensor> from_full = PreprocessImage(full, config);
+  ASSERT_TRUE(from_scaled.ok() && from_full.ok());
+  // In pixel levels (0..255).
+  const at::Tensor difference = from_scaled->sub(*from_full).abs().mul(config.std[0] * 255.0);
+  const double largest = difference.max().item<double>();
+  const double mean = difference.mean().item<double>();
+  std::printf("1/8-scale against full decode: largest difference %.3f, mean %.3f levels of 255\n", largest, mean);
+  EXPECT_LT(largest, 3.0);
+  EXPECT_LT(mean, 1.0);
+}
+
+TEST(DecodeJpegTest, ScaleKeepsFourTimesTheTargetAndSmallImagesWhole) {
+  ImageDecodeLimits limits;
+  limits.target_width = 28;
+  limits.target_height = 28;
+  for (const auto& [side, eighths] : std::vector<std::pair<int64_t, int>>{{64, 8}, {112, 8}, {224, 4}, {900, 1}}) {
+    absl::StatusOr<std::string> jpeg = datasets::EncodeJpeg(NoisePixels(side * side), side, side, 1, 90);
+    ASSERT_TRUE(jpeg.ok());
+    absl::StatusOr<ImageDecodePlan> plan = PlanImageDecode(*jpeg, 1, limits);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->scale_eighths, eighths) << side;
+    EXPECT_GE(plan->decoded_width, std::min<int64_t>(side, 4 * 28)) << side;
+    EXPECT_EQ(Decode(*jpeg, 1, limits).width, plan->decoded_width) << side;
+  }
+  // Without a target: whole, and over the limit it is scaled down to fit (not refused).
+  absl::StatusOr<std::string> jpeg = datasets::EncodeJpeg(NoisePixels(300 * 200), 300, 200, 1, 90);
+  ASSERT_TRUE(jpeg.ok());
+  ImageDecodeLimits small;
+  small.max_width = 100;
+  small.max_height = 100;
+  absl::StatusOr<ImageDecodePlan> plan = PlanImageDecode(*jpeg, 1, small);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->scale_eighths, 2);  // 300 * 2/8 = 75 <= 100; 3/8 would be 113
+  EXPECT_EQ(plan->decoded_width, 75);
+  EXPECT_EQ(plan->decoded_height, 50);
+  EXPECT_EQ(PlanImageDecode(*jpeg, 1, {}).value().scale_eighths, 8);
+}
+
+TEST(PlanImageDecodeTest, PngPlanComesFromItsHeader) {
+  absl::StatusOr<std::string> png = datasets::EncodePng(NoisePixels(32 * 32), 32, 32, 1);
+  ASSERT_TRUE(png.ok());
+  // IHDR width and height at bytes 16..23, patched to 4096 x 2048: planned without decoding a pixel.
+  std::string patched = *png;
+  for (const auto& [at, value] : std::vector<std::pair<size_t, uint32_t>>{{16, 4096}, {20, 2048}}) {
+    for (int i = 0; i < 4; ++i) patched[at + i] = static_cast<char>((value >> (24 - 8 * i)) & 0xFF);
+  }
+  absl::StatusOr<ImageDecodePlan> plan = PlanImageDecode(patched, 3, {});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->format, ImageDecodePlan::Format::kPng);
+  EXPECT_EQ(plan->decoded_width, 4096);
+  EXPECT_EQ(plan->decoded_height, 2048);
+  EXPECT_EQ(plan->working_bytes, int64_t{4096} * 2048 * (4 + 6 * 3) + (1 << 20));
+  ImageDecodeLimits limits;
+  limits.max_width = 1000;
+  absl::StatusOr<ImageDecodePlan> refused = PlanImageDecode(patched, 3, limits);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("declares 4096x2048 pixels, over the limit"));
+  EXPECT_EQ(PlanImageDecode("GIF89a", 1, {}).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // ----- neither -----

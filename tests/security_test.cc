@@ -4,8 +4,12 @@
 // path traversal through a model name, symlinks out of the repository refused).
 #include "server/security.h"
 
+#include <arpa/inet.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -14,19 +18,25 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/mita_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "prometheus/counter.h"
 #include "prometheus/metric_family.h"
 #include "kserve/grpc_predict_v2.grpc.pb.h"
+#include "mita/v1/mita.grpc.pb.h"
 #include "server/inference_engine.h"
 #include "server/metrics.h"
+#include "server/metrics_http_server.h"
 #include "server/model_registry.h"
 #include "tests/server_test_util.h"
 #include "tests/test_util.h"
@@ -303,6 +313,41 @@ TEST(BearerTokenTest, EveryOpenInferenceCallNeedsTheToken) {
   EXPECT_EQ(HealthCheckCode(server->target), grpc::StatusCode::OK);
 }
 
+// A call with two 'authorization' entries is refused even when one (or both) holds the right token: a proxy in
+// front may have checked the other.
+TEST(BearerTokenTest, TwoAuthorizationHeadersAreRefused) {
+  absl::StatusOr<std::unique_ptr<BearerTokenAuthenticator>> authenticator = BearerTokenAuthenticator::FromToken("t0ken");
+  ASSERT_TRUE(authenticator.ok());
+  std::unique_ptr<TestServer> server = TestServer::Start(grpc::InsecureServerCredentials(), authenticator->get());
+  ASSERT_NE(server, nullptr);
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(server->target, grpc::InsecureChannelCredentials());
+  std::unique_ptr<mita::v1::MitaService::Stub> mita_v1 = mita::v1::MitaService::NewStub(channel);
+  std::unique_ptr<inference::GRPCInferenceService::Stub> open_inference =
+      inference::GRPCInferenceService::NewStub(channel);
+  for (const auto& [first, second] : std::vector<std::pair<std::string, std::string>>{
+           {"Bearer t0ken", "Bearer t0ken"}, {"Bearer t0ken", "Bearer wrong"}, {"Bearer wrong", "Bearer t0ken"}}) {
+    SCOPED_TRACE(first + " + " + second);
+    grpc::ClientContext list_context;
+    list_context.AddMetadata("authorization", first);
+    list_context.AddMetadata("authorization", second);
+    mita::v1::ListModelsResponse list_response;
+    const grpc::Status list = mita_v1->ListModels(&list_context, {}, &list_response);
+    EXPECT_EQ(list.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_THAT(list.error_message(), HasSubstr("2 'authorization' metadata entries; send exactly one"));
+    grpc::ClientContext live_context;
+    live_context.AddMetadata("authorization", first);
+    live_context.AddMetadata("authorization", second);
+    inference::ServerLiveResponse live_response;
+    EXPECT_EQ(open_inference->ServerLive(&live_context, {}, &live_response).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  // One entry with the token still passes on the same channel.
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", "Bearer t0ken");
+  mita::v1::ListModelsResponse response;
+  EXPECT_TRUE(mita_v1->ListModels(&context, {}, &response).ok());
+}
+
 TEST(BearerTokenTest, TokenFilesAndHeaders) {
   const fs::path directory = MakeTempDirectory("token_files");
   WriteText(directory / "empty", " \n");
@@ -350,6 +395,73 @@ TEST(MetricsListenTest, MetricsPortBindsToLoopbackWhenAsked) {
   absl::StatusOr<std::unique_ptr<MetricsHttpServer>> any = MetricsHttpServer::Start("0.0.0.0:0", registry);
   ASSERT_TRUE(any.ok()) << any.status();
   EXPECT_EQ(ListeningAddress((*any)->port()), "00000000") << "every interface";
+}
+
+// A TCP connection to 127.0.0.1:`port`, or -1.
+int ConnectToLoopback(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// The whole reply to `request` sent on a new connection (the server closes it or answers with a length).
+std::string RawHttp(int port, const std::string& request) {
+  const int fd = ConnectToLoopback(port);
+  if (fd < 0) return "";
+  send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+  std::string reply;
+  char buffer[4096];
+  for (ssize_t n; (n = recv(fd, buffer, sizeof(buffer), 0)) > 0;) reply.append(buffer, static_cast<size_t>(n));
+  close(fd);
+  return reply;
+}
+
+// Idle connections (connected, nothing sent) and slow ones (half a request line) do not delay a scrape:
+// before 2026-12-02 the endpoint served one connection at a time with a 5 s read timeout each, so three idle
+// connections delayed a scrape by 15 s.
+TEST(MetricsEndpointTest, IdleAndSlowConnectionsDoNotDelayAScrape) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  prometheus::BuildCounter().Name("mita_test_total").Help("a test counter").Register(*registry).Add({}).Increment(3);
+  absl::StatusOr<std::unique_ptr<MetricsHttpServer>> server = MetricsHttpServer::Start("127.0.0.1:0", registry);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int port = (*server)->port();
+  std::vector<int> held;
+  for (int i = 0; i < 8; ++i) held.push_back(ConnectToLoopback(port));
+  for (int i = 0; i < 4; ++i) {
+    held.push_back(ConnectToLoopback(port));
+    send(held.back(), "GET /met", 8, MSG_NOSIGNAL);
+  }
+  for (int fd : held) ASSERT_GE(fd, 0);
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> scrape = test_util::HttpGet(port, "/metrics");
+  const absl::Duration took = absl::Now() - start;
+  ASSERT_TRUE(scrape.ok()) << scrape.status();
+  EXPECT_THAT(*scrape, HasSubstr("mita_test_total 3"));
+  // A bound on behaviour, not a speed target: the old endpoint took 5 s per held connection (60 s here).
+  EXPECT_LT(took, absl::Seconds(3)) << "the scrape waited for the held connections";
+  for (int fd : held) close(fd);
+
+  EXPECT_THAT(RawHttp(port, "HEAD /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+              ::testing::AllOf(HasSubstr("200 OK"), ::testing::Not(HasSubstr("mita_test_total"))));
+  EXPECT_THAT(RawHttp(port, "GET /other HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"), HasSubstr("404"));
+  EXPECT_THAT(RawHttp(port, "POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"),
+              ::testing::AllOf(HasSubstr("405"), HasSubstr("GET, HEAD")));
+}
+
+TEST(MetricsEndpointTest, BadAddressesAreRefusedNamingTheFlag) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  for (const char* address : {"127.0.0.1", "127.0.0.1:70000", "127.0.0.1:x"}) {
+    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> server = MetricsHttpServer::Start(address, registry);
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << address;
+    EXPECT_THAT(std::string(server.status().message()), HasSubstr("flag --metrics_listen")) << address;
+  }
 }
 
 class RepositoryContainmentTest : public ::testing::Test {

@@ -24,6 +24,7 @@
 #include "server/open_inference_service.h"
 #include "server/message_limits.h"
 #include "server/metrics.h"
+#include "server/metrics_http_server.h"
 #include "server/model_registry.h"
 
 namespace mita::test_util {

@@ -744,6 +744,60 @@ std::string Utf8Prefix(const std::string& text, size_t count) {
   return text.substr(0, count);
 }
 
+// A long document does not hold up short requests of the same model: with the long-document lane
+// (EngineOptions::long_document_tokens) a short document sent while a long one computes is answered before it;
+// with one lane (the control, as before 2026-12-02) it waits for the long forward to end.
+TEST_F(ServiceTest, ALongDocumentDoesNotHoldUpShortOnes) {
+  constexpr char kDocumentModel[] = "linux-doc-mita";
+  std::vector<int64_t> long_ids(16384), short_ids(256);
+  uint32_t state = 7;
+  for (std::vector<int64_t>* ids : {&long_ids, &short_ids}) {
+    for (int64_t& id : *ids) {
+      state = state * 1664525u + 1013904223u;
+      id = (state >> 8) % 4096;
+    }
+  }
+  for (const int64_t long_document_tokens : {int64_t{0}, int64_t{8192}}) {
+    SCOPED_TRACE(absl::StrCat("long_document_tokens=", long_document_tokens));
+    EngineOptions options;
+    options.batching.max_batch_size = 8;
+    options.batching.max_queue_delay = absl::Milliseconds(1);
+    options.long_document_tokens = long_document_tokens;
+    test_util::InProcessServer server(registry_, options);
+    ASSERT_TRUE(server.status().ok()) << server.status();
+    client::ClassifyOptions classify;
+    classify.model = kDocumentModel;
+    classify.deadline = absl::Seconds(300);
+    absl::StatusOr<v1::ClassifyRequest> long_request = client::BuildTokenIdsRequest(long_ids, classify);
+    absl::StatusOr<v1::ClassifyRequest> short_request = client::BuildTokenIdsRequest(short_ids, classify);
+    ASSERT_TRUE(long_request.ok() && short_request.ok());
+    absl::Time long_done, short_done;
+    absl::StatusOr<v1::ClassifyResponse> long_response, short_response;
+    std::thread long_call([&] {
+      long_response = server.client().ClassifyRaw(*long_request, absl::Seconds(300));
+      long_done = absl::Now();
+    });
+    // Sent once the long document's forward has started: admitted (its tokens observed), then out of the queue.
+    const absl::Time give_up = absl::Now() + absl::Seconds(30);
+    auto started = [&] {
+      return test_util::MetricValue(server.registry(), "mita_request_tokens", {{"model", kDocumentModel}}) >= 1 &&
+             test_util::MetricValue(server.registry(), "mita_queue_depth", {{"model", kDocumentModel}}) == 0;
+    };
+    while (absl::Now() < give_up && !started()) absl::SleepFor(absl::Milliseconds(2));
+    ASSERT_TRUE(started());
+    short_response = server.client().ClassifyRaw(*short_request, absl::Seconds(300));
+    short_done = absl::Now();
+    long_call.join();
+    ASSERT_TRUE(long_response.ok()) << long_response.status();
+    ASSERT_TRUE(short_response.ok()) << short_response.status();
+    if (long_document_tokens > 0) {
+      EXPECT_LT(short_done, long_done) << "the short document waited for the long one";
+    } else {
+      EXPECT_GT(short_done, long_done) << "control: with one lane the short document waits";
+    }
+  }
+}
+
 class DocumentServiceTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
