@@ -93,7 +93,7 @@ echo "== 2. unit tests (device_test; kernels_test MitaCuda)"
 # ServerStartTest starts the build's own mita-server path (not in the bundle); step 3 does that here.
 timeout 600 "${run[@]}" device_test --gtest_filter='-ServerStartTest.*' > "$OUT_DIR/device_test.txt" 2>&1
 rc=$?
-grep -E "^\[  FAILED  \] [A-Z]|items: largest|Failure" "$OUT_DIR/device_test.txt" | head -40
+grep -E "^\[  FAILED  \] [A-Z]|items: largest|: Failure$" "$OUT_DIR/device_test.txt" | head -40
 tests_line() {  # FILE: "N passed, M skipped" from a GoogleTest log
   echo "$(sed -n 's/^\[  PASSED  \] \([0-9]*\) tests\{0,1\}\./\1/p' "$1") passed," \
        "$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\{0,1\}, listed below:/\1/p' "$1" | head -1) skipped"

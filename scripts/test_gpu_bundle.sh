@@ -7,10 +7,11 @@
 # and the main job's requests on a CPU server compared with those of a second CPU server (the comparison code
 # the GPU run uses, MITA_GPU_CHECK_PLACEMENTS=cpu/float32); then the whole kernels_test; all of it again through
 # the bundle's own glibc and libstdc++ (MITA_BUNDLE_FALLBACK). Run as root from the repository root, after
-# `scripts/gpu_bundle.sh pack BUILD BUNDLE`. Needs debootstrap and pip (downloads the 530 MB cp312 wheel once,
-# and the root, into WORK). gpu_check.sh's output of each run is copied to WORK/output-*.
+# `scripts/gpu_bundle.sh pack BUILD BUNDLE`. Needs pip and debootstrap (installed when missing); downloads the
+# 530 MB cp312 wheel once, and the root, into WORK. gpu_check.sh's output of each run is copied to WORK/output-*.
 # Usage: scripts/test_gpu_bundle.sh [BUNDLE] [WORK]   (defaults: build-gpu-bundle, /srv/mita-gpu-bundle-test)
-# Exit status 0 when both runs serve and classify, 1 otherwise.
+# Exit status 0 when both runs pass (gpu_check.sh, the main job's answers on both CPU servers, kernels_test), 1
+# otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bundle=$(realpath "${1:-build-gpu-bundle}")
@@ -20,6 +21,7 @@ site=$root/opt/torch/.venv/lib/python3.12/site-packages
 # The NVIDIA wheels: the same versions as the GPU machine's (torch 2.11.0's pins), from install_deps.sh's folder.
 nvidia=${MITA_NVIDIA_DIR:-/opt/mita/torch-2.11.0/nvidia}
 mkdir -p "$work"
+command -v debootstrap > /dev/null || { apt-get update -qq && apt-get install -y -qq --no-install-recommends debootstrap; }
 if [ ! -x "$root/bin/bash" ]; then
   debootstrap --variant=minbase --include=python3 bookworm "$root" http://deb.debian.org/debian \
     > "$work/debootstrap.log"
