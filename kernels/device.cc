@@ -13,8 +13,9 @@
 #include "absl/strings/strip.h"
 #include "kernels/aten_errors.h"
 #ifdef MITA_TORCH_HAS_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
+#include <ATen/Context.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 #ifdef MITA_HAVE_CUDA
@@ -132,6 +133,8 @@ absl::StatusOr<DeviceMemory> CudaMemory(const c10::Device& device) {
   if (absl::Status cuda = CheckCuda(device); !cuda.ok()) return cuda;
 #ifdef MITA_TORCH_HAS_CUDA
   try {
+    // The caching allocator knows the devices once LibTorch's CUDA is initialised (the first CUDA tensor does it).
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
     const c10::CachingDeviceAllocator::DeviceStats stats =
         c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
     constexpr size_t kAggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
@@ -178,6 +181,7 @@ absl::Status LimitCudaMemory(const c10::Device& device, double fraction) {
   }
 #ifdef MITA_TORCH_HAS_CUDA
   try {
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);  // mita-server limits before any weights are placed
     c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, device.index());
     return absl::OkStatus();
   } catch (const std::exception&) {

@@ -51,9 +51,9 @@ struct DeviceMemory {
   int64_t peak_allocated_bytes = 0;
   int64_t total_bytes = 0;
 };
-// The caching allocator's counts for `device` (a CUDA device). Errors: FAILED_PRECONDITION without LibTorch
-// CUDA; INVALID_ARGUMENT for a CPU device; INTERNAL when the allocator has not seen the device (nothing was
-// placed on it yet) or fails.
+// The caching allocator's counts for `device` (a CUDA device; initialises LibTorch's CUDA if nothing has yet).
+// Errors: FAILED_PRECONDITION without LibTorch CUDA; INVALID_ARGUMENT for a CPU device; INTERNAL when the
+// allocator fails (e.g. an index beyond the visible devices).
 absl::StatusOr<DeviceMemory> CudaMemory(const c10::Device& device);
 
 // Waits until `device` has run all work queued on it (for timing); nothing on the CPU.
