@@ -202,7 +202,9 @@ absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::T
       for (int64_t b = 0; interrupt && b < q.size(0); ++b) {
         if (interrupt(b)) stopped.push_back(b);
       }
-      at::Tensor output = at::scaled_dot_product_attention(q, k, v).contiguous();
+      // Contiguous inputs (strided views of a fused qkv otherwise): the fused kernels' layout checks then pass
+      // at every head size, instead of a fall-back to the math path and its N x N scores.
+      at::Tensor output = at::scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous()).contiguous();
       for (int64_t b : stopped) output[b].zero_();
       return output;
     }
