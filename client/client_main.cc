@@ -168,7 +168,8 @@ int ListModels(const MitaClient& client, absl::Duration deadline) {
   }
   for (const v1::ModelMetadata& model : models->models()) {
     const v1::Knobs& knobs = model.knobs();
-    std::cout << model.name() << " (" << model.architecture() << "): " << model.labels_size() << " labels, "
+    std::cout << model.name() << " (" << model.architecture() << ", on " << model.device() << " in "
+              << model.weights_dtype() << "): " << model.labels_size() << " labels, "
               << model.layers() << " layers, " << model.heads() << " heads, embed_dim " << model.embed_dim();
     // Image models have a fixed token count; a document's is its own length (tokens_per_input is 0 then).
     if (model.tokens_per_input() > 0) {

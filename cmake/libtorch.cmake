@@ -3,7 +3,8 @@
 #     at MITA_TORCH_ROOT (torch 2.11.0 built for CUDA 13.0, MKL; runs without a GPU; its CMake config needs the
 #     CUDA toolkit: nvcc, cudart, cuBLAS headers).
 #   MITA_LIBTORCH=debian: Debian 12's libtorch-dev 1.13 (CPU only, OpenBLAS).
-# Defines the INTERFACE target mita_torch (libraries, include folders, compile flags) and MITA_LIBTORCH_LIBRARY_DIR.
+# Defines the INTERFACE target mita_torch (libraries, include folders, compile flags), MITA_LIBTORCH_LIBRARY_DIR and
+# MITA_TORCH_HAS_CUDA.
 set(MITA_LIBTORCH pypi CACHE STRING "LibTorch to build against: pypi (the torch wheel at MITA_TORCH_ROOT) or debian")
 set_property(CACHE MITA_LIBTORCH PROPERTY STRINGS pypi debian)
 set(MITA_TORCH_ROOT /opt/mita/torch-2.11.0/torch CACHE PATH
@@ -91,7 +92,14 @@ if(MITA_LIBTORCH STREQUAL "pypi")
     endif()
   endforeach()
 endif()
-message(STATUS "LibTorch: ${MITA_LIBTORCH}, version ${Torch_VERSION}, libraries in ${MITA_LIBTORCH_LIBRARY_DIR}")
+# Whether this LibTorch has CUDA (the wheel's has, Debian's has not): kernels/ then compiles its CUDA parts (fused
+# attention, device checks, the caching allocator's memory statistics) with MITA_TORCH_HAS_CUDA.
+set(MITA_TORCH_HAS_CUDA OFF)
+if(TARGET c10_cuda)
+  set(MITA_TORCH_HAS_CUDA ON)
+endif()
+message(STATUS "LibTorch: ${MITA_LIBTORCH}, version ${Torch_VERSION}, libraries in ${MITA_LIBTORCH_LIBRARY_DIR}, "
+  "CUDA ${MITA_TORCH_HAS_CUDA}")
 
 # The BLAS of the CPU MiTA kernel, which calls sgemm_/dgemm_ itself: the one LibTorch uses, so that one BLAS
 # and one thread setting serve the process. The wheel's libtorch_cpu.so links MKL in and exports its sgemm_ and

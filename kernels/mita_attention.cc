@@ -7,6 +7,7 @@
 #include <cstring>
 #include <exception>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/grad_mode.h>
@@ -15,6 +16,9 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/softmax.h>
+#ifdef MITA_TORCH_HAS_CUDA
+#include <ATen/ops/scaled_dot_product_attention.h>
+#endif
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -190,6 +194,21 @@ absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::T
   if (absl::Status status = CheckQueryKeyValue(q, k, v); !status.ok()) return status;
   return RunWithoutThrowing("full attention", [&]() -> at::Tensor {
     at::NoGradGuard no_grad;
+#ifdef MITA_TORCH_HAS_CUDA
+    // On a CUDA device: LibTorch's fused scaled-dot-product attention (FlashAttention or memory-efficient
+    // attention, O(N) memory) on the whole batch at once. `interrupt` is asked once per item before it starts.
+    if (q.is_cuda() && q.numel() > 0) {
+      std::vector<int64_t> stopped;
+      for (int64_t b = 0; interrupt && b < q.size(0); ++b) {
+        if (interrupt(b)) stopped.push_back(b);
+      }
+      // Contiguous inputs (strided views of a fused qkv otherwise): the fused kernels' layout checks then pass
+      // at every head size, instead of a fall-back to the math path and its N x N scores.
+      at::Tensor output = at::scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous()).contiguous();
+      for (int64_t b : stopped) output[b].zero_();
+      return output;
+    }
+#endif
     at::Tensor output = at::empty(q.sizes(), q.options());
     if (q.numel() == 0) return output;
     const int64_t batch = q.size(0), heads = q.size(1), tokens = q.size(2), head_dim = q.size(3);

@@ -1,4 +1,4 @@
-// MiTA (Mixture-of-Top-k Attention) forward and full attention, on CPU.
+// MiTA (Mixture-of-Top-k Attention) forward and full attention, on the CPU and on CUDA devices.
 //
 // Source: Wen et al., "MiTA: Mixture-of-Top-k Attention", NeurIPS 2026 (arXiv 2602.01219), and
 // docs/design.md section 2, which fixes the details trained checkpoints depend on. Per batch item and head,
@@ -97,12 +97,16 @@ using AttentionInterrupt = std::function<bool(int64_t item)>;
 // Full softmax attention softmax(q k^T / sqrt(d)) v with ATen ops (mm, softmax), per (item, head) in query
 // chunks so the score buffer stays under 2^20 elements at any N; the serving path for "full attention" budgets
 // and, per docs/design.md section 2.7, what MiTA equals with k = N and no compressed branch.
-// q, k, v: [B, H, N, d], same shape, float32 or float64 -> new contiguous [B, H, N, d] of q's dtype.
-// `interrupt` (optional) is asked before every query chunk of batch item `item`; when it answers true, the
-// rest of that item is skipped and its remaining output rows are 0 (the caller knows why it stopped): long
-// inputs stop within one chunk (at most 2^20 scores) of their caller leaving.
-// Errors: INVALID_ARGUMENT when a tensor is undefined or not 4-D, when dtypes are not float32/float64 or
-// differ, or when shapes or devices differ.
+// q, k, v: [B, H, N, d], same shape, float32 or float64 (bfloat16 too on a CUDA device) -> new contiguous
+// [B, H, N, d] of q's dtype. On a CUDA device it is LibTorch's fused scaled-dot-product attention
+// (at::scaled_dot_product_attention: FlashAttention or memory-efficient attention, O(N) memory) over the batch.
+// `interrupt` (optional) is asked before every query chunk of batch item `item` on the CPU, and once per item
+// before the work starts on a CUDA device; when it answers true, the rest of that item is skipped and its
+// remaining output rows are 0 (the caller knows why it stopped): long inputs on the CPU stop within one chunk
+// (at most 2^20 scores) of their caller leaving.
+// Errors: INVALID_ARGUMENT when a tensor is undefined or not 4-D, when dtypes are not float32/float64 (or
+// bfloat16 on a CUDA device) or differ, or when shapes or devices differ; RESOURCE_EXHAUSTED when memory runs
+// out (CUDA's included).
 absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 const AttentionInterrupt& interrupt = nullptr);
 
@@ -111,14 +115,16 @@ absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::T
 // adaptively to a P x P grid: window i covers rows/columns [floor(i*S/P), ceil((i+1)*S/P)).
 // This is at::adaptive_avg_pool2d, whose windows are exactly these. Pooling is per head; since it is a per-channel
 // average, pooling all C channels then splitting heads (the official code) gives the same landmarks.
-// q: [B, H, N, d], float32 or float64 -> new contiguous [B, H, P*P, d], landmark index = row * P + column.
+// q: [B, H, N, d], float32 or float64 (bfloat16 too on a CUDA device) -> new contiguous [B, H, P*P, d] on q's
+// device, landmark index = row * P + column.
 // Errors: INVALID_ARGUMENT when q is undefined, not 4-D or not float32/float64, when N - 1 is not a positive
 // perfect square, or when pool_side is outside [1, S].
 absl::StatusOr<at::Tensor> ImageLandmarks(const at::Tensor& q, int64_t pool_side);
 
 // Sequence landmarks (docs/design.md section 2.1): adaptive 1-D average pooling of q over all N tokens into M
 // windows [floor(i*N/M), ceil((i+1)*N/M)) (at::adaptive_avg_pool1d; windows overlap when M does not divide N).
-// q: [B, H, N, d], float32 or float64 -> new contiguous [B, H, M, d].
+// q: [B, H, N, d], float32 or float64 (bfloat16 too on a CUDA device) -> new contiguous [B, H, M, d] on q's
+// device.
 // Errors: INVALID_ARGUMENT when q is undefined, not 4-D or not float32/float64, or when expert_count is outside
 // [1, N].
 absl::StatusOr<at::Tensor> SequenceLandmarks(const at::Tensor& q, int64_t expert_count);

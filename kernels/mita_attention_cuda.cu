@@ -457,60 +457,84 @@ int64_t SharedChunkTokens(int64_t tokens) {
   return std::max<int64_t>(1, per_chunk_tiles) * kRowThreads;
 }
 
-template <typename T>
-std::string Run(const CudaMitaProblem& problem, cudaStream_t stream) {
+// The scratch layout of one call: scores [H, M_max, N] f32 | shared output [H, M_max, d] f32 | expert keys
+// [H, M_max, k_max] i32 | selections [H, N] i32 | loads [H, M_b] i32 per item b, back to back | counts [B, H, 2]
+// u64 | row maxima [H, M_max] f32 | shared-expert partials [chunks, H, M_max, d] f32 and their sums [chunks, H,
+// M_max] f32. Selections are reused item after item (stream order); loads and counts stay until one copy to
+// the host at the end of the call.
+struct Layout {
+  size_t scores = 0, shared = 0, keys = 0, selections = 0, loads = 0, counts = 0, maxima = 0, partial = 0,
+         partial_sums = 0;
+  static size_t Aligned(size_t bytes) { return (bytes + 255) / 256 * 256; }
+  size_t Total() const {
+    return Aligned(scores) + Aligned(shared) + Aligned(keys) + Aligned(selections) + Aligned(loads) +
+           Aligned(counts) + Aligned(maxima) + Aligned(partial) + Aligned(partial_sums);
+  }
+};
+
+Layout LayoutOf(const CudaMitaProblem& problem) {
   const int64_t heads = problem.heads, max_tokens = problem.tokens, head_dim = problem.head_dim;
   const bool want_counts = problem.head_counts != nullptr;
-  int64_t max_experts = 0, max_width = 0;
+  int64_t max_experts = 0, max_width = 0, all_experts = 0;
   for (int64_t b = 0; b < problem.batch; ++b) {
     max_experts = std::max(max_experts, problem.items[b].expert_count);
     max_width = std::max(max_width, problem.items[b].expert_width);
+    all_experts += problem.items[b].expert_count;
   }
-  // Scratch: scores [H, M, N] f32 | shared output [H, M, d] f32 | expert keys [H, M, k] i32 |
-  // selections [H, N] i32 | load [H, M] i32 | counts [H, 2] u64 | row maxima [H, M] f32 |
-  // shared-expert partials [chunks, H, M, d] f32 and their sums [chunks, H, M] f32.
-  const size_t score_bytes = sizeof(float) * heads * max_experts * max_tokens;
-  const size_t shared_bytes = sizeof(float) * heads * max_experts * head_dim;
-  const size_t key_bytes = sizeof(int32_t) * heads * max_experts * max_width;
-  const size_t selection_bytes = want_counts ? sizeof(int32_t) * heads * max_tokens : 0;
-  const size_t load_bytes = want_counts ? sizeof(int32_t) * heads * max_experts : 0;
-  const size_t count_bytes = want_counts ? sizeof(unsigned long long) * heads * 2 : 0;
   // Every item's chunk count is at most min(kMaxSharedChunks, ceil(N / kRowThreads)) (SharedChunkTokens).
   const int64_t max_chunks = std::min<int64_t>(kMaxSharedChunks, (max_tokens + kRowThreads - 1) / kRowThreads);
-  const size_t maxima_bytes = sizeof(float) * heads * max_experts;
-  const size_t partial_bytes = sizeof(float) * max_chunks * heads * max_experts * head_dim;
-  const size_t partial_sum_bytes = sizeof(float) * max_chunks * heads * max_experts;
-  auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
-  const size_t total = aligned(score_bytes) + aligned(shared_bytes) + aligned(key_bytes) +
-                       aligned(selection_bytes) + aligned(load_bytes) + aligned(count_bytes) +
-                       aligned(maxima_bytes) + aligned(partial_bytes) + aligned(partial_sum_bytes);
-  void* scratch = nullptr;
-  if (cudaError_t error = cudaMallocAsync(&scratch, total, stream); error != cudaSuccess) {
-    return CudaError(error, "cudaMallocAsync of the MiTA scratch memory");
+  Layout layout;
+  layout.scores = sizeof(float) * heads * max_experts * max_tokens;
+  layout.shared = sizeof(float) * heads * max_experts * head_dim;
+  layout.keys = sizeof(int32_t) * heads * max_experts * max_width;
+  layout.selections = want_counts ? sizeof(int32_t) * heads * max_tokens : 0;
+  layout.loads = want_counts ? sizeof(int32_t) * heads * all_experts : 0;
+  layout.counts = want_counts ? sizeof(unsigned long long) * problem.batch * heads * 2 : 0;
+  layout.maxima = sizeof(float) * heads * max_experts;
+  layout.partial = sizeof(float) * max_chunks * heads * max_experts * head_dim;
+  layout.partial_sums = sizeof(float) * max_chunks * heads * max_experts;
+  return layout;
+}
+
+template <typename T>
+std::string Run(const CudaMitaProblem& problem, cudaStream_t stream) {
+  const int64_t heads = problem.heads, head_dim = problem.head_dim;
+  const bool want_counts = problem.head_counts != nullptr;
+  const Layout layout = LayoutOf(problem);
+  const size_t total = layout.Total();
+  void* scratch = problem.workspace;
+  const bool own_scratch = scratch == nullptr;
+  if (own_scratch) {
+    if (cudaError_t error = cudaMallocAsync(&scratch, total, stream); error != cudaSuccess) {
+      return CudaError(error, "cudaMallocAsync of the MiTA scratch memory");
+    }
   }
   char* cursor = static_cast<char*>(scratch);
   auto take = [&](size_t bytes) {
     char* here = cursor;
-    cursor += aligned(bytes);
+    cursor += Layout::Aligned(bytes);
     return here;
   };
-  float* scores = reinterpret_cast<float*>(take(score_bytes));
-  float* shared_output = reinterpret_cast<float*>(take(shared_bytes));
-  int32_t* expert_keys = reinterpret_cast<int32_t*>(take(key_bytes));
-  int32_t* selections = want_counts ? reinterpret_cast<int32_t*>(take(selection_bytes)) : nullptr;
-  int32_t* load = want_counts ? reinterpret_cast<int32_t*>(take(load_bytes)) : nullptr;
-  auto* counts = want_counts ? reinterpret_cast<unsigned long long*>(take(count_bytes)) : nullptr;
-  float* maxima = reinterpret_cast<float*>(take(maxima_bytes));
-  float* partial = reinterpret_cast<float*>(take(partial_bytes));
-  float* partial_sums = reinterpret_cast<float*>(take(partial_sum_bytes));
+  float* scores = reinterpret_cast<float*>(take(layout.scores));
+  float* shared_output = reinterpret_cast<float*>(take(layout.shared));
+  int32_t* expert_keys = reinterpret_cast<int32_t*>(take(layout.keys));
+  int32_t* selections = want_counts ? reinterpret_cast<int32_t*>(take(layout.selections)) : nullptr;
+  int32_t* loads = want_counts ? reinterpret_cast<int32_t*>(take(layout.loads)) : nullptr;
+  auto* counts = want_counts ? reinterpret_cast<unsigned long long*>(take(layout.counts)) : nullptr;
+  float* maxima = reinterpret_cast<float*>(take(layout.maxima));
+  float* partial = reinterpret_cast<float*>(take(layout.partial));
+  float* partial_sums = reinterpret_cast<float*>(take(layout.partial_sums));
+  if (want_counts) {
+    cudaMemsetAsync(loads, 0, layout.loads, stream);
+    cudaMemsetAsync(counts, 0, layout.counts, stream);
+  }
 
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const Strides q_strides{problem.q_strides[0], problem.q_strides[1], problem.q_strides[2]};
   const Strides k_strides{problem.k_strides[0], problem.k_strides[1], problem.k_strides[2]};
   const Strides v_strides{problem.v_strides[0], problem.v_strides[1], problem.v_strides[2]};
   std::string failure;
-  std::vector<int32_t> host_load;
-  std::vector<unsigned long long> host_counts;
+  int64_t load_offset = 0;  // this item's loads start at loads + load_offset
   for (int64_t b = 0; b < problem.batch && failure.empty(); ++b) {
     const CudaMitaItem& item = problem.items[b];
     const int64_t experts = item.expert_count, width = item.expert_width;
@@ -520,12 +544,10 @@ std::string Run(const CudaMitaProblem& problem, cudaStream_t stream) {
     const T* v = static_cast<const T*>(problem.v) + b * v_strides.item;
     const T* landmarks = static_cast<const T*>(item.landmarks);
     T* output = static_cast<T*>(problem.output) + b * heads * problem.tokens * head_dim;
+    int32_t* load = want_counts ? loads + load_offset : nullptr;
+    load_offset += heads * experts;
     if (tokens < problem.tokens) cudaMemsetAsync(output, 0, sizeof(T) * heads * problem.tokens * head_dim, stream);
-    if (want_counts) {
-      cudaMemsetAsync(selections, 0, selection_bytes, stream);
-      cudaMemsetAsync(load, 0, load_bytes, stream);
-      cudaMemsetAsync(counts, 0, count_bytes, stream);
-    }
+    if (want_counts) cudaMemsetAsync(selections, 0, layout.selections, stream);
     const dim3 score_grid(static_cast<unsigned>((tokens + kScoreThreads - 1) / kScoreThreads),
                           static_cast<unsigned>((experts + kLandmarkGroup - 1) / kLandmarkGroup),
                           static_cast<unsigned>(heads));
@@ -550,30 +572,38 @@ std::string Run(const CudaMitaProblem& problem, cudaStream_t stream) {
     QueryKernel<T><<<query_grid, kQueriesPerBlock * kWarp, 0, stream>>>(
         q, q_strides, k, k_strides, v, v_strides, landmarks, shared_output, expert_keys, output, load, tokens,
         problem.tokens, experts, width, head_dim, scale);
-    if (cudaError_t error = cudaGetLastError(); error != cudaSuccess) {
-      failure = CudaError(error, "MiTA kernel launch");
-      break;
-    }
     if (want_counts) {
-      CountKernel<<<static_cast<unsigned>(heads), kRowThreads, 0, stream>>>(selections, counts, tokens);
-      host_load.resize(heads * experts);
-      host_counts.resize(heads * 2);
-      cudaMemcpyAsync(host_load.data(), load, sizeof(int32_t) * heads * experts, cudaMemcpyDeviceToHost, stream);
-      cudaMemcpyAsync(host_counts.data(), counts, count_bytes, cudaMemcpyDeviceToHost, stream);
-      if (cudaError_t error = cudaStreamSynchronize(stream); error != cudaSuccess) {
-        failure = CudaError(error, "MiTA statistics");
-        break;
-      }
-      for (int64_t h = 0; h < heads; ++h) {
-        CudaHeadCounts& head_counts = problem.head_counts[b * heads + h];
-        for (int64_t i = 0; i < experts; ++i) head_counts.queries_per_expert[i] = host_load[h * experts + i];
-        head_counts.pruned_keys = static_cast<int64_t>(host_counts[2 * h]);
-        head_counts.overlapping_keys = static_cast<int64_t>(host_counts[2 * h + 1]);
+      CountKernel<<<static_cast<unsigned>(heads), kRowThreads, 0, stream>>>(selections, counts + 2 * heads * b,
+                                                                           tokens);
+    }
+    if (cudaError_t error = cudaGetLastError(); error != cudaSuccess) failure = CudaError(error, "MiTA kernel launch");
+  }
+  if (want_counts && failure.empty()) {
+    // The statistics of every item come back in one copy each for loads and counts, and one wait.
+    std::vector<int32_t> host_loads(layout.loads / sizeof(int32_t));
+    std::vector<unsigned long long> host_counts(layout.counts / sizeof(unsigned long long));
+    cudaMemcpyAsync(host_loads.data(), loads, layout.loads, cudaMemcpyDeviceToHost, stream);
+    cudaMemcpyAsync(host_counts.data(), counts, layout.counts, cudaMemcpyDeviceToHost, stream);
+    if (cudaError_t error = cudaStreamSynchronize(stream); error != cudaSuccess) {
+      failure = CudaError(error, "MiTA statistics");
+    } else {
+      int64_t offset = 0;
+      for (int64_t b = 0; b < problem.batch; ++b) {
+        const int64_t experts = problem.items[b].expert_count;
+        for (int64_t h = 0; h < heads; ++h) {
+          CudaHeadCounts& head_counts = problem.head_counts[b * heads + h];
+          for (int64_t i = 0; i < experts; ++i) head_counts.queries_per_expert[i] = host_loads[offset + h * experts + i];
+          head_counts.pruned_keys = static_cast<int64_t>(host_counts[2 * (b * heads + h)]);
+          head_counts.overlapping_keys = static_cast<int64_t>(host_counts[2 * (b * heads + h) + 1]);
+        }
+        offset += heads * experts;
       }
     }
   }
-  if (cudaError_t error = cudaFreeAsync(scratch, stream); error != cudaSuccess && failure.empty()) {
-    failure = CudaError(error, "cudaFreeAsync of the MiTA scratch memory");
+  if (own_scratch) {
+    if (cudaError_t error = cudaFreeAsync(scratch, stream); error != cudaSuccess && failure.empty()) {
+      failure = CudaError(error, "cudaFreeAsync of the MiTA scratch memory");
+    }
   }
   if (failure.empty()) {
     if (cudaError_t error = cudaGetLastError(); error != cudaSuccess) failure = CudaError(error, "MiTA forward");
@@ -617,6 +647,10 @@ std::string MitaAttentionForwardCuda(const CudaMitaProblem& problem) {
       }
     }
   }
+  if (problem.workspace != nullptr && problem.workspace_bytes < LayoutOf(problem).Total()) {
+    return "workspace_bytes " + std::to_string(problem.workspace_bytes) + " is below the " +
+           std::to_string(LayoutOf(problem).Total()) + " bytes the call needs (MitaCudaWorkspaceBytes)";
+  }
   DeviceGuard guard;
   if (cudaError_t error = cudaSetDevice(problem.device); error != cudaSuccess) {
     return CudaError(error, "cudaSetDevice");
@@ -624,6 +658,41 @@ std::string MitaAttentionForwardCuda(const CudaMitaProblem& problem) {
   const cudaStream_t stream = static_cast<cudaStream_t>(problem.stream);
   if (problem.type == ElementType::kBFloat16) return Run<__nv_bfloat16>(problem, stream);
   return Run<float>(problem, stream);
+}
+
+size_t MitaCudaWorkspaceBytes(const CudaMitaProblem& problem) {
+  if (problem.batch < 1 || problem.items == nullptr) return 0;
+  return LayoutOf(problem).Total();
+}
+
+#define MITA_STRINGIFY_VALUE(...) #__VA_ARGS__
+#define MITA_STRINGIFY(...) MITA_STRINGIFY_VALUE(__VA_ARGS__)
+
+std::string KernelBuildSummary() {
+  // nvcc defines __CUDA_ARCH_LIST__ (e.g. 900 or 800,900) in every pass, host included.
+  std::string architectures = MITA_STRINGIFY(__CUDA_ARCH_LIST__);
+  std::string names;
+  size_t start = 0;
+  while (start < architectures.size()) {
+    size_t end = architectures.find(',', start);
+    if (end == std::string::npos) end = architectures.size();
+    const std::string number = architectures.substr(start, end - start);  // e.g. 900 (sm_90)
+    const std::string name = "sm_" + (number.size() > 1 ? number.substr(0, number.size() - 1) : number);
+    if (names.find(name) == std::string::npos) names += (names.empty() ? "" : ", ") + name;
+    start = end + 1;
+  }
+  return names + " (CUDA " + std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10) +
+         ")";
+}
+
+int64_t DeviceMemoryBytes(int device) {
+  DeviceGuard guard;
+  size_t free = 0, total = 0;
+  if (cudaSetDevice(device) != cudaSuccess || cudaMemGetInfo(&free, &total) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return static_cast<int64_t>(total);
 }
 
 int CudaDeviceCount() {

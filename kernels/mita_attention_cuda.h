@@ -15,6 +15,7 @@
 // whether it has been verified on hardware.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -61,12 +62,18 @@ struct CudaMitaProblem {
   void* output = nullptr;
   const CudaMitaItem* items = nullptr;
   // When not null: host array of B * H entries (index b * H + h), each with queries_per_expert pointing to
-  // M(b) host int64 values; filled before the call returns.
+  // M(b) host int64 values; filled before the call returns. The counts of all items are computed on the device
+  // and come back in one copy at the end of the call (one wait for the stream).
   CudaHeadCounts* head_counts = nullptr;
   // cudaStream_t to run on, as void* (nullptr: the legacy default stream). The call returns once the work is
-  // queued, except that it waits for the stream when head_counts is requested or when it allocates its own
-  // workspace (which it frees at the end).
+  // queued, except that it waits for the stream when head_counts is requested.
   void* stream = nullptr;
+  // Scratch device memory on `device` of at least MitaCudaWorkspaceBytes(problem) bytes, 256-byte aligned (e.g.
+  // from LibTorch's caching allocator, so that it is counted, reused and fails as LibTorch's out of memory);
+  // it must stay allocated until the stream has run the call's work. nullptr: the call allocates its own with
+  // cudaMallocAsync on `stream` and frees it at the end.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 };
 
 // Largest head dimension the kernels take (the per-lane register tiles are sized for it).
@@ -74,12 +81,22 @@ constexpr int64_t kMaxCudaHeadDim = 256;
 
 // Runs the forward. Returns an empty string on success, otherwise a message: the argument that is out of range
 // (B, H, N, d < 1 or d > kMaxCudaHeadDim; M < 1; token count outside [0, N]; k outside [1, token count];
-// null pointers) or the CUDA error. Scratch
-// memory (about 4 * (H * M_max * N + H * N) + 8 * H * M_max * k_max bytes, float32 scores and int32
-// indices) is allocated with cudaMalloc on `device` for the call.
+// null pointers; a workspace smaller than MitaCudaWorkspaceBytes) or the CUDA error. Scratch memory: about
+// 4 * (H * M_max * N + H * N) + 4 * H * M_max * k_max bytes (float32 scores, int32 indices), from `workspace`
+// or allocated for the call.
 std::string MitaAttentionForwardCuda(const CudaMitaProblem& problem);
+
+// Bytes of scratch memory a call with `problem`'s sizes, items and statistics request needs (0 for B = 0).
+// Reads only the sizes, problem.items and whether head_counts is set (no pointer is dereferenced but items).
+size_t MitaCudaWorkspaceBytes(const CudaMitaProblem& problem);
+
+// What this object was compiled for: "sm_90 (CUDA 13.0)" (nvcc's __CUDA_ARCH_LIST__ and CUDART_VERSION).
+std::string KernelBuildSummary();
 
 // Number of CUDA devices visible to this process; 0 when there is no driver or no device (never an error).
 int CudaDeviceCount();
+
+// The whole memory of CUDA device `device`, bytes (cudaMemGetInfo's total); 0 when it cannot be read.
+int64_t DeviceMemoryBytes(int device);
 
 }  // namespace mita::kernels::cuda

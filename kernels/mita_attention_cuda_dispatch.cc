@@ -62,6 +62,14 @@ at::Tensor MitaAttentionCuda(const at::Tensor& q_input, const at::Tensor& k_inpu
   problem.items = cuda_items.data();
   problem.head_counts = statistics != nullptr ? cuda_counts.data() : nullptr;
   problem.stream = nullptr;  // the legacy default stream (LibTorch's current stream unless a caller changed it)
+  // Scratch memory from LibTorch's caching allocator: reused between calls, counted in its statistics, and out of
+  // memory is its c10::OutOfMemoryError (RESOURCE_EXHAUSTED). Freed when this call returns: the allocator hands
+  // it out again only to work queued after this call's on the same stream.
+  const size_t workspace_bytes = cuda::MitaCudaWorkspaceBytes(problem);
+  const at::Tensor workspace =
+      at::empty({static_cast<int64_t>(workspace_bytes)}, q.options().dtype(at::kByte));
+  problem.workspace = workspace.data_ptr();
+  problem.workspace_bytes = workspace_bytes;
   if (const std::string error = cuda::MitaAttentionForwardCuda(problem); !error.empty()) {
     throw std::runtime_error("CUDA MiTA kernel: " + error);
   }

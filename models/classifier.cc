@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/aten_errors.h"
+#include "kernels/device.h"
 #include "kernels/status_macros.h"
 #include "models/request_error.h"
 
@@ -46,7 +47,29 @@ std::string ClassifierDescription::Summary() const {
     input = absl::StrCat("documents up to ", document->max_tokens, " tokens, tokenizer ", document->tokenizer);
   }
   return absl::StrCat(name, " (", architecture, ", ", input, ", ", layers, " layers, ", labels.size(),
-                      " classes, default budget ", BudgetName(knobs.default_budget), ")");
+                      " classes, default budget ", BudgetName(knobs.default_budget), ", on ", device, " in ",
+                      weights_dtype, ")");
+}
+
+absl::Status CheckPlacement(const Placement& placement) {
+  if (placement.weights_dtype != at::kFloat && placement.weights_dtype != at::kBFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat("weights dtype ", kernels::DtypeName(placement.weights_dtype),
+                                                   " is not supported: use float32 or bfloat16"));
+  }
+  if (placement.weights_dtype == at::kBFloat16 && !placement.device.is_cuda()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bfloat16 weights need a CUDA device: on ", kernels::DeviceName(placement.device),
+                     " the kernels compute in float32"));
+  }
+  return kernels::CheckDeviceUsable(placement.device);
+}
+
+absl::StatusOr<Placement> ParsePlacement(absl::string_view device, absl::string_view weights_dtype) {
+  Placement placement;
+  ASSIGN_OR_RETURN(placement.device, kernels::ParseDevice(device));
+  ASSIGN_OR_RETURN(placement.weights_dtype, kernels::ParseWeightsDtype(weights_dtype));
+  RETURN_IF_ERROR(CheckPlacement(placement));
+  return placement;
 }
 
 absl::StatusOr<BatchItem> Classifier::Prepare(const ClassifierInput& input, const BudgetRequest& budget,

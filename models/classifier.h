@@ -15,9 +15,12 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "kernels/mita_attention.h"
 #include "models/budget.h"
@@ -26,6 +29,25 @@ namespace mita::models {
 
 // What a classifier takes as input.
 enum class InputKind { kImage, kDocument };
+
+// Where a classifier's weights live and its forward runs, and the dtype of its weights and activations
+// (mita-server's --device and --weights_dtype, server/placement.h). Inputs arrive on the CPU; logits leave on it.
+struct Placement {
+  c10::Device device = c10::Device(c10::kCPU);
+  // float32; or bfloat16 on a CUDA device (weights and activations; the CUDA MiTA kernel accumulates in float32).
+  at::ScalarType weights_dtype = at::kFloat;
+};
+
+// OK when a classifier can run with `placement` in this process. Errors: INVALID_ARGUMENT for a dtype other
+// than float32 or bfloat16, or bfloat16 on the CPU ("bfloat16 weights need a CUDA device: on the CPU the kernels
+// compute in float32"); FAILED_PRECONDITION when the device cannot be used (kernels::CheckDeviceUsable: no CUDA
+// in LibTorch, no CUDA device visible, an index beyond the visible devices).
+absl::Status CheckPlacement(const Placement& placement);
+
+// The placement a device name ("cpu", "cuda:N") and a weights dtype name ("float32", "bfloat16") give, checked by
+// CheckPlacement (the tools' --device and --weights_dtype). Errors: kernels::ParseDevice's,
+// kernels::ParseWeightsDtype's (INVALID_ARGUMENT naming the value and the allowed ones), CheckPlacement's.
+absl::StatusOr<Placement> ParsePlacement(absl::string_view device, absl::string_view weights_dtype);
 
 // One request input, in neutral terms. It views the caller's request: valid while Prepare runs.
 struct ClassifierInput {
@@ -82,9 +104,12 @@ struct ClassifierDescription {
   int64_t embed_dim = 0;
   // Tokens one input occupies in attention when fixed (images: patches + cls); 0 when it varies (documents).
   int64_t tokens_per_input = 0;
+  // Where it runs (kernels::DeviceName: "cpu", "cuda:0") and its weights' dtype ("float32", "bfloat16").
+  std::string device = "cpu";
+  std::string weights_dtype = "float32";
 
   // One line for logs, e.g. "fashion-mnist-vit (mita_vit, image 28x28x1, 50 tokens, 4 layers, 10 classes,
-  // default budget MiTA m=9 k=16)".
+  // default budget MiTA m=9 k=16, on cpu in float32)".
   std::string Summary() const;
 };
 
@@ -111,7 +136,7 @@ using ItemCheck = std::function<absl::Status(size_t item)>;
 
 // Output of one batched forward.
 struct ClassifierOutput {
-  // Class logits [B, num_classes], float32 (the rows of stopped items are 0).
+  // Class logits [B, num_classes], float32 on the CPU whatever the placement (the rows of stopped items are 0).
   at::Tensor logits;
   // B entries: statistics[b][layer] for item b when requested and item b ran MiTA; statistics[b] empty otherwise.
   std::vector<std::vector<kernels::MitaItemStatistics>> statistics;
@@ -144,13 +169,15 @@ class Classifier {
   absl::StatusOr<int64_t> PreparationBytes(const ClassifierInput& input, const InputLimits& limits) const;
 
   // Runs a packed batch: items from Prepare of this classifier, each with its own budget; the dense layers run
-  // on all items' tokens at once, attention per item. An item's logits do not depend on the other items (up to
-  // float rounding). `want_statistics`: fill ClassifierOutput::statistics. `check` (optional) is asked for every
+  // on all items' tokens at once, attention per item, on the classifier's device (a CUDA device: the packed
+  // inputs are copied there through pinned host memory). An item's logits do not depend on the other items (up
+  // to float rounding). `want_statistics`: fill ClassifierOutput::statistics. `check` (optional) is asked for every
   // running item between layers (and inside long attention): an item whose caller left is dropped from the
   // packed batch, and the others go on (ClassifierOutput::stopped says which stopped). Runs under
   // c10::InferenceMode.
   // Errors: INVALID_ARGUMENT for an empty batch or items this classifier did not prepare; RESOURCE_EXHAUSTED
-  // when memory runs out; INTERNAL when ATen or a kernel fails on validated input.
+  // when memory runs out (host or device: c10::OutOfMemoryError); INTERNAL when ATen or a kernel fails on
+  // validated input.
   virtual absl::StatusOr<ClassifierOutput> Run(absl::Span<const BatchItem* const> items, bool want_statistics,
                                                const ItemCheck& check = nullptr) const = 0;
 

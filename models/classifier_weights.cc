@@ -2,8 +2,12 @@
 
 #include <utility>
 
+#include <exception>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kernels/aten_errors.h"
+#include "kernels/device.h"
 
 namespace mita::models::internal {
 
@@ -61,6 +65,40 @@ void TakeMlpWeights(WeightTaker& taker, const std::string& prefix, int64_t chann
   taker.Take(prefix + "mlp.fc1.bias", {hidden}, block.fc1_bias);
   taker.Take(prefix + "mlp.fc2.weight", {channels, hidden}, block.fc2_weight);
   taker.Take(prefix + "mlp.fc2.bias", {channels}, block.fc2_bias);
+}
+
+absl::Status PlaceWeights(const std::vector<at::Tensor*>& weights, const Placement& placement) {
+  if (placement.device.is_cpu() && placement.weights_dtype == at::kFloat) return absl::OkStatus();
+  try {
+    for (at::Tensor* weight : weights) {
+      if (weight->defined()) *weight = weight->to(placement.device, placement.weights_dtype).contiguous();
+    }
+    return absl::OkStatus();
+  } catch (const std::exception&) {
+    return kernels::CurrentExceptionStatus(absl::StrCat("placing the weights on ", kernels::DeviceName(placement.device),
+                                                        " in ", kernels::DtypeName(placement.weights_dtype)));
+  }
+}
+
+void DescribePlacement(const Placement& placement, ClassifierDescription& description) {
+  description.device = kernels::DeviceName(placement.device);
+  description.weights_dtype = kernels::DtypeName(placement.weights_dtype);
+}
+
+at::TensorOptions HostStagingOptions(const Placement& placement, at::ScalarType dtype) {
+  return at::TensorOptions().dtype(dtype).pinned_memory(placement.device.is_cuda());
+}
+
+at::Tensor ToPlacement(const at::Tensor& input, const Placement& placement, at::ScalarType dtype) {
+  if (placement.device.is_cpu()) return input.to(dtype);
+  // Copy in the source dtype first: a conversion on the host would make an unpinned temporary.
+  const bool pinned = input.is_pinned();
+  return input.to(placement.device, input.scalar_type(), /*non_blocking=*/pinned).to(dtype);
+}
+
+at::Tensor LogitsOnCpu(const at::Tensor& logits) {
+  if (logits.device().is_cpu() && logits.scalar_type() == at::kFloat) return logits.clone();
+  return logits.to(at::kCPU, at::kFloat);
 }
 
 }  // namespace mita::models::internal

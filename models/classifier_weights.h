@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "models/classifier.h"
 
 namespace mita::models::internal {
 
@@ -49,7 +50,34 @@ struct TransformerBlockWeights {
   at::Tensor norm2_weight, norm2_bias;  // [C], [C]
   at::Tensor fc1_weight, fc1_bias;      // [hidden, C], [hidden]
   at::Tensor fc2_weight, fc2_bias;      // [C, hidden], [C]
+
+  // The 12 tensors, for PlaceWeights.
+  std::vector<at::Tensor*> All() {
+    return {&norm1_weight, &norm1_bias, &qkv_weight,  &qkv_bias,  &proj_weight, &proj_bias,
+            &norm2_weight, &norm2_bias, &fc1_weight, &fc1_bias, &fc2_weight,  &fc2_bias};
+  }
 };
+
+// Moves each of `weights` (float32 CPU tensors, checked by TakeWeight) to `placement`'s device and dtype, in place
+// (a classifier's Create; CheckPlacement(placement) has passed). Errors: RESOURCE_EXHAUSTED when the device's
+// memory runs out; INTERNAL for another ATen failure.
+absl::Status PlaceWeights(const std::vector<at::Tensor*>& weights, const Placement& placement);
+
+// The description fields of `placement` (device and weights_dtype).
+void DescribePlacement(const Placement& placement, ClassifierDescription& description);
+
+// Options of the host tensor a batch's inputs are packed into before they go to `placement`'s device: pinned
+// (page-locked) memory for a CUDA device, so that the copy runs without a staging copy and without making the
+// host wait; ordinary memory on the CPU.
+at::TensorOptions HostStagingOptions(const Placement& placement, at::ScalarType dtype);
+
+// `input` (a CPU tensor) on `placement`'s device in `dtype`: `input` itself on the CPU when the dtype matches;
+// copied without the host waiting when the device is CUDA and `input` is pinned (then converted there).
+at::Tensor ToPlacement(const at::Tensor& input, const Placement& placement, at::ScalarType dtype);
+
+// `logits` as float32 on the CPU, a normal (not inference-mode) tensor that callers may modify in place: a copy
+// (from the device: the one wait for its work).
+at::Tensor LogitsOnCpu(const at::Tensor& logits);
 
 // Takes `prefix`norm1.{weight,bias}, attn.qkv.{weight,bias} and attn.proj.{weight,bias}.
 void TakeAttentionWeights(WeightTaker& taker, const std::string& prefix, int64_t channels,

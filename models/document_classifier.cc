@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/aten_errors.h"
+#include "kernels/status_macros.h"
 #include "models/classifier_errors.h"
 #include "models/classifier_weights.h"
 #include "models/request_error.h"
@@ -49,7 +50,8 @@ DocumentClassifier::~DocumentClassifier() = default;
 
 absl::StatusOr<std::unique_ptr<DocumentClassifier>> DocumentClassifier::Create(
     std::string name, const DocumentConfig& config, std::vector<std::string> labels,
-    std::map<std::string, at::Tensor> weights, std::unique_ptr<Tokenizer> tokenizer) {
+    std::map<std::string, at::Tensor> weights, std::unique_ptr<Tokenizer> tokenizer, const Placement& placement) {
+  RETURN_IF_ERROR(CheckPlacement(placement));
   if (config.embed_dim <= 0 || config.num_heads <= 0 || config.embed_dim % config.num_heads != 0 ||
       config.depth <= 0 || config.vocab_size <= 0 || config.num_classes <= 0 || config.max_tokens <= 0 ||
       config.position_kernel_size <= 0 || config.position_kernel_size % 2 == 0 || config.mlp_hidden_dim <= 0) {
@@ -82,6 +84,15 @@ absl::StatusOr<std::unique_ptr<DocumentClassifier>> DocumentClassifier::Create(
   taker.Take("head.weight", {config.num_classes, channels}, model->head_weight_);
   taker.Take("head.bias", {config.num_classes}, model->head_bias_);
   if (absl::Status status = taker.Finish(); !status.ok()) return status;
+  std::vector<at::Tensor*> tensors = {&model->token_embedding_, &model->position_weight_, &model->position_bias_,
+                                      &model->norm_weight_,     &model->norm_bias_,       &model->head_weight_,
+                                      &model->head_bias_};
+  for (Block& block : model->blocks_) {
+    for (at::Tensor* tensor : block.All()) tensors.push_back(tensor);
+  }
+  RETURN_IF_ERROR(internal::PlaceWeights(tensors, placement));
+  model->placement_ = placement;
+  internal::DescribePlacement(placement, model->description_);
   return model;
 }
 
@@ -145,6 +156,12 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
         }
       }
     }
+    const bool on_cpu = placement_.device.is_cpu();
+    // Row indices on the model's device (index_select and index_copy_ take them there).
+    auto index_tensor = [&](const std::vector<int64_t>& values) {
+      const at::Tensor indices = at::tensor(values, at::TensorOptions().dtype(at::kLong));
+      return on_cpu ? indices : indices.to(placement_.device);
+    };
     // The documents still running (indices into the batch), and where each one's rows start in x.
     std::vector<int64_t> active(batch);
     for (int64_t b = 0; b < batch; ++b) active[b] = b;
@@ -172,13 +189,15 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
       }
       if (kept.size() == active.size()) return;
       active = std::move(kept);
-      if (!active.empty()) x = x.index_select(0, at::tensor(rows, at::TensorOptions().dtype(at::kLong)));
+      if (!active.empty()) x = x.index_select(0, index_tensor(rows));
       place();
     };
 
     // Embedding [T, C], then the position convolution per document (zero padding at each document's ends, so
     // no information crosses between documents): [N, C] -> [1, C, N] -> depthwise conv -> added back.
-    at::Tensor x = token_embedding_.index_select(0, ids);
+    // The ids were checked on the host; on a CUDA device they are copied there (from pinned memory: without the
+    // host waiting).
+    at::Tensor x = token_embedding_.index_select(0, internal::ToPlacement(ids, placement_, at::kLong));
     const int64_t padding = config_.position_kernel_size / 2;
     for (int64_t b = 0; b < batch; ++b) {
       at::Tensor document = x.narrow(0, offsets[b], lengths[b]);
@@ -236,8 +255,7 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
       const at::Tensor normed = at::layer_norm(x, {channels}, norm_weight_, norm_bias_, config_.layer_norm_eps);
       std::vector<at::Tensor> pooled;
       for (int64_t b : active) pooled.push_back(normed.narrow(0, offsets[b], lengths[b]).mean(0));
-      logits.index_copy_(0, at::tensor(active, at::TensorOptions().dtype(at::kLong)),
-                         at::linear(at::stack(pooled), head_weight_, head_bias_));
+      logits.index_copy_(0, index_tensor(active), at::linear(at::stack(pooled), head_weight_, head_bias_));
     }
     // A stopped document's statistics cover only the layers it ran: drop them with its answer.
     for (int64_t b = 0; b < batch; ++b) {
@@ -247,8 +265,8 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
     return kernels::CurrentExceptionStatus(absl::StrCat("document forward (", total, " tokens)"));
   }
   try {
-    // A normal (not inference-mode) tensor, so callers may modify it in place outside InferenceMode.
-    output.logits = logits.clone();
+    // Float32 on the CPU, a normal (not inference-mode) tensor: callers may modify it outside InferenceMode.
+    output.logits = internal::LogitsOnCpu(logits);
   } catch (const std::exception&) {
     return kernels::CurrentExceptionStatus(absl::StrCat("document forward (", total, " tokens)"));
   }
@@ -352,7 +370,8 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Run(absl::Span<const BatchI
   std::vector<AttentionBudget> budgets;
   at::Tensor token_ids;
   try {
-    token_ids = at::empty({total}, at::TensorOptions().dtype(at::kLong));
+    // Packed in pinned memory for a CUDA device (Forward copies the ids there without the host waiting).
+    token_ids = at::empty({total}, internal::HostStagingOptions(placement_, at::kLong));
     int64_t* packed = token_ids.data_ptr<int64_t>();
     for (const BatchItem* item : items) {
       const at::Tensor ids = item->input.contiguous();

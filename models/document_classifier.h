@@ -41,19 +41,23 @@ class DocumentClassifier final : public Classifier {
   // ids (null: the model takes token ids only). Errors: INVALID_ARGUMENT naming a missing tensor, one of the
   // wrong shape (expected and found in the message), dtype or device, or an unexpected extra tensor;
   // INVALID_ARGUMENT for an inconsistent config, a label count other than num_classes, or a tokenizer whose
-  // vocabulary is larger than vocab_size.
+  // vocabulary is larger than vocab_size. The weights are then moved to `placement` (its device and dtype);
+  // CheckPlacement's errors, and RESOURCE_EXHAUSTED when the device's memory runs out.
   static absl::StatusOr<std::unique_ptr<DocumentClassifier>> Create(std::string name, const DocumentConfig& config,
                                                                     std::vector<std::string> labels,
                                                                     std::map<std::string, at::Tensor> weights,
-                                                                    std::unique_ptr<Tokenizer> tokenizer);
+                                                                    std::unique_ptr<Tokenizer> tokenizer,
+                                                                    const Placement& placement = {});
 
-  // Packed (ragged) batch without padding. token_ids: [T] int64 on the CPU holding B documents back to back;
+  // Packed (ragged) batch without padding. token_ids: [T] int64 on the CPU (pinned memory lets the copy to a CUDA
+  // device run without the host waiting) holding B documents back to back;
   // lengths: B entries, each in [1, max_tokens], summing to T; budgets: B entries, each valid
   // (CheckBudget against DocumentKnobs) and already applied to its length (ApplyBudget: expert_count and
   // expert_width <= the document's length). Dense layers (embedding, LayerNorms, qkv, proj, MLP) run on all T
   // tokens at once; the position convolution, attention and pooling run per document with its own N, m and k,
   // so a document's logits do not depend on the other documents of the batch (up to float rounding).
-  // Returns logits [B, num_classes] float32 and, when want_statistics, statistics[b] with one entry per layer
+  // Runs on placement().device in placement().weights_dtype. Returns logits [B, num_classes] float32 on the CPU
+  // and, when want_statistics, statistics[b] with one entry per layer
   // for documents that ran MiTA (empty for full attention). Runs under c10::InferenceMode; thread-safe.
   // Errors: INVALID_ARGUMENT for token_ids not 1-D int64 on the CPU, an id outside [0, vocab_size), a
   // lengths/budgets count mismatch or B = 0, a length outside [1, max_tokens], lengths not summing to T, or an
@@ -68,6 +72,7 @@ class DocumentClassifier final : public Classifier {
                                            const ItemCheck& check = nullptr) const;
 
   const DocumentConfig& config() const { return config_; }
+  const Placement& placement() const { return placement_; }
   const ClassifierDescription& description() const override { return description_; }
   // The tokenizer of text inputs; null when the model takes token ids only.
   const Tokenizer* tokenizer() const { return tokenizer_.get(); }
@@ -95,6 +100,7 @@ class DocumentClassifier final : public Classifier {
                      std::unique_ptr<Tokenizer> tokenizer);
 
   DocumentConfig config_;
+  Placement placement_;
   ClassifierDescription description_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::vector<Block> blocks_;  // defined in the .cc

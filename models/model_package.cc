@@ -90,23 +90,25 @@ absl::StatusOr<std::map<std::string, at::Tensor>> ReadWeights(const PackageFiles
   return weights;
 }
 
-absl::StatusOr<std::unique_ptr<VitClassifier>> LoadVit(PackageFiles files) {
+absl::StatusOr<std::unique_ptr<VitClassifier>> LoadVit(PackageFiles files, const Placement& placement) {
+  RETURN_IF_ERROR(CheckPlacement(placement));  // before the weights are read
   ASSIGN_OR_RETURN(VitConfig config, ParseVitConfig(files.config_text));
   ASSIGN_OR_RETURN(std::vector<std::string> labels, ParseLabels(files.labels_text, config.num_classes));
   ASSIGN_OR_RETURN(auto weights, ReadWeights(files));
   absl::StatusOr<std::unique_ptr<VitClassifier>> model =
-      VitClassifier::Create(files.name, config, std::move(labels), std::move(weights));
+      VitClassifier::Create(files.name, config, std::move(labels), std::move(weights), placement);
   if (!model.ok()) return Prefixed(model.status(), "model.safetensors: ");
   return model;
 }
 
-absl::StatusOr<std::unique_ptr<DocumentClassifier>> LoadDocument(PackageFiles files) {
+absl::StatusOr<std::unique_ptr<DocumentClassifier>> LoadDocument(PackageFiles files, const Placement& placement) {
+  RETURN_IF_ERROR(CheckPlacement(placement));  // before the weights are read
   ASSIGN_OR_RETURN(DocumentConfig config, ParseDocumentConfig(files.config_text));
   ASSIGN_OR_RETURN(std::vector<std::string> labels, ParseLabels(files.labels_text, config.num_classes));
   ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tokenizer, LoadTokenizer(config, files.root.string()));
   ASSIGN_OR_RETURN(auto weights, ReadWeights(files));
   absl::StatusOr<std::unique_ptr<DocumentClassifier>> model = DocumentClassifier::Create(
-      files.name, config, std::move(labels), std::move(weights), std::move(tokenizer));
+      files.name, config, std::move(labels), std::move(weights), std::move(tokenizer), placement);
   if (!model.ok()) return Prefixed(model.status(), "model.safetensors: ");
   return model;
 }
@@ -114,15 +116,16 @@ absl::StatusOr<std::unique_ptr<DocumentClassifier>> LoadDocument(PackageFiles fi
 // The loader of each architecture.
 struct Architecture {
   const char* name;
-  absl::StatusOr<std::unique_ptr<Classifier>> (*load)(PackageFiles files);
+  absl::StatusOr<std::unique_ptr<Classifier>> (*load)(PackageFiles files, const Placement& placement);
 };
 constexpr Architecture kArchitectures[] = {
-    {"mita_vit", [](PackageFiles files) -> absl::StatusOr<std::unique_ptr<Classifier>> {
-       ASSIGN_OR_RETURN(std::unique_ptr<VitClassifier> model, LoadVit(std::move(files)));
+    {"mita_vit", [](PackageFiles files, const Placement& placement) -> absl::StatusOr<std::unique_ptr<Classifier>> {
+       ASSIGN_OR_RETURN(std::unique_ptr<VitClassifier> model, LoadVit(std::move(files), placement));
        return std::unique_ptr<Classifier>(std::move(model));
      }},
-    {"mita_document", [](PackageFiles files) -> absl::StatusOr<std::unique_ptr<Classifier>> {
-       ASSIGN_OR_RETURN(std::unique_ptr<DocumentClassifier> model, LoadDocument(std::move(files)));
+    {"mita_document",
+     [](PackageFiles files, const Placement& placement) -> absl::StatusOr<std::unique_ptr<Classifier>> {
+       ASSIGN_OR_RETURN(std::unique_ptr<DocumentClassifier> model, LoadDocument(std::move(files), placement));
        return std::unique_ptr<Classifier>(std::move(model));
      }},
 };
@@ -137,7 +140,7 @@ absl::Status CheckArchitecture(const PackageFiles& files, absl::string_view arch
 
 }  // namespace
 
-absl::StatusOr<ModelPackage> LoadModelPackage(const std::string& directory) {
+absl::StatusOr<ModelPackage> LoadModelPackage(const std::string& directory, const Placement& placement) {
   ASSIGN_OR_RETURN(PackageFiles files, ReadPackageFiles(directory));
   ASSIGN_OR_RETURN(const std::string architecture, ParseArchitecture(files.config_text));
   std::vector<std::string> known;
@@ -146,23 +149,25 @@ absl::StatusOr<ModelPackage> LoadModelPackage(const std::string& directory) {
     if (architecture != candidate.name) continue;
     ModelPackage package;
     package.name = files.name;
-    ASSIGN_OR_RETURN(package.classifier, candidate.load(std::move(files)));
+    ASSIGN_OR_RETURN(package.classifier, candidate.load(std::move(files), placement));
     return package;
   }
   return absl::InvalidArgumentError(absl::StrCat("config.json: architecture \"", architecture,
                                                  "\" is not supported: use ", absl::StrJoin(known, " or ")));
 }
 
-absl::StatusOr<std::unique_ptr<VitClassifier>> LoadVitClassifier(const std::string& directory) {
+absl::StatusOr<std::unique_ptr<VitClassifier>> LoadVitClassifier(const std::string& directory,
+                                                                 const Placement& placement) {
   ASSIGN_OR_RETURN(PackageFiles files, ReadPackageFiles(directory));
   RETURN_IF_ERROR(CheckArchitecture(files, "mita_vit"));
-  return LoadVit(std::move(files));
+  return LoadVit(std::move(files), placement);
 }
 
-absl::StatusOr<std::unique_ptr<DocumentClassifier>> LoadDocumentClassifier(const std::string& directory) {
+absl::StatusOr<std::unique_ptr<DocumentClassifier>> LoadDocumentClassifier(const std::string& directory,
+                                                                           const Placement& placement) {
   ASSIGN_OR_RETURN(PackageFiles files, ReadPackageFiles(directory));
   RETURN_IF_ERROR(CheckArchitecture(files, "mita_document"));
-  return LoadDocument(std::move(files));
+  return LoadDocument(std::move(files), placement);
 }
 
 }  // namespace mita::models

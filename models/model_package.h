@@ -23,12 +23,15 @@ struct ModelPackage {
 // Errors: NOT_FOUND when the folder or one of its files is missing; INVALID_ARGUMENT (prefixed with the file
 // name) when config.json names no known architecture, when it, the safetensors header or its tensors are
 // malformed or disagree with the config, labels.txt does not hold exactly num_classes non-empty lines, or
-// tokenizer.model is not a SentencePiece model or has more tokens than vocab_size.
-absl::StatusOr<ModelPackage> LoadModelPackage(const std::string& directory);
+// tokenizer.model is not a SentencePiece model or has more tokens than vocab_size. The model's weights go to
+// `placement` (CheckPlacement's errors; RESOURCE_EXHAUSTED when the device's memory runs out).
+absl::StatusOr<ModelPackage> LoadModelPackage(const std::string& directory, const Placement& placement = {});
 
 // The same loaders, typed, for tools and tests that need an architecture's own API (e.g. Forward on tensors).
 // Errors: as LoadModelPackage; INVALID_ARGUMENT when the package has another architecture.
-absl::StatusOr<std::unique_ptr<VitClassifier>> LoadVitClassifier(const std::string& directory);
-absl::StatusOr<std::unique_ptr<DocumentClassifier>> LoadDocumentClassifier(const std::string& directory);
+absl::StatusOr<std::unique_ptr<VitClassifier>> LoadVitClassifier(const std::string& directory,
+                                                                 const Placement& placement = {});
+absl::StatusOr<std::unique_ptr<DocumentClassifier>> LoadDocumentClassifier(const std::string& directory,
+                                                                           const Placement& placement = {});
 
 }  // namespace mita::models

@@ -51,7 +51,9 @@ VitClassifier::~VitClassifier() = default;
 
 absl::StatusOr<std::unique_ptr<VitClassifier>> VitClassifier::Create(std::string name, const VitConfig& config,
                                                                      std::vector<std::string> labels,
-                                                                     std::map<std::string, at::Tensor> weights) {
+                                                                     std::map<std::string, at::Tensor> weights,
+                                                                     const Placement& placement) {
+  RETURN_IF_ERROR(CheckPlacement(placement));
   if (config.embed_dim <= 0 || config.num_heads <= 0 || config.embed_dim % config.num_heads != 0 ||
       config.patch_size <= 0 || config.image_size % config.patch_size != 0 || config.depth <= 0) {
     return absl::InvalidArgumentError("config: inconsistent model dimensions (use ParseVitConfig)");
@@ -90,6 +92,17 @@ absl::StatusOr<std::unique_ptr<VitClassifier>> VitClassifier::Create(std::string
       !status.ok()) {
     return status;
   }
+  std::vector<at::Tensor*> tensors = {&model->patch_weight_, &model->patch_bias_, &model->cls_token_,
+                                      &model->pos_embed_,    &model->norm_weight_, &model->norm_bias_,
+                                      &model->head_weight_,  &model->head_bias_};
+  for (Block& block : model->blocks_) {
+    for (at::Tensor* tensor : block.All()) tensors.push_back(tensor);
+    tensors.push_back(&block.dwc_weight);
+    tensors.push_back(&block.dwc_bias);
+  }
+  RETURN_IF_ERROR(internal::PlaceWeights(tensors, placement));
+  model->placement_ = placement;
+  internal::DescribePlacement(placement, model->description_);
   return model;
 }
 
@@ -126,8 +139,11 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
 
   try {
     c10::InferenceMode inference_mode;
-    auto index_tensor = [](const std::vector<int64_t>& values) {
-      return at::tensor(values, at::TensorOptions().dtype(at::kLong));
+    const bool on_cpu = placement_.device.is_cpu();
+    // Row indices on the model's device (index_select and index_copy_ take them there).
+    auto index_tensor = [&](const std::vector<int64_t>& values) {
+      const at::Tensor indices = at::tensor(values, at::TensorOptions().dtype(at::kLong));
+      return on_cpu ? indices : indices.to(placement_.device);
     };
     // The images still running (indices into the batch; row i of x is image active[i]), grouped by attention
     // kind and pool side P (landmarks are computed per group, one ImageLandmarks call). Positions are rows of x.
@@ -174,7 +190,8 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
     };
 
     // Patch embedding: [B, C_in, side, side] -> [B, S*S, C]; prepend cls; add positions -> [B, N, C].
-    at::Tensor x = at::conv2d(images, patch_weight_, patch_bias_, /*stride=*/{config_.patch_size, config_.patch_size})
+    const at::Tensor placed = internal::ToPlacement(images, placement_, placement_.weights_dtype);
+    at::Tensor x = at::conv2d(placed, patch_weight_, patch_bias_, /*stride=*/{config_.patch_size, config_.patch_size})
                        .flatten(2)
                        .transpose(1, 2);
     x = at::cat({cls_token_.expand({batch, 1, channels}), x}, 1).add(pos_embed_);
@@ -269,7 +286,7 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
       x = x.add(at::linear(hidden, block.fc2_weight, block.fc2_bias));
     }
     drop_gone(x);
-    logits = at::zeros({batch, config_.num_classes}, images.options());
+    logits = at::zeros({batch, config_.num_classes}, x.options());
     if (!active.empty()) {
       // LayerNorm is per token, so normalising only the cls token equals norm(x)[:, 0].
       const at::Tensor cls =
@@ -283,8 +300,8 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
     return kernels::CurrentExceptionStatus("classifier forward");
   }
   try {
-    // A normal (not inference-mode) tensor, so callers may modify it in place outside InferenceMode.
-    output.logits = logits.clone();
+    // Float32 on the CPU, a normal (not inference-mode) tensor: callers may modify it outside InferenceMode.
+    output.logits = internal::LogitsOnCpu(logits);
   } catch (const std::exception&) {
     return kernels::CurrentExceptionStatus("classifier forward");
   }
@@ -336,12 +353,22 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Run(absl::Span<const BatchItem* 
   images.reserve(items.size());
   budgets.reserve(items.size());
   for (const BatchItem* item : items) {
-    images.push_back(item->input);
+    const at::Tensor& image = item->input;
+    if (!image.defined() || image.dim() != 3 || image.scalar_type() != at::kFloat || !image.device().is_cpu() ||
+        image.size(0) != config_.in_channels || image.size(1) != config_.image_size ||
+        image.size(2) != config_.image_size) {
+      return absl::InvalidArgumentError("items: not prepared by this image classifier");
+    }
+    images.push_back(image);
     budgets.push_back(item->budget.budget);
   }
   at::Tensor stacked;
   try {
-    stacked = at::stack(images, 0);
+    // Stacked in pinned memory for a CUDA device (Forward copies it there without the host waiting).
+    const at::Tensor& first = images.front();
+    stacked = at::empty({static_cast<int64_t>(images.size()), first.size(0), first.size(1), first.size(2)},
+                        internal::HostStagingOptions(placement_, at::kFloat));
+    at::stack_out(stacked, images, 0);
   } catch (const std::exception&) {
     return kernels::CurrentExceptionStatus("stacking the batch's images");
   }

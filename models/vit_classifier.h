@@ -31,12 +31,17 @@ class VitClassifier final : public Classifier {
   // norm, head. Errors: INVALID_ARGUMENT naming a missing tensor or one whose shape disagrees with the config
   // (expected and found shapes in the message) or that is not float32 on the CPU; unexpected extra tensors are an
   // error too (e.g. DWC weights in a package whose config has depthwise_conv false). INVALID_ARGUMENT when
-  // `labels` does not hold num_classes entries. `name` is the model's name in its description.
+  // `labels` does not hold num_classes entries. `name` is the model's name in its description. The weights are
+  // then moved to `placement` (its device and dtype); CheckPlacement's errors, and RESOURCE_EXHAUSTED when the
+  // device's memory runs out.
   static absl::StatusOr<std::unique_ptr<VitClassifier>> Create(std::string name, const VitConfig& config,
                                                                std::vector<std::string> labels,
-                                                               std::map<std::string, at::Tensor> weights);
+                                                               std::map<std::string, at::Tensor> weights,
+                                                               const Placement& placement = {});
 
-  // images: [B, in_channels, image_size, image_size] float32 on the CPU (PreprocessImage output, stacked).
+  // images: [B, in_channels, image_size, image_size] float32 on the CPU (PreprocessImage output, stacked; pinned
+  // memory lets the copy to a CUDA device run without the host waiting). The forward runs on placement().device
+  // in placement().weights_dtype; the logits come back float32 on the CPU.
   // budgets: B entries, each valid (CheckBudget against ImageKnobs, checked again here); items may differ. Item b runs MiTA
   // with P = sqrt(expert_count) landmarks per side and expert_width keys per expert, or full softmax attention.
   // The result for an item does not depend on the other items of the batch (up to float rounding).
@@ -52,9 +57,10 @@ class VitClassifier final : public Classifier {
                                            const ItemCheck& check = nullptr) const;
 
   const VitConfig& config() const { return config_; }
+  const Placement& placement() const { return placement_; }
   const ClassifierDescription& description() const override { return description_; }
 
-  // Stacks the items' images [B, C, H, W] and runs Forward with their budgets.
+  // Stacks the items' images [B, C, H, W] (in pinned memory for a CUDA device) and runs Forward with their budgets.
   absl::StatusOr<ClassifierOutput> Run(absl::Span<const BatchItem* const> items, bool want_statistics,
                                        const ItemCheck& check = nullptr) const override;
 
@@ -75,6 +81,7 @@ class VitClassifier final : public Classifier {
   VitClassifier(std::string name, VitConfig config, std::vector<std::string> labels);
 
   VitConfig config_;
+  Placement placement_;
   ClassifierDescription description_;
   std::vector<Block> blocks_;  // defined in the .cc
   at::Tensor patch_weight_, patch_bias_, cls_token_, pos_embed_, norm_weight_, norm_bias_, head_weight_, head_bias_;

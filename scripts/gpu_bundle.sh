@@ -24,8 +24,10 @@ shift || true
 LIMIT_BYTES=$((64 * 1024 * 1024))
 TORCH_VERSION_PREFIX=2.11.
 TORCH_CUDA=13.0
+# What scripts/gpu_check.sh runs there (models_test and document_model_test stay here: their references need
+# Debian's python3-torch, and their GPU cases are device_test's).
 BINARIES=(server/mita-server server/mita-server-core server/mita-health-probe client/mita-client client/mita-bench tools/mita-eval
-          tools/mita-bench-documents tests/kernels_test tests/models_test tests/document_model_test
+          tools/mita-bench-documents tools/mita-batching-bench tests/kernels_test tests/device_test
           tests/mita_cuda_check)
 # glibc's own libraries: the machine's are used when new enough (see `env`), else the bundle's glibc/ folder.
 GLIBC_LIBRARIES='^(libc|libm|libdl|libpthread|librt|libutil|libresolv|ld-linux-x86-64)\.so'
@@ -93,8 +95,10 @@ pack)
   cp -L /lib64/ld-linux-x86-64.so.2 "$bundle/fallback/glibc/"
   strip --strip-unneeded "$bundle"/lib/*.so* 2>/dev/null || true
   # The main job's inputs (scripts/run_main_job.sh), from Debian packages the GPU machine lacks: 200 Fashion-MNIST
-  # test images (PNG; images/manifest.csv) and the held-out Linux documentation (heldout.csv), each with paths
-  # relative to its own folder, as mita-client reads them.
+  # test images (PNG; images/manifest.csv), the held-out Linux documentation (heldout.csv) and the long document
+  # made of it (long.txt), each with paths relative to its own folder, as mita-client reads them; and the
+  # Fashion-MNIST test split itself (fashion-mnist/, $MITA_FASHION_MNIST_DIR) for device_test and
+  # mita-batching-bench.
   (cd "$bundle/data" && "$build/tools/mita-export-images" --split=t10k --count=200 --out=images > /dev/null)
   sed -i 's|^images/||' "$bundle/data/images/manifest.csv"  # the client reads paths relative to the manifest
   /usr/bin/python3 tools/build_document_corpus.py --out "$bundle/data/corpus" --vocab-size 0 \
@@ -107,6 +111,10 @@ pack)
   find "$bundle/data/corpus" -type d -empty -delete
   rm -f "$bundle/data/heldout.list"
   awk -F'\t' '{print "corpus/" $1 "," $2}' "$bundle/data/corpus/heldout.tsv" > "$bundle/data/heldout.csv"
+  /usr/bin/python3 scripts/long_document.py "$bundle/data/corpus" > "$bundle/data/long.label"
+  mv "$bundle/data/corpus/long.txt" "$bundle/data/long.txt"
+  mkdir -p "$bundle/data/fashion-mnist"
+  cp /usr/share/datasets/fashion-mnist/t10k-*-idx*-ubyte.gz "$bundle/data/fashion-mnist/"
   {
     echo "built $(date -u +%FT%TZ) from $(git rev-parse --short HEAD)$(git diff --quiet || echo '+changes') on" \
       "$(. /etc/os-release && echo "$PRETTY_NAME")"
@@ -133,6 +141,7 @@ env)
   path="$path:$torch_lib"
   echo "export LD_LIBRARY_PATH='$path'"
   echo "export MITA_SENTENCEPIECE_MODULE='$bundle/bin/libmita_sentencepiece.so'"
+  echo "export MITA_FASHION_MNIST_DIR='$bundle/data/fashion-mnist'"
   # Set here, so that mita-server does not re-execute itself to set it (it would re-execute the loader below).
   echo "export OMP_WAIT_POLICY=passive"
   if [[ $fallback != *,glibc,* ]] && machine_has_version libc.so.6 "$glibc" GLIBC; then
@@ -147,6 +156,9 @@ run)
   binary=${2:?usage: gpu_bundle.sh run BUNDLE BINARY ARGS...}
   shift 2
   eval "$("$self" env "$bundle")"
+  # mita-server's launcher would exec mita-server-core without the bundle's loader; env above does its part
+  # (OMP_WAIT_POLICY), so the server runs directly.
+  [ "$binary" = mita-server ] && binary=mita-server-core
   exec ${MITA_BUNDLE_LOADER:+"$MITA_BUNDLE_LOADER"} "$bundle/bin/$binary" "$@"
   ;;
 check)

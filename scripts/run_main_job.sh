@@ -57,27 +57,9 @@ echo "== documents, model default budget"
 echo "== documents, preset 'fast'"
 "${docs[@]}" --preset=fast
 
-# One long real document: the held-out documents of the class with the most held-out text, concatenated
-# until 72,000 bytes (the embedded SentencePiece tokenizer: about 3.7 bytes per token here, so ~19K tokens;
-# full attention on it took 5.7 s on 2 cores in the 2026-11-30 run, MiTA under 0.1 s).
-/usr/bin/python3 - "$work/corpus" > "$work/long.label" <<'PYTHON'
-import collections, os, sys
-corpus = sys.argv[1]
-rows = [line.rstrip("\n").split("\t") for line in open(os.path.join(corpus, "heldout.tsv")) if line.strip()]
-size = collections.Counter()
-for path, label, _ in rows:
-    size[label] += os.path.getsize(os.path.join(corpus, path))
-label = size.most_common(1)[0][0]
-parts, total = [], 0
-for path, row_label, _ in rows:
-    if row_label == label and total < 72000:
-        text = open(os.path.join(corpus, path), encoding="utf-8").read()
-        parts.append(text)
-        total += len(text.encode("utf-8"))
-open(os.path.join(corpus, "long.txt"), "w", encoding="utf-8").write("\n\n".join(parts))
-names = open(os.path.join(corpus, "labels.txt")).read().split()
-print(f"{names[int(label)]} ({len(parts)} held-out documents, {total} bytes)")
-PYTHON
+# One long real document (scripts/long_document.py: ~19K tokens; full attention on it took 5.7 s on 2 cores in the
+# 2026-11-30 run, MiTA under 0.1 s).
+/usr/bin/python3 scripts/long_document.py "$work/corpus" > "$work/long.label"
 echo "== one long document: $(cat "$work/long.label")"
 long=(./build/client/mita-client --server="127.0.0.1:$PORT" --model="$DOCUMENT_MODEL" --truncate --top_n=3
       --deadline_ms=600000 "$work/corpus/long.txt")

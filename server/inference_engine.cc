@@ -34,7 +34,8 @@ absl::StatusOr<int64_t> ResolveTopN(int64_t top_n, int64_t classes) {
 std::vector<ServerMetrics::ModelInfo> MetricsModelInfos(const ModelRegistry& registry) {
   std::vector<ServerMetrics::ModelInfo> infos;
   for (const models::ModelPackage* package : registry.packages()) {
-    infos.push_back({package->name, package->classifier->description().layers});
+    const models::ClassifierDescription& model = package->classifier->description();
+    infos.push_back({package->name, model.layers, model.device});
   }
   return infos;
 }

@@ -5,6 +5,12 @@
 // Flags (defaults):
 //   --listen=0.0.0.0:50051                 gRPC address.
 //   --model_repository=models/repository   One sub-folder per model package; the folder name is the model name.
+//   --device=cpu                           Where models run: cpu or cuda:N, for every model, or per model as
+//                                          MODEL=DEVICE entries (server/placement.h). cuda:N without a visible
+//                                          CUDA device is a start-up error.
+//   --weights_dtype=float32                float32 or bfloat16 (CUDA devices only), likewise per model.
+//   --cuda_memory_fraction=1               Share of each used CUDA device's memory LibTorch may allocate; a batch
+//                                          needing more gets RESOURCE_EXHAUSTED.
 //   --metrics_listen=0.0.0.0:9464          Prometheus /metrics address (9464: the usual Prometheus exporter
 //                                          port); empty disables the exporter.
 //   --max_batch_size=16                    Requests per batch, per model.
@@ -64,7 +70,9 @@
 #include <climits>
 #include <cstdint>
 #include <cstdio>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -79,6 +87,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "kernels/device.h"
 #include "kernels/runtime_environment.h"
 #include "server/unary_call.h"
 #include "server/inference_engine.h"
@@ -89,11 +98,21 @@
 #include "server/metrics.h"
 #include "server/metrics_http_server.h"
 #include "server/model_registry.h"
+#include "server/placement.h"
 #include "server/security.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC listening address, host:port.");
 ABSL_FLAG(std::string, model_repository, "models/repository",
           "Directory holding one model package folder per model; the folder name is the model name.");
+ABSL_FLAG(std::string, device, "cpu",
+          "Where models run: cpu or cuda:N; comma-separated MODEL=DEVICE entries place models one by one (an entry "
+          "without MODEL= is for the models not named).");
+ABSL_FLAG(std::string, weights_dtype, "float32",
+          "Dtype of the models' weights and activations: float32, or bfloat16 on a CUDA device; MODEL=DTYPE entries "
+          "as for --device.");
+ABSL_FLAG(double, cuda_memory_fraction, 1.0,
+          "Share of each CUDA device's memory (0, 1] that LibTorch's allocator may take for the models on it; a "
+          "batch needing more is answered RESOURCE_EXHAUSTED.");
 ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
           "Prometheus exporter address, host:port (serves /metrics); empty disables it.");
 ABSL_FLAG(int64_t, max_batch_size, 16, "Largest batch, requests (per model).");
@@ -300,9 +319,34 @@ int main(int argc, char** argv) {
   front_end.authenticator = authenticator.get();
 
   const std::string repository = absl::GetFlag(FLAGS_model_repository);
+  // Where each model runs, checked before any weights are read: a CUDA device that is not there fails here.
+  absl::StatusOr<mita::server::PlacementFlags> placement_flags =
+      mita::server::PlacementFlags::Parse(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_weights_dtype));
+  if (!placement_flags.ok()) return Fail(std::string(placement_flags.status().message()));
+  absl::StatusOr<std::vector<std::string>> model_names = mita::server::ModelRegistry::PackageFolders(repository);
+  if (!model_names.ok()) return Fail(model_names.status().ToString());
+  absl::StatusOr<std::map<std::string, mita::models::Placement>> placements = placement_flags->Resolve(*model_names);
+  if (!placements.ok()) return Fail(std::string(placements.status().message()));
+  const double cuda_memory_fraction = absl::GetFlag(FLAGS_cuda_memory_fraction);
+  if (!(cuda_memory_fraction > 0 && cuda_memory_fraction <= 1)) return Fail("--cuda_memory_fraction must be in (0, 1]");
+  std::set<std::string> cuda_devices;
+  for (const auto& [name, placement] : *placements) {
+    if (!placement.device.is_cuda() || !cuda_devices.insert(mita::kernels::DeviceName(placement.device)).second) continue;
+    if (cuda_memory_fraction < 1) {
+      if (absl::Status limited = mita::kernels::LimitCudaMemory(placement.device, cuda_memory_fraction); !limited.ok()) {
+        return Fail(absl::StrCat("flag --cuda_memory_fraction: ", limited.message()));
+      }
+    }
+  }
+  if (!cuda_devices.empty()) {
+    Log(absl::StrCat("CUDA: ", mita::kernels::CudaBuildSummary(), "; ", mita::kernels::VisibleCudaDevices(),
+                     " device(s) visible; models use ", absl::StrJoin(cuda_devices, ", "),
+                     cuda_memory_fraction < 1 ? absl::StrCat(", each up to ", cuda_memory_fraction, " of its memory")
+                                              : std::string()));
+  }
   const absl::Time load_start = absl::Now();
   absl::StatusOr<std::unique_ptr<mita::server::ModelRegistry>> registry =
-      mita::server::ModelRegistry::LoadFromDirectory(repository);
+      mita::server::ModelRegistry::LoadFromDirectory(repository, *placements);
   if (!registry.ok()) return Fail(registry.status().ToString());
 
   std::vector<std::string> model_lines;

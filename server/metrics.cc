@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "kernels/device.h"
 
 namespace mita::server {
 namespace {
@@ -95,6 +96,13 @@ void ModelMetrics::CountRejection(AdmissionRejection reason) {
   const int index = static_cast<int>(reason);
   if (index <= 0 || index >= kNumAdmissionRejections) return;
   rejections_[static_cast<size_t>(index)]->Increment();
+}
+
+void DeviceMemoryGauges::Update() {
+  absl::StatusOr<kernels::DeviceMemory> memory = kernels::CudaMemory(device_);
+  if (!memory.ok()) return;
+  allocated_->Set(static_cast<double>(memory->allocated_bytes));
+  reserved_->Set(static_cast<double>(memory->reserved_bytes));
 }
 
 void ModelMetrics::ObserveLayer(int64_t layer, double load_imbalance, double routing_entropy,
@@ -266,6 +274,35 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
       model->layers_.push_back(series);
     }
     models_.emplace(info.name, std::move(model));
+  }
+
+  // GPU memory, per CUDA device a model runs on.
+  prometheus::Family<prometheus::Gauge>* allocated = nullptr;
+  prometheus::Family<prometheus::Gauge>* reserved = nullptr;
+  for (const ModelInfo& info : models) {
+    absl::StatusOr<c10::Device> device = kernels::ParseDevice(info.device);
+    if (!device.ok() || !device->is_cuda()) continue;
+    if (allocated == nullptr) {
+      allocated = &prometheus::BuildGauge()
+                       .Name("mita_gpu_memory_allocated_bytes")
+                       .Help("Bytes of the CUDA device's memory in tensors (LibTorch's caching allocator), after "
+                             "the last batch on it.")
+                       .Register(*registry_);
+      reserved = &prometheus::BuildGauge()
+                      .Name("mita_gpu_memory_reserved_bytes")
+                      .Help("Bytes of the CUDA device's memory LibTorch's caching allocator holds (in tensors and "
+                            "cached), after the last batch on it.")
+                      .Register(*registry_);
+    }
+    std::unique_ptr<DeviceMemoryGauges>& gauges = devices_[info.device];
+    if (gauges == nullptr) {
+      gauges = std::make_unique<DeviceMemoryGauges>();
+      gauges->device_ = *device;
+      gauges->allocated_ = &allocated->Add({{"device", info.device}});
+      gauges->reserved_ = &reserved->Add({{"device", info.device}});
+      gauges->Update();
+    }
+    if (ModelMetrics* model = ForModel(info.name); model != nullptr) model->device_memory_ = gauges.get();
   }
 }
 

@@ -58,6 +58,10 @@
 //   mita_attention_routing_entropy{model,layer}     histogram Normalised routing entropy in [0, 1] (1 = uniform).
 //   mita_attention_pruned_key_fraction{model,layer} histogram Fraction of keys selected by no routed expert
 //                                                             (emergent token pruning), in [0, 1].
+//   mita_gpu_memory_allocated_bytes{device}         gauge     CUDA devices only (the families exist only when a
+//   mita_gpu_memory_reserved_bytes{device}          gauge     model runs on one): bytes in tensors / held by
+//                                                             LibTorch's caching allocator (cached included), as
+//                                                             after the last batch on the device (and at start).
 // Attention statistics are always computed by the server for these metrics; they are returned to a client
 // only when it asks (ClassifyRequest.return_statistics).
 #pragma once
@@ -74,6 +78,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include <c10/core/Device.h>
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
@@ -107,6 +112,19 @@ inline bool IsInferenceMethod(RpcMethod method) {
 }
 // gRPC status codes 0 (OK) .. 16 (UNAUTHENTICATED).
 inline constexpr int kNumStatusCodes = 17;
+
+// GPU memory of one CUDA device (label device="cuda:N"), read from LibTorch's caching allocator. Thread-safe.
+class DeviceMemoryGauges {
+ public:
+  // Sets both gauges from the allocator's current counts (a failed read leaves them as they were).
+  void Update();
+
+ private:
+  friend class ServerMetrics;
+  c10::Device device_ = c10::Device(c10::kCUDA, 0);
+  prometheus::Gauge* allocated_ = nullptr;
+  prometheus::Gauge* reserved_ = nullptr;
+};
 
 // The metrics of one model (label model="<name>"). Thread-safe; all methods only observe.
 class ModelMetrics {
@@ -143,6 +161,10 @@ class ModelMetrics {
   // Routing and pruning statistics of one request that ran MiTA, for `layer` in [0, layers); other layers
   // are ignored.
   void ObserveLayer(int64_t layer, double load_imbalance, double routing_entropy, double pruned_key_fraction);
+  // Reads the GPU memory of the model's device into its gauges (after each batch); nothing on the CPU.
+  void ObserveDeviceMemory() {
+    if (device_memory_ != nullptr) device_memory_->Update();
+  }
 
   const std::string& name() const { return name_; }
   int64_t layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -175,18 +197,22 @@ class ModelMetrics {
   prometheus::Counter* executed_after_cancel_ = nullptr;
   prometheus::Counter* compute_after_caller_left_ = nullptr;
   std::vector<Layer> layers_;
+  DeviceMemoryGauges* device_memory_ = nullptr;  // the model's CUDA device; null on the CPU
 };
 
 // All server metrics, registered once in one prometheus::Registry. Thread-safe.
 class ServerMetrics {
  public:
-  // A model known at start: its name (from the registry) and its number of attention layers.
+  // A model known at start: its name (from the registry), its number of attention layers, and its device
+  // ("cpu", "cuda:N": ClassifierDescription::device).
   struct ModelInfo {
     std::string name;
     int64_t layers = 0;
+    std::string device = "cpu";
   };
 
-  // Registers every family and creates every series for `models`.
+  // Registers every family and creates every series for `models` (the GPU memory families only when a model is
+  // on a CUDA device: one series per such device, read once here).
   explicit ServerMetrics(const std::vector<ModelInfo>& models);
 
   ServerMetrics(const ServerMetrics&) = delete;
@@ -210,6 +236,7 @@ class ServerMetrics {
   using CodeCounters = std::array<prometheus::Counter*, kNumStatusCodes>;
   std::shared_ptr<prometheus::Registry> registry_;
   std::map<std::string, std::unique_ptr<ModelMetrics>> models_;
+  std::map<std::string, std::unique_ptr<DeviceMemoryGauges>> devices_;  // by device name
   // mita_requests_total with model="unknown" (model methods) and model="" (server-wide ones), by RpcMethod.
   std::array<CodeCounters, kNumRpcMethods> other_requests_{};
   prometheus::Gauge* preparation_memory_ = nullptr;

@@ -152,6 +152,8 @@ v1::ModelMetadata ToModelMetadata(const models::ClassifierDescription& model, co
   metadata.set_heads(static_cast<int32_t>(model.heads));
   metadata.set_embed_dim(static_cast<int32_t>(model.embed_dim));
   metadata.set_tokens_per_input(model.tokens_per_input);
+  metadata.set_device(model.device);
+  metadata.set_weights_dtype(model.weights_dtype);
   return metadata;
 }
 

@@ -41,7 +41,7 @@ absl::Status CheckPackageInsideRepository(const std::string& repository, const s
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ModelRegistry>> ModelRegistry::LoadFromDirectory(const std::string& repository) {
+absl::StatusOr<std::vector<std::string>> ModelRegistry::PackageFolders(const std::string& repository) {
   namespace fs = std::filesystem;
   std::error_code error;
   if (!fs::is_directory(repository, error)) {
@@ -68,13 +68,23 @@ absl::StatusOr<std::unique_ptr<ModelRegistry>> ModelRegistry::LoadFromDirectory(
     return absl::NotFoundError(absl::StrCat("model repository '", repository, "' holds no model package folder"));
   }
   std::sort(folders.begin(), folders.end());
+  return folders;
+}
+
+absl::StatusOr<std::unique_ptr<ModelRegistry>> ModelRegistry::LoadFromDirectory(
+    const std::string& repository, const std::map<std::string, models::Placement>& placements) {
+  namespace fs = std::filesystem;
+  absl::StatusOr<std::vector<std::string>> folders = PackageFolders(repository);
+  if (!folders.ok()) return folders.status();
   std::vector<models::ModelPackage> packages;
-  for (const std::string& folder : folders) {
+  for (const std::string& folder : *folders) {
     const std::string directory = (fs::path(repository) / folder).string();
     // Packages are read only from inside the repository: a package folder or file that is a symlink to
     // somewhere else is refused (symlinks that stay inside are fine).
     if (absl::Status inside = CheckPackageInsideRepository(repository, directory); !inside.ok()) return inside;
-    absl::StatusOr<models::ModelPackage> package = models::LoadModelPackage(directory);
+    auto placement = placements.find(folder);
+    absl::StatusOr<models::ModelPackage> package = models::LoadModelPackage(
+        directory, placement == placements.end() ? models::Placement{} : placement->second);
     if (!package.ok()) {
       return absl::Status(package.status().code(),
                           absl::StrCat("model package '", directory, "': ", package.status().message()));

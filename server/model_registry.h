@@ -22,7 +22,14 @@ class ModelRegistry {
   // own error (NOT_FOUND or INVALID_ARGUMENT), prefixed with its folder, when one fails to load;
   // PERMISSION_DENIED when a package folder or a file directly in it is a symlink that resolves outside
   // `repository` (packages are read only from inside it; symlinks that stay inside are followed).
-  static absl::StatusOr<std::unique_ptr<ModelRegistry>> LoadFromDirectory(const std::string& repository);
+  // `placements`: the device and weights dtype of each model by name (server/placement.h); a model not in it
+  // runs on the CPU in float32.
+  static absl::StatusOr<std::unique_ptr<ModelRegistry>> LoadFromDirectory(
+      const std::string& repository, const std::map<std::string, models::Placement>& placements = {});
+
+  // The package folders LoadFromDirectory would load (so the model names), sorted. Errors: NOT_FOUND as
+  // LoadFromDirectory's for the repository itself.
+  static absl::StatusOr<std::vector<std::string>> PackageFolders(const std::string& repository);
 
   // Builds a registry from already loaded packages (tests). Errors: INVALID_ARGUMENT for an empty or
   // duplicate name or a package without a classifier.

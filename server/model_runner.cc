@@ -13,10 +13,14 @@
 
 namespace mita::server {
 
-absl::Status BatchFailure(absl::string_view model, const absl::Status& forward) {
+absl::Status BatchFailure(absl::string_view model, absl::string_view device, int64_t requests, int64_t tokens,
+                          const absl::Status& forward) {
   if (absl::IsResourceExhausted(forward)) {
-    return absl::ResourceExhaustedError(absl::StrCat("model '", model, "' ran out of memory for this batch (",
-                                                     forward.message(), "); retry later or with a smaller budget"));
+    return absl::ResourceExhaustedError(absl::StrCat("model '", model, "' ran out of memory on ", device,
+                                                     " for this batch of ", requests,
+                                                     requests == 1 ? " request, " : " requests, ", tokens,
+                                                     " tokens (", forward.message(),
+                                                     "); retry later or with a smaller budget"));
   }
   return absl::InternalError(absl::StrCat("model '", model, "' failed: ", forward.message()));
 }
@@ -160,13 +164,15 @@ void ModelRunner::ProcessBatch(Batch<BatchTask> batch) {
     output = classifier_->Run(items, /*want_statistics=*/true, check);
     if (output.ok()) classes = models::TopClasses(output->logits, top_n);
     if (!output.ok()) {
-      failure = BatchFailure(model.name, output.status());
+      failure = BatchFailure(model.name, model.device, batch_size, batch_tokens, output.status());
     } else if (!classes.ok()) {
-      failure = BatchFailure(model.name, classes.status());
+      failure = BatchFailure(model.name, model.device, batch_size, batch_tokens, classes.status());
     }
   } catch (...) {
-    failure = BatchFailure(model.name, kernels::CurrentExceptionStatus("batch"));
+    failure = BatchFailure(model.name, model.device, batch_size, batch_tokens, kernels::CurrentExceptionStatus("batch"));
   }
+  // The memory the batch left on a CUDA device (its caching allocator's counts; nothing on the CPU).
+  metrics_->ObserveDeviceMemory();
   const absl::Time end = clock_->Now();
   const absl::Duration compute = end - start;
   // Compute spent for callers who had already left: from when each left to when its work stopped (or the batch

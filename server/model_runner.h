@@ -74,11 +74,14 @@ class ModelRunner {
   int64_t long_input_tokens_ = 0;
 };
 
-// The status every request of a batch gets when the model's forward failed with `forward`. The requests were
-// validated, so the fault is the server's: INTERNAL "model 'NAME' failed: ...", except out of memory
-// (RESOURCE_EXHAUSTED from models/ and kernels/aten_errors.h), which stays RESOURCE_EXHAUSTED "model 'NAME' ran
-// out of memory for this batch (...); retry later or with a smaller budget".
-absl::Status BatchFailure(absl::string_view model, const absl::Status& forward);
+// The status every request of a batch (`requests` requests, `tokens` tokens, on `device`: "cpu", "cuda:0") gets
+// when the model's forward failed with `forward`. The requests were validated, so the fault is the server's:
+// INTERNAL "model 'NAME' failed: ...", except out of memory (RESOURCE_EXHAUSTED from models/ and
+// kernels/aten_errors.h: the host's, or a CUDA device's c10::OutOfMemoryError), which stays RESOURCE_EXHAUSTED
+// "model 'NAME' ran out of memory on cuda:0 for this batch of 2 requests, 98304 tokens (...); retry later or
+// with a smaller budget". The batch thread goes on with the next batch.
+absl::Status BatchFailure(absl::string_view model, absl::string_view device, int64_t requests, int64_t tokens,
+                          const absl::Status& forward);
 
 // DEADLINE_EXCEEDED for a request whose deadline passed after `queued` in the queue, before its batch.
 absl::Status QueuedDeadlineExceeded(absl::Duration queued);

@@ -445,6 +445,9 @@ std::string KnobsJson(const models::ClassifierDescription& model) {
   const int64_t classes = static_cast<int64_t>(model.labels.size());
   json[kTopN] = {{"datatype", "INT64"}, {"min", 0}, {"max", classes}, {"default", std::min<int64_t>(5, classes)}};
   if (IsDocumentModel(model)) json[kTruncate] = {{"datatype", "BOOL"}, {"default", false}};
+  // Where the model runs, as mita.v1 GetModel says (not request parameters).
+  json["device"] = model.device;
+  json["weights_dtype"] = model.weights_dtype;
   return json.dump();
 }
 

@@ -100,7 +100,8 @@ inference::ModelMetadataResponse ToModelMetadataResponse(const models::Classifie
 //  "mita_expert_width":{"datatype":"INT64","min":1,"max":50,"default":16},
 //  "mita_preset":{"datatype":"BYTES","allowed":["fast"],"budgets":{"fast":{"mita_expert_count":4,...}}},
 //  "mita_attention":{"datatype":"BYTES","allowed":["mita","full"],"default":"mita"},
-//  "mita_top_n":{"datatype":"INT64","min":0,"max":10,"default":5}, "mita_truncate":{...}}.
+//  "mita_top_n":{"datatype":"INT64","min":0,"max":10,"default":5}, "mita_truncate":{...},
+//  "device":"cuda:0","weights_dtype":"bfloat16"}: the last two say where the model runs (not parameters).
 std::string KnobsJson(const models::ClassifierDescription& model);
 
 // This protocol's name of a request part, e.g. "parameter mita_expert_width", "input 'token_ids' element 7".

@@ -676,6 +676,10 @@ TEST_F(OpenInferenceTest, HealthAndMetadata) {
   EXPECT_EQ(knobs["mita_attention"]["allowed"].get<std::vector<std::string>>(),
             (std::vector<std::string>{"mita", "full"}));
   EXPECT_EQ(knobs["mita_top_n"]["max"].get<int64_t>(), 10);
+  // Where the model runs, as GetModel says.
+  EXPECT_EQ(knobs["device"].get<std::string>(), v1_metadata.device());
+  EXPECT_EQ(knobs["device"].get<std::string>(), "cpu");
+  EXPECT_EQ(knobs["weights_dtype"].get<std::string>(), "float32");
 
   grpc::ClientContext missing_context;
   request.set_name("missing");

@@ -461,6 +461,9 @@ TEST_F(ServiceTest, GetModelDeclaresTheKnobs) {
 
   ExpectStatus(client_->GetModel("nope").status(), absl::StatusCode::kNotFound,
                "model 'nope' not found; available: fashion-mnist-vit");
+  // Where it runs: the default placement.
+  EXPECT_EQ(model->device(), "cpu");
+  EXPECT_EQ(model->weights_dtype(), "float32");
 }
 
 TEST_F(ServiceTest, ListModels) {
@@ -1301,18 +1304,19 @@ TEST(StatusMappingTest, EveryCodeMapsToTheSameGrpcCode) {
 // the advice), everything else is INTERNAL; both name the model. Also through the exception mapping that the
 // batch thread's catch block uses (kernels::CurrentExceptionStatus).
 TEST(BatchFailureTest, OutOfMemoryStaysResourceExhaustedAndOtherFaultsAreInternal) {
-  const absl::Status oom = BatchFailure("m", absl::ResourceExhaustedError("attention: out of memory"));
+  const absl::Status oom = BatchFailure("m", "cpu", 3, 150, absl::ResourceExhaustedError("attention: out of memory"));
   EXPECT_EQ(oom.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(std::string(oom.message()), ::testing::HasSubstr("model 'm' ran out of memory"));
+  EXPECT_THAT(std::string(oom.message()),
+              ::testing::HasSubstr("model 'm' ran out of memory on cpu for this batch of 3 requests, 150 tokens"));
   EXPECT_THAT(std::string(oom.message()), ::testing::HasSubstr("smaller budget"));
-  const absl::Status fault = BatchFailure("m", absl::InvalidArgumentError("images: shape [1]"));
+  const absl::Status fault = BatchFailure("m", "cpu", 3, 150, absl::InvalidArgumentError("images: shape [1]"));
   EXPECT_EQ(fault.code(), absl::StatusCode::kInternal);
   EXPECT_EQ(fault.message(), "model 'm' failed: images: shape [1]");
   absl::Status thrown;
   try {
     throw std::bad_alloc();
   } catch (...) {
-    thrown = BatchFailure("m", kernels::CurrentExceptionStatus("batch"));
+    thrown = BatchFailure("m", "cpu", 1, 50, kernels::CurrentExceptionStatus("batch"));
   }
   EXPECT_EQ(thrown.code(), absl::StatusCode::kResourceExhausted) << thrown;
 }

@@ -12,6 +12,8 @@
 //   dense_layers/B   only the model's dense layers: per block, at::linear for qkv [C -> 3C], proj [C -> C], fc1
 //                    [C -> hidden] and fc2 [hidden -> C] on [B, N, C] / [B, N, hidden] inputs, weights and
 //                    inputs ~ N(0, 1) of the package's shapes (the GEMMs' speed does not depend on the values).
+// --device=cuda:N (with --weights_dtype=bfloat16 if wanted) runs both on a CUDA device: the images are copied
+// there from pinned memory in every forward, and the dense layers wait for the device in every iteration.
 // Each benchmark reports its time per image (real time / B, "per_image_us"). Google Benchmark's own flags
 // (--benchmark_filter, --benchmark_repetitions, --benchmark_min_time, ...) are accepted beside the flags below;
 // by default 5 repetitions, interleaved at random so that the machine's drift hits every batch size alike.
@@ -57,6 +59,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "kernels/device.h"
 #include "kernels/runtime_environment.h"
 #include "models/model_package.h"
 #include "tools/fashion_mnist.h"
@@ -67,6 +70,8 @@ ABSL_FLAG(std::string, budget, "9x16",
           "expert_count x expert_width of every item (explicit values, as in a preset), or 'full' for full attention");
 ABSL_FLAG(std::string, batch_sizes, "1,16",
           "comma-separated batch sizes (images per forward), each in [1, 4096] and given once");
+ABSL_FLAG(std::string, device, "cpu", "where the model runs: cpu or cuda:N (the dense layers' benchmark too)");
+ABSL_FLAG(std::string, weights_dtype, "float32", "float32, or bfloat16 on a CUDA device");
 
 namespace {
 
@@ -91,7 +96,9 @@ void Forward(benchmark::State& state) {
   c10::InferenceMode inference_mode;
   std::vector<at::Tensor> chosen;
   for (int64_t i = 0; i < batch; ++i) chosen.push_back(setup->images[i % setup->images.size()]);
-  const at::Tensor input = at::stack(chosen);
+  at::Tensor input = at::stack(chosen);
+  // On a CUDA device from pinned memory, as mita-server's batches are (Forward copies it there each time).
+  if (setup->model->placement().device.is_cuda()) input = input.pin_memory();
   const std::vector<mita::models::AttentionBudget> budgets(batch, setup->budget);
   for (auto _ : state) {
     auto output = setup->model->Forward(input, budgets, /*want_statistics=*/true);
@@ -109,14 +116,16 @@ void DenseLayers(benchmark::State& state) {
   const mita::models::VitConfig& config = setup->model->config();
   const int64_t tokens = config.tokens(), channels = config.embed_dim, hidden = config.mlp_hidden_dim;
   c10::InferenceMode inference_mode;
-  const at::Tensor x = at::randn({batch, tokens, channels});  // a block's input, [B, N, C]
-  const at::Tensor h = at::randn({batch, tokens, hidden});    // the MLP's hidden activations, [B, N, hidden]
+  const mita::models::Placement& placement = setup->model->placement();
+  const at::TensorOptions options = at::TensorOptions().device(placement.device).dtype(placement.weights_dtype);
+  const at::Tensor x = at::randn({batch, tokens, channels}, options);  // a block's input, [B, N, C]
+  const at::Tensor h = at::randn({batch, tokens, hidden}, options);    // the MLP's hidden activations, [B, N, hidden]
   struct Layer {
     const at::Tensor* input;
     at::Tensor weight, bias;
   };
-  auto layer = [](const at::Tensor& input, int64_t out) {
-    return Layer{&input, at::randn({out, input.size(-1)}), at::randn({out})};
+  auto layer = [&options](const at::Tensor& input, int64_t out) {
+    return Layer{&input, at::randn({out, input.size(-1)}, options), at::randn({out}, options)};
   };
   std::vector<Layer> layers;
   for (int64_t block = 0; block < config.depth; ++block) {
@@ -128,7 +137,12 @@ void DenseLayers(benchmark::State& state) {
   for (auto _ : state) {
     for (const Layer& dense : layers) {
       const at::Tensor out = at::linear(*dense.input, dense.weight, dense.bias);
-      benchmark::DoNotOptimize(out.data_ptr<float>());
+      benchmark::DoNotOptimize(out.data_ptr());
+    }
+    // A CUDA device runs the products after their launch: wait for them inside the timed iteration.
+    if (absl::Status done = mita::kernels::SynchronizeDevice(placement.device); !done.ok()) {
+      state.SkipWithError(done.ToString().c_str());
+      return;
     }
   }
   ReportTimePerImage(state, batch);
@@ -255,7 +269,13 @@ int main(int argc, char** argv) {
   }
   shared.budget = *budget;
   mita::kernels::SetIntraOpThreads(1);
-  auto model = mita::models::LoadVitClassifier(absl::GetFlag(FLAGS_model));
+  absl::StatusOr<mita::models::Placement> placement =
+      mita::models::ParsePlacement(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_weights_dtype));
+  if (!placement.ok()) {
+    std::fprintf(stderr, "--device/--weights_dtype: %s\n", placement.status().ToString().c_str());
+    return 2;
+  }
+  auto model = mita::models::LoadVitClassifier(absl::GetFlag(FLAGS_model), *placement);
   if (!model.ok()) {
     std::fprintf(stderr, "--model: %s\n", model.status().ToString().c_str());
     return 2;
@@ -287,8 +307,9 @@ int main(int argc, char** argv) {
     registered->Unit(benchmark::kMicrosecond)->UseRealTime();
   }
   const char* coretype = std::getenv("OPENBLAS_CORETYPE");
-  std::printf("model %s, budget %s, N = %lld tokens, 1 intra-op thread, OPENBLAS_CORETYPE=%s\n",
-              absl::GetFlag(FLAGS_model).c_str(), budget_text.c_str(),
+  std::printf("model %s on %s in %s, budget %s, N = %lld tokens, 1 intra-op thread, OPENBLAS_CORETYPE=%s\n",
+              absl::GetFlag(FLAGS_model).c_str(), shared.model->description().device.c_str(),
+              shared.model->description().weights_dtype.c_str(), budget_text.c_str(),
               static_cast<long long>(shared.model->config().tokens()), coretype != nullptr ? coretype : "(unset)");
   std::fflush(stdout);
   // Colours only on a terminal (a custom reporter does not follow --benchmark_color).

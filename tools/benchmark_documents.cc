@@ -15,6 +15,9 @@
 // (mallopt(M_MMAP_MAX, 0), mallopt(M_TRIM_THRESHOLD, max)), as mita-server does by default, so that multi-MiB
 // buffers are reused from the heap instead of being mapped and page-faulted in again at every layer (a fresh
 // 64 MiB buffer costs ~220 ms of page faults on this machine); the same setting applies to every case.
+// --device=cuda:N (--weights_dtype=bfloat16) runs the children on a CUDA device (ids copied from pinned memory;
+// Forward returns the logits to the host, so each timed forward includes the wait for the device) and adds the
+// caching allocator's peak GPU memory to the table.
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -38,6 +41,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "kernels/device.h"
 #include "kernels/runtime_environment.h"
 #include "models/model_package.h"
 #include "tools/document_corpus.h"
@@ -50,6 +54,8 @@ ABSL_FLAG(std::string, budgets, "8x32,16x64,32x128",
 ABSL_FLAG(int, repeats, 3, "timed forwards per case (the median is reported)");
 ABSL_FLAG(int, full_repeats, 1, "timed forwards for full attention at N >= 32768");
 ABSL_FLAG(int, threads, 2, "LibTorch intra-op threads");
+ABSL_FLAG(std::string, device, "cpu", "where the model runs: cpu or cuda:N");
+ABSL_FLAG(std::string, weights_dtype, "float32", "float32, or bfloat16 on a CUDA device");
 ABSL_FLAG(bool, keep_freed_memory, true, "mallopt: keep freed memory in the heap for reuse (see the file comment)");
 // Internal: run one case and print one result line.
 ABSL_FLAG(bool, child, false, "internal: run one case (used by the parent process)");
@@ -70,7 +76,13 @@ int64_t MaxRssKilobytes() {
 int RunChild() {
   if (absl::GetFlag(FLAGS_keep_freed_memory)) mita::kernels::KeepFreedMemoryForReuse();
   mita::kernels::SetIntraOpThreads(absl::GetFlag(FLAGS_threads));
-  auto loaded = mita::models::LoadDocumentClassifier(absl::GetFlag(FLAGS_model));
+  absl::StatusOr<mita::models::Placement> placement =
+      mita::models::ParsePlacement(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_weights_dtype));
+  if (!placement.ok()) {
+    std::fprintf(stderr, "child: %s\n", placement.status().ToString().c_str());
+    return 1;
+  }
+  auto loaded = mita::models::LoadDocumentClassifier(absl::GetFlag(FLAGS_model), *placement);
   if (!loaded.ok()) {
     std::fprintf(stderr, "child: %s\n", loaded.status().ToString().c_str());
     return 1;
@@ -85,7 +97,9 @@ int RunChild() {
     return 1;
   }
   const auto tokens = static_cast<int64_t>(ids.size());
-  const at::Tensor document = at::tensor(ids, at::TensorOptions().dtype(at::kLong));
+  at::Tensor document = at::tensor(ids, at::TensorOptions().dtype(at::kLong));
+  // On a CUDA device from pinned memory, as mita-server's batches are.
+  if (placement->device.is_cuda()) document = document.pin_memory();
   const int64_t baseline_kb = MaxRssKilobytes();
   const mita::models::DocumentClassifier& model = **loaded;
   const int64_t warmup_tokens = std::min<int64_t>(512, tokens);
@@ -108,16 +122,23 @@ int RunChild() {
     }
   }
   std::sort(milliseconds.begin(), milliseconds.end());
-  std::printf("RESULT median_ms=%.3f min_ms=%.3f runs=%zu baseline_kb=%lld peak_kb=%lld\n",
+  // On a CUDA device: the caching allocator's peak (weights, activations, attention scratch).
+  int64_t device_peak_kb = 0;
+  if (placement->device.is_cuda()) {
+    absl::StatusOr<mita::kernels::DeviceMemory> memory = mita::kernels::CudaMemory(placement->device);
+    if (memory.ok()) device_peak_kb = memory->peak_allocated_bytes / 1024;
+  }
+  std::printf("RESULT median_ms=%.3f min_ms=%.3f runs=%zu baseline_kb=%lld peak_kb=%lld device_peak_kb=%lld\n",
               milliseconds[milliseconds.size() / 2], milliseconds.front(), milliseconds.size(),
-              static_cast<long long>(baseline_kb), static_cast<long long>(MaxRssKilobytes()));
+              static_cast<long long>(baseline_kb), static_cast<long long>(MaxRssKilobytes()),
+              static_cast<long long>(device_peak_kb));
   return 0;
 }
 
 struct CaseResult {
   double median_ms = 0, min_ms = 0;
   int runs = 0;
-  long long baseline_kb = 0, peak_kb = 0;
+  long long baseline_kb = 0, peak_kb = 0, device_peak_kb = 0;
 };
 
 }  // namespace
@@ -135,6 +156,14 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   if (absl::GetFlag(FLAGS_child)) return RunChild();
 
+  // The parent only tokenizes, on the CPU; it checks the children's placement first.
+  absl::StatusOr<mita::models::Placement> placement =
+      mita::models::ParsePlacement(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_weights_dtype));
+  if (!placement.ok()) {
+    std::fprintf(stderr, "--device/--weights_dtype: %s\n", placement.status().ToString().c_str());
+    return 1;
+  }
+  const bool on_cuda = placement->device.is_cuda();
   auto loaded = mita::models::LoadDocumentClassifier(absl::GetFlag(FLAGS_model));
   if (!loaded.ok()) {
     std::fprintf(stderr, "%s\n", loaded.status().ToString().c_str());
@@ -193,12 +222,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "the held-out corpus gives only %zu tokens\n", ids.size());
     return 1;
   }
-  std::printf("model %s (%s tokenizer, embed dim %lld, %lld blocks, %lld heads); text: the first %zu held-out "
-              "documents concatenated (%zu bytes, %zu tokens); %d threads; one child process per case\n",
+  std::printf("model %s (%s tokenizer, embed dim %lld, %lld blocks, %lld heads) on %s in %s; text: the first %zu "
+              "held-out documents concatenated (%zu bytes, %zu tokens); %d threads; one child process per case\n",
               absl::GetFlag(FLAGS_model).c_str(), model.tokenizer()->name().c_str(),
               static_cast<long long>(model.config().embed_dim),
               static_cast<long long>(model.config().depth),
-              static_cast<long long>(model.config().num_heads), used, text.size(), ids.size(),
+              static_cast<long long>(model.config().num_heads), absl::GetFlag(FLAGS_device).c_str(),
+              absl::GetFlag(FLAGS_weights_dtype).c_str(), used, text.size(), ids.size(),
               absl::GetFlag(FLAGS_threads));
   std::fflush(stdout);
 
@@ -213,16 +243,19 @@ int main(int argc, char** argv) {
       const std::string command = absl::StrCat(
           "/proc/", getpid(), "/exe --child --model='", absl::GetFlag(FLAGS_model), "' --ids_file=", ids_file,
           " --budget=", budget, " --threads=", absl::GetFlag(FLAGS_threads), " --repeats=", absl::GetFlag(FLAGS_repeats),
-          " --full_repeats=", absl::GetFlag(FLAGS_full_repeats),
+          " --full_repeats=", absl::GetFlag(FLAGS_full_repeats), " --device=", absl::GetFlag(FLAGS_device),
+          " --weights_dtype=", absl::GetFlag(FLAGS_weights_dtype),
           " --keep_freed_memory=", absl::GetFlag(FLAGS_keep_freed_memory) ? "true" : "false");
       FILE* pipe = popen(command.c_str(), "r");
       CaseResult result;
       char line[512];
       bool found = false;
       while (pipe != nullptr && std::fgets(line, sizeof(line), pipe) != nullptr) {
-        found |= std::sscanf(line, "RESULT median_ms=%lf min_ms=%lf runs=%d baseline_kb=%lld peak_kb=%lld",
-                             &result.median_ms, &result.min_ms, &result.runs, &result.baseline_kb,
-                             &result.peak_kb) == 5;
+        found |= std::sscanf(line,
+                             "RESULT median_ms=%lf min_ms=%lf runs=%d baseline_kb=%lld peak_kb=%lld "
+                             "device_peak_kb=%lld",
+                             &result.median_ms, &result.min_ms, &result.runs, &result.baseline_kb, &result.peak_kb,
+                             &result.device_peak_kb) == 6;
       }
       if (pipe == nullptr || pclose(pipe) != 0 || !found) {
         std::fprintf(stderr, "case N=%lld budget %s failed\n", static_cast<long long>(length), budget.c_str());
@@ -237,15 +270,17 @@ int main(int argc, char** argv) {
   std::remove(ids_file.c_str());
 
   std::printf("\n| tokens N | attention | latency median (ms) | runs | speedup vs full | peak RSS (MiB) | "
-              "peak RSS - baseline (MiB) |\n|---|---|---|---|---|---|---|\n");
+              "peak RSS - baseline (MiB) |%s\n|---|---|---|---|---|---|---|%s\n",
+              on_cuda ? " peak GPU allocated (MiB) |" : "", on_cuda ? "---|" : "");
   for (int64_t length : lengths) {
     const CaseResult& full = results[{length, "full"}];
     for (const std::string& budget : budgets) {
       const CaseResult& result = results[{length, budget}];
       const std::string name = mita::models::BudgetName(*mita::models::ParseBudget(budget));  // parsed above
-      std::printf("| %lld | %s | %.1f | %d | %.1fx | %.1f | %.1f |\n", static_cast<long long>(length), name.c_str(),
-                  result.median_ms, result.runs, full.median_ms / result.median_ms, result.peak_kb / 1024.0,
-                  (result.peak_kb - result.baseline_kb) / 1024.0);
+      std::printf("| %lld | %s | %.1f | %d | %.1fx | %.1f | %.1f |%s\n", static_cast<long long>(length),
+                  name.c_str(), result.median_ms, result.runs, full.median_ms / result.median_ms,
+                  result.peak_kb / 1024.0, (result.peak_kb - result.baseline_kb) / 1024.0,
+                  on_cuda ? absl::StrFormat(" %.1f |", result.device_peak_kb / 1024.0).c_str() : "");
     }
   }
   return 0;

@@ -71,7 +71,13 @@ absl::StatusOr<std::vector<uint32_t>> ParseIdxHeader(const std::string& bytes, i
 
 }  // namespace
 
-absl::StatusOr<FashionMnist> ReadFashionMnist(const std::string& split, const std::string& directory) {
+std::string FashionMnistDirectory() {
+  const char* directory = std::getenv("MITA_FASHION_MNIST_DIR");
+  return directory != nullptr && directory[0] != '\0' ? directory : kFashionMnistDirectory;
+}
+
+absl::StatusOr<FashionMnist> ReadFashionMnist(const std::string& split, const std::string& given_directory) {
+  const std::string directory = given_directory.empty() ? FashionMnistDirectory() : given_directory;
   if (split != "train" && split != "t10k") {
     return absl::InvalidArgumentError(absl::StrCat("split \"", split, "\" must be \"train\" or \"t10k\""));
   }

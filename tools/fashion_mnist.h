@@ -12,6 +12,10 @@ namespace mita::datasets {
 
 inline constexpr char kFashionMnistDirectory[] = "/usr/share/datasets/fashion-mnist";
 
+// Where ReadFashionMnist looks by default: $MITA_FASHION_MNIST_DIR when set and not empty (a machine without the
+// Debian package, e.g. the GPU machine with the files from scripts/gpu_bundle.sh), else kFashionMnistDirectory.
+std::string FashionMnistDirectory();
+
 // One split: `count` 28x28 8-bit grayscale images (row-major) and their labels 0..9.
 struct FashionMnist {
   int64_t count = 0;
@@ -21,10 +25,11 @@ struct FashionMnist {
   std::vector<uint8_t> labels;  // count
 };
 
-// Reads the "train" or "t10k" split from `directory` (IDX format, http://yann.lecun.com/exdb/mnist/).
+// Reads the "train" or "t10k" split from `directory` (empty: FashionMnistDirectory()) (IDX format,
+// http://yann.lecun.com/exdb/mnist/).
 // Errors: NOT_FOUND when a file is missing, INVALID_ARGUMENT when its magic number or sizes are wrong.
 absl::StatusOr<FashionMnist> ReadFashionMnist(const std::string& split,
-                                              const std::string& directory = kFashionMnistDirectory);
+                                              const std::string& directory = "");
 
 // Encodes 8-bit pixels (row-major, interleaved; channels 1, 2, 3 or 4 = gray, gray+alpha, RGB, RGBA) as PNG
 // with libpng. Errors: INVALID_ARGUMENT for a size mismatch.
