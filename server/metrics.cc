@@ -56,7 +56,8 @@ const Histogram::BucketBoundaries& FractionBuckets() {
 
 constexpr const char* kMethodNames[kNumRpcMethods] = {"Classify",      "ListModels", "GetModel",
                                                      "ModelInfer",    "ModelMetadata", "ModelReady",
-                                                     "ServerLive",    "ServerReady", "ServerMetadata"};
+                                                     "ServerLive",    "ServerReady", "ServerMetadata",
+                                                     "ModelConfig"};
 
 }  // namespace
 
@@ -72,6 +73,7 @@ bool IsModelMethod(RpcMethod method) {
     case RpcMethod::kModelInfer:
     case RpcMethod::kModelMetadata:
     case RpcMethod::kModelReady:
+    case RpcMethod::kModelConfig:
       return true;
     case RpcMethod::kListModels:
     case RpcMethod::kServerLive:
