@@ -5,9 +5,10 @@
 #     runtime wheels it loads), installed with pip --target into /opt/mita/torch-<version>; needs the CUDA
 #     toolkit (nvcc) at /usr/local/cuda to configure.
 #   MITA_LIBTORCH=debian: Debian's libtorch-dev 1.13 (CPU only) and OpenBLAS.
-# docs/libtorch.md has the measurements behind the choice. In both cases the torch wheel is installed (the peers'
-# Python torch), and then the peers the tests and benchmarks compare against (scripts/install_peers.sh:
-# tritonclient, timm, ONNX Runtime in a venv, Triton's perf_analyzer).
+# docs/libtorch.md has the measurements behind the choice. Unless MITA_PEERS=0 (the container image's build
+# stage), also the peers the tests and benchmarks compare against (scripts/install_peers.sh: tritonclient, timm,
+# ONNX Runtime in a venv, Triton's perf_analyzer), whose Python torch is the wheel's: the wheel is then installed
+# in debian mode too.
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
@@ -39,34 +40,37 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# The torch wheel: LibTorch for the build (pypi mode) and the peers' Python torch (both modes).
-# torch 2.11.0 is built for CUDA 13.0 (the toolkit here) and is the version of the GPU machine's python torch,
-# whose libraries a server built here then uses there (scripts/gpu_artifacts.sh). The NVIDIA wheels are the
-# ones torch 2.11.0 requires (its METADATA), pinned to the versions pip resolves for it; Python-only needs
-# (triton, sympy, ...) are left out: the build uses only the C++ libraries, and the peers' venv adds what
-# Python's torch imports.
-TORCH_VERSION=2.11.0
-TORCH_PREFIX=/opt/mita/torch-$TORCH_VERSION
-WHEELS=(
-  torch==$TORCH_VERSION
-  nvidia-cuda-runtime==13.0.96 nvidia-cuda-cupti==13.0.85 nvidia-cuda-nvrtc==13.0.88 nvidia-nvjitlink==13.0.88
-  nvidia-nvtx==13.0.85 nvidia-cublas==13.1.0.3 nvidia-cufft==12.0.0.61 nvidia-curand==10.4.0.35
-  nvidia-cusolver==12.0.4.66 nvidia-cusparse==12.6.3.3 nvidia-cufile==1.15.1.6 nvidia-cudnn-cu13==9.19.0.56
-  nvidia-cusparselt-cu13==0.8.0 nvidia-nccl-cu13==2.28.9 nvidia-nvshmem-cu13==3.4.5
-)
-# The list is the install's identity: a changed pin installs afresh (into a new folder, moved in place
-# when complete, so that an interrupted install leaves nothing half-written behind).
-if [ "$(cat "$TORCH_PREFIX/.wheels" 2>/dev/null)" != "${WHEELS[*]}" ]; then
-  staging="$TORCH_PREFIX.partial"
-  $SUDO rm -rf "$staging"
-  $SUDO mkdir -p "$(dirname "$TORCH_PREFIX")"
-  $SUDO /usr/bin/python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
-    --no-deps --no-compile --no-cache-dir --only-binary=:all: --target "$staging" "${WHEELS[@]}"
-  echo "${WHEELS[*]}" | $SUDO tee "$staging/.wheels" > /dev/null
-  $SUDO rm -rf "$TORCH_PREFIX"
-  $SUDO mv "$staging" "$TORCH_PREFIX"
+# The torch wheel: LibTorch for the build (pypi mode) and the peers' Python torch (unless MITA_PEERS=0).
+PEERS="${MITA_PEERS:-1}"
+if [ "$LIBTORCH" = pypi ] || [ "$PEERS" = 1 ]; then
+  # torch 2.11.0 is built for CUDA 13.0 (the toolkit here) and is the version of the GPU machine's python torch,
+  # whose libraries a server built here then uses there (scripts/gpu_artifacts.sh). The NVIDIA wheels are the
+  # ones torch 2.11.0 requires (its METADATA), pinned to the versions pip resolves for it; Python-only needs
+  # (triton, sympy, ...) are left out: the build uses only the C++ libraries, and the peers' venv adds what
+  # Python's torch imports.
+  TORCH_VERSION=2.11.0
+  TORCH_PREFIX=/opt/mita/torch-$TORCH_VERSION
+  WHEELS=(
+    torch==$TORCH_VERSION
+    nvidia-cuda-runtime==13.0.96 nvidia-cuda-cupti==13.0.85 nvidia-cuda-nvrtc==13.0.88 nvidia-nvjitlink==13.0.88
+    nvidia-nvtx==13.0.85 nvidia-cublas==13.1.0.3 nvidia-cufft==12.0.0.61 nvidia-curand==10.4.0.35
+    nvidia-cusolver==12.0.4.66 nvidia-cusparse==12.6.3.3 nvidia-cufile==1.15.1.6 nvidia-cudnn-cu13==9.19.0.56
+    nvidia-cusparselt-cu13==0.8.0 nvidia-nccl-cu13==2.28.9 nvidia-nvshmem-cu13==3.4.5
+  )
+  # The list is the install's identity: a changed pin installs afresh (into a new folder, moved in place
+  # when complete, so that an interrupted install leaves nothing half-written behind).
+  if [ "$(cat "$TORCH_PREFIX/.wheels" 2>/dev/null)" != "${WHEELS[*]}" ]; then
+    staging="$TORCH_PREFIX.partial"
+    $SUDO rm -rf "$staging"
+    $SUDO mkdir -p "$(dirname "$TORCH_PREFIX")"
+    $SUDO /usr/bin/python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+      --no-deps --no-compile --no-cache-dir --only-binary=:all: --target "$staging" "${WHEELS[@]}"
+    echo "${WHEELS[*]}" | $SUDO tee "$staging/.wheels" > /dev/null
+    $SUDO rm -rf "$TORCH_PREFIX"
+    $SUDO mv "$staging" "$TORCH_PREFIX"
+  fi
 fi
-bash "$(dirname "$0")/install_peers.sh"
+if [ "$PEERS" = 1 ]; then bash "$(dirname "$0")/install_peers.sh"; fi
 if [ "$LIBTORCH" = pypi ]; then
   if [ ! -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc > /dev/null; then
     echo "install_deps.sh: no CUDA toolkit (nvcc) found; the torch wheel's CMake config needs one" \
