@@ -15,11 +15,8 @@ work = sys.argv[1]
 words = "the scheduler balances interrupts across processors while the driver maps pages ".split()
 for megabytes in (1, 4, 16):
     size = megabytes << 20
-    known, i = [], 0
-    while sum(map(len, known)) < size:
-        known.append(words[i % len(words)] + " ")
-        i += 1
-    open(f"{work}/known_{megabytes}.txt", "w").write("".join(known)[:size])
+    line = " ".join(words) + " "
+    open(f"{work}/known_{megabytes}.txt", "w").write((line * (size // len(line) + 1))[:size])
     open(f"{work}/unknown_{megabytes}.txt", "w").write("\U0001F600" * (size // 4))
 PYTHON
 echo "machine: $(nproc) cores; load average $(cut -d' ' -f1-3 /proc/loadavg)"

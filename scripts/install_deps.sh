@@ -5,7 +5,10 @@
 #     runtime wheels it loads), installed with pip --target into /opt/mita/torch-<version>; needs the CUDA
 #     toolkit (nvcc) at /usr/local/cuda to configure.
 #   MITA_LIBTORCH=debian: Debian's libtorch-dev 1.13 (CPU only) and OpenBLAS.
-# docs/libtorch.md has the measurements behind the choice.
+# docs/libtorch.md has the measurements behind the choice. Unless MITA_PEERS=0 (the container image's build
+# stage), also the peers the tests and benchmarks compare against (scripts/install_peers.sh: tritonclient, timm,
+# ONNX Runtime in a venv, Triton's perf_analyzer), whose Python torch is the wheel's: the wheel is then installed
+# in debian mode too.
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
@@ -20,10 +23,11 @@ PACKAGES=(
   dataset-fashion-mnist
   python3 python3-numpy python3-torch  # python3-torch: training, and the tests' independent PyTorch reference
   python3-grpcio python3-protobuf python3-yaml
+  python3-venv python3-dev python3-pip  # the peers' venv; torch.compile's generated C++ includes Python.h
   clang libclang-rt-dev libomp-dev  # ASan/UBSan test build, libFuzzer targets (scripts/run_sanitizers.sh)
 )
 case "$LIBTORCH" in
-  pypi) PACKAGES+=(python3-pip) ;;
+  pypi) ;;
   debian) PACKAGES+=(libtorch-dev libopenblas0-pthread libblas-dev) ;;
   *) echo "MITA_LIBTORCH must be pypi or debian, not '$LIBTORCH'" >&2; exit 2 ;;
 esac
@@ -36,11 +40,14 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-if [ "$LIBTORCH" = pypi ]; then
+# The torch wheel: LibTorch for the build (pypi mode) and the peers' Python torch (unless MITA_PEERS=0).
+PEERS="${MITA_PEERS:-1}"
+if [ "$LIBTORCH" = pypi ] || [ "$PEERS" = 1 ]; then
   # torch 2.11.0 is built for CUDA 13.0 (the toolkit here) and is the version of the GPU machine's python torch,
   # whose libraries a server built here then uses there (scripts/gpu_artifacts.sh). The NVIDIA wheels are the
   # ones torch 2.11.0 requires (its METADATA), pinned to the versions pip resolves for it; Python-only needs
-  # (triton, sympy, ...) are left out: only the C++ libraries are used.
+  # (triton, sympy, ...) are left out: the build uses only the C++ libraries, and the peers' venv adds what
+  # Python's torch imports.
   TORCH_VERSION=2.11.0
   TORCH_PREFIX=/opt/mita/torch-$TORCH_VERSION
   WHEELS=(
@@ -62,6 +69,9 @@ if [ "$LIBTORCH" = pypi ]; then
     $SUDO rm -rf "$TORCH_PREFIX"
     $SUDO mv "$staging" "$TORCH_PREFIX"
   fi
+fi
+if [ "$PEERS" = 1 ]; then bash "$(dirname "$0")/install_peers.sh"; fi
+if [ "$LIBTORCH" = pypi ]; then
   if [ ! -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc > /dev/null; then
     echo "install_deps.sh: no CUDA toolkit (nvcc) found; the torch wheel's CMake config needs one" \
          "(CUDA 13.0 at /usr/local/cuda), or build with MITA_LIBTORCH=debian" >&2

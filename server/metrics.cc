@@ -45,7 +45,8 @@ const Histogram::BucketBoundaries& FractionBuckets() {
 
 constexpr const char* kMethodNames[kNumRpcMethods] = {"Classify",      "ListModels", "GetModel",
                                                      "ModelInfer",    "ModelMetadata", "ModelReady",
-                                                     "ServerLive",    "ServerReady", "ServerMetadata"};
+                                                     "ServerLive",    "ServerReady", "ServerMetadata",
+                                                     "ModelConfig"};
 
 }  // namespace
 
@@ -61,6 +62,7 @@ bool IsModelMethod(RpcMethod method) {
     case RpcMethod::kModelInfer:
     case RpcMethod::kModelMetadata:
     case RpcMethod::kModelReady:
+    case RpcMethod::kModelConfig:
       return true;
     case RpcMethod::kListModels:
     case RpcMethod::kServerLive:

@@ -99,8 +99,9 @@ enum class RpcMethod {
   kServerLive = 6,
   kServerReady = 7,
   kServerMetadata = 8,
+  kModelConfig = 9,
 };
-inline constexpr int kNumRpcMethods = 9;
+inline constexpr int kNumRpcMethods = 10;
 // The method's name in the label ("Classify", "ModelInfer", ...).
 const char* RpcMethodName(RpcMethod method);
 // Whether a call of `method` is about one model (counted with model="<name>" or "unknown"); the others are

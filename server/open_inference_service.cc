@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/base/casts.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -139,21 +140,36 @@ absl::StatusOr<absl::Span<const int64_t>> Int64Elements(const InputTensor& input
   return absl::MakeConstSpan(*storage);
 }
 
-// One input tensor a model declares (ModelMetadata) and the input kind it carries.
+// One input tensor a model declares (ModelMetadata, ModelConfig) and the input kind it carries.
 struct DeclaredInput {
   const char* name;
   const char* datatype;
   std::vector<int64_t> shape;  // -1: any length
   models::ClassifierInput::Kind kind;
+  // Whether a request may leave it out: a document model takes one of its two inputs (ModelConfig "optional").
+  bool optional;
 };
 
-// The inputs of `model`: what ModelMetadata declares and ModelInfer accepts, one list for both.
+// The inputs of `model`: what ModelMetadata and ModelConfig declare and ModelInfer accepts, one list for all.
 std::vector<DeclaredInput> DeclaredInputs(const models::ClassifierDescription& model) {
   if (IsDocumentModel(model)) {
-    return {{kTextInput, "BYTES", {1}, models::ClassifierInput::Kind::kText},
-            {kTokenIdsInput, "INT64", {-1}, models::ClassifierInput::Kind::kTokenIds}};
+    return {{kTextInput, "BYTES", {1}, models::ClassifierInput::Kind::kText, true},
+            {kTokenIdsInput, "INT64", {-1}, models::ClassifierInput::Kind::kTokenIds, true}};
   }
-  return {{kImageInput, "BYTES", {1}, models::ClassifierInput::Kind::kImage}};
+  return {{kImageInput, "BYTES", {1}, models::ClassifierInput::Kind::kImage, false}};
+}
+
+// Triton's name of a protocol datatype (ModelConfig): BYTES is TYPE_STRING.
+inference::DataType TritonDataType(std::string_view datatype) {
+  if (datatype == "BYTES") return inference::TYPE_STRING;
+  if (datatype == "INT64") return inference::TYPE_INT64;
+  if (datatype == "FP32") return inference::TYPE_FP32;
+  return inference::TYPE_INVALID;
+}
+
+// Appends `value` as 4 little-endian bytes.
+void AppendLittleEndian32(uint32_t value, std::string* out) {
+  for (int b = 0; b < 4; ++b) out->push_back(static_cast<char>((value >> (8 * b)) & 0xff));
 }
 
 std::string ShapeText(absl::Span<const int64_t> shape) { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
@@ -353,6 +369,9 @@ absl::StatusOr<inference::ModelInferResponse> ToModelInferResponse(const inferen
     want_labels |= output.name() == kLabelsOutput;
   }
 
+  // Outputs come in the form the input came: raw_output_contents for a raw request (what Triton's clients send,
+  // and the only form their InferResult.as_numpy reads for FP32), typed contents otherwise.
+  const bool raw = request.raw_input_contents_size() > 0;
   inference::ModelInferResponse response;
   response.set_model_name(model.name);
   response.set_model_version(kModelVersion);
@@ -366,7 +385,13 @@ absl::StatusOr<inference::ModelInferResponse> ToModelInferResponse(const inferen
     for (const models::ClassScore& score : result.classes) {
       if (score.index >= 0 && score.index < classes) values[static_cast<size_t>(score.index)] = score.probability;
     }
-    *scores->mutable_contents()->mutable_fp32_contents() = {values.begin(), values.end()};
+    if (raw) {
+      std::string* bytes = response.add_raw_output_contents();
+      bytes->reserve(4 * values.size());
+      for (float value : values) AppendLittleEndian32(absl::bit_cast<uint32_t>(value), bytes);
+    } else {
+      *scores->mutable_contents()->mutable_fp32_contents() = {values.begin(), values.end()};
+    }
   }
   if (want_labels) {
     OutputTensor* labels = response.add_outputs();
@@ -374,10 +399,16 @@ absl::StatusOr<inference::ModelInferResponse> ToModelInferResponse(const inferen
     labels->set_datatype("BYTES");
     const int64_t n = std::min<int64_t>(resolved_top_n, static_cast<int64_t>(result.classes.size()));
     labels->add_shape(n);
+    std::string* bytes = raw ? response.add_raw_output_contents() : nullptr;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t index = result.classes[static_cast<size_t>(i)].index;
-      labels->mutable_contents()->add_bytes_contents(
-          index >= 0 && index < classes ? model.labels[static_cast<size_t>(index)] : std::string());
+      const std::string& label = index >= 0 && index < classes ? model.labels[static_cast<size_t>(index)] : "";
+      if (raw) {
+        AppendLittleEndian32(static_cast<uint32_t>(label.size()), bytes);
+        bytes->append(label);
+      } else {
+        labels->mutable_contents()->add_bytes_contents(label);
+      }
     }
   }
 
@@ -413,6 +444,32 @@ inference::ModelMetadataResponse ToModelMetadataResponse(const models::Classifie
   for (const DeclaredInput& input : DeclaredInputs(model)) add(response.mutable_inputs(), input.name, input.datatype, input.shape);
   add(response.mutable_outputs(), kScoresOutput, "FP32", {static_cast<int64_t>(model.labels.size())});
   add(response.mutable_outputs(), kLabelsOutput, "BYTES", {-1});
+  return response;
+}
+
+inference::ModelConfigResponse ToModelConfigResponse(const models::ClassifierDescription& model) {
+  inference::ModelConfigResponse response;
+  inference::ModelConfig& config = *response.mutable_config();
+  config.set_name(model.name);
+  config.set_platform(kPlatform);
+  config.set_backend("mita");
+  config.set_max_batch_size(0);
+  for (const DeclaredInput& declared : DeclaredInputs(model)) {
+    inference::ModelInput* input = config.add_input();
+    input->set_name(declared.name);
+    input->set_data_type(TritonDataType(declared.datatype));
+    for (int64_t dimension : declared.shape) input->add_dims(dimension);
+    input->set_optional(declared.optional);
+  }
+  auto add_output = [&config](const char* name, const char* datatype, int64_t dimension) {
+    inference::ModelOutput* output = config.add_output();
+    output->set_name(name);
+    output->set_data_type(TritonDataType(datatype));
+    output->add_dims(dimension);
+  };
+  add_output(kScoresOutput, "FP32", static_cast<int64_t>(model.labels.size()));
+  add_output(kLabelsOutput, "BYTES", -1);
+  (*config.mutable_parameters())[kParametersMetadataKey].set_string_value(KnobsJson(model));
   return response;
 }
 
@@ -595,6 +652,7 @@ grpc::ServerUnaryReactor* OpenInferenceService::ServerMetadata(grpc::CallbackSer
       [this](const inference::ServerMetadataRequest&, inference::ServerMetadataResponse* answer, std::string*) {
         answer->set_name("mita-serve");
         answer->set_version(server_version_);
+        answer->add_extensions(kModelConfigurationExtension);
         return absl::OkStatus();
       });
 }
@@ -610,6 +668,20 @@ grpc::ServerUnaryReactor* OpenInferenceService::ModelMetadata(grpc::CallbackServ
         ASSIGN_OR_RETURN(const models::ClassifierDescription* model, FindModel(asked.name(), asked.version()));
         *answer = ToModelMetadataResponse(*model);
         context->AddInitialMetadata(kParametersMetadataKey, KnobsJson(*model));
+        return absl::OkStatus();
+      });
+}
+
+grpc::ServerUnaryReactor* OpenInferenceService::ModelConfig(grpc::CallbackServerContext* context,
+                                                            const grpc::ByteBuffer* request,
+                                                            grpc::ByteBuffer* response) {
+  return AnswerAtOnce<inference::ModelConfigRequest, inference::ModelConfigResponse>(
+      context, request, response, *metrics_, options_, RpcMethod::kModelConfig, WordForOpenInference,
+      [this](const inference::ModelConfigRequest& asked, inference::ModelConfigResponse* answer,
+             std::string* model_name) {
+        *model_name = asked.name();
+        ASSIGN_OR_RETURN(const models::ClassifierDescription* model, FindModel(asked.name(), asked.version()));
+        *answer = ToModelConfigResponse(*model);
         return absl::OkStatus();
       });
 }

@@ -21,6 +21,8 @@
 //   outputs (all unless the request names some; an unknown name is INVALID_ARGUMENT):
 //     scores  FP32  [C]  softmax probability of every class, by class index
 //     labels  BYTES [N]  the N = top-N best class labels, best first
+//   Outputs come as raw_output_contents when the request sent raw_input_contents (Triton's clients always do,
+//   and read FP32 outputs only from there), as typed contents otherwise.
 //   response parameters: the budget applied (mita_attention, mita_expert_count, mita_expert_width,
 //   mita_preset when one applied: "default" or the preset's name), mita_top_n, and timing (mita_queue_delay_us,
 //   mita_compute_us, mita_total_us in microseconds, mita_batch_size in requests, mita_token_count in tokens).
@@ -34,6 +36,11 @@
 // knobs and their ranges are therefore declared in the response's gRPC initial metadata under the key
 // "mita-parameters" (kParametersMetadataKey), a JSON object by parameter name (KnobsJson below); the same knobs
 // are in mita.v1 GetModel on the same port.
+// ModelConfig (Triton's extension "model_configuration", listed in ServerMetadata's extensions): the model in
+// Triton's ModelConfig terms, for Triton's tools (perf_analyzer needs it): platform "mita_safetensors", backend
+// "mita", max_batch_size 0 (tensors carry no batch dimension; the server batches requests itself), the declared
+// inputs (a document model's two marked optional: a request sends one) and outputs, and the knobs' JSON as the
+// parameter "mita-parameters".
 // Readiness: ServerLive is true while the server answers; ServerReady and ModelReady follow SetReady (main
 // sets it with the gRPC health status: true once the models are loaded, false while draining).
 #pragma once
@@ -63,6 +70,8 @@ namespace mita::server {
 inline constexpr char kParametersMetadataKey[] = "mita-parameters";
 // The one model version served ("1"); ModelInfer and the metadata RPCs also accept an empty version.
 inline constexpr char kModelVersion[] = "1";
+// ServerMetadata's extension name for ModelConfig (Triton's).
+inline constexpr char kModelConfigurationExtension[] = "model_configuration";
 // Output tensor names.
 inline constexpr char kScoresOutput[] = "scores";
 inline constexpr char kLabelsOutput[] = "labels";
@@ -95,6 +104,9 @@ absl::StatusOr<inference::ModelInferResponse> ToModelInferResponse(const inferen
 // input kind and the two outputs.
 inference::ModelMetadataResponse ToModelMetadataResponse(const models::ClassifierDescription& model);
 
+// The ModelConfig response of a model (Triton's extension; see the file comment).
+inference::ModelConfigResponse ToModelConfigResponse(const models::ClassifierDescription& model);
+
 // The knobs of a model as a JSON object by request parameter name, e.g.
 // {"mita_expert_count":{"datatype":"INT64","allowed":[1,4,9],"min":1,"max":9,"default":9},
 //  "mita_expert_width":{"datatype":"INT64","min":1,"max":50,"default":16},
@@ -118,7 +130,8 @@ using OpenInferenceRawService = inference::GRPCInferenceService::WithRawCallback
             inference::GRPCInferenceService::WithRawCallbackMethod_ServerMetadata<
                 inference::GRPCInferenceService::WithRawCallbackMethod_ModelMetadata<
                     inference::GRPCInferenceService::WithRawCallbackMethod_ModelInfer<
-                        inference::GRPCInferenceService::Service>>>>>>;
+                        inference::GRPCInferenceService::WithRawCallbackMethod_ModelConfig<
+                            inference::GRPCInferenceService::Service>>>>>>>;
 
 class OpenInferenceService final : public OpenInferenceRawService {
  public:
@@ -133,7 +146,7 @@ class OpenInferenceService final : public OpenInferenceRawService {
   // Each receives its serialized request message (<Method>Request) and answers with its serialized response
   // message (<Method>Response); a request that does not parse is INVALID_ARGUMENT. Every method is authenticated
   // when the server has a bearer token (gRPC health stays open) and counted in mita_requests_total under its own
-  // name. ModelReady and ModelMetadata: INVALID_ARGUMENT for an empty name, NOT_FOUND for an unknown model or
+  // name. ModelReady, ModelMetadata and ModelConfig: INVALID_ARGUMENT for an empty name, NOT_FOUND for an unknown model or
   // version. ModelInfer: see the file comment.
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
                                        grpc::ByteBuffer* response) override;
@@ -147,6 +160,8 @@ class OpenInferenceService final : public OpenInferenceRawService {
                                           grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
                                        grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ModelConfig(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
 
  private:
   class InferReactor;

@@ -426,7 +426,8 @@ TEST_F(WireTest, UnparsableRequestsAreInvalidArgumentAndCounted) {
   } methods[] = {{"/mita.v1.MitaService/Classify", "Classify", "mita.v1.ClassifyRequest"},
                  {"/mita.v1.MitaService/GetModel", "GetModel", "mita.v1.GetModelRequest"},
                  {"/inference.GRPCInferenceService/ModelInfer", "ModelInfer", "inference.ModelInferRequest"},
-                 {"/inference.GRPCInferenceService/ModelMetadata", "ModelMetadata", "inference.ModelMetadataRequest"}};
+                 {"/inference.GRPCInferenceService/ModelMetadata", "ModelMetadata", "inference.ModelMetadataRequest"},
+                 {"/inference.GRPCInferenceService/ModelConfig", "ModelConfig", "inference.ModelConfigRequest"}};
   for (const auto& method : methods) {
     for (const auto& [kind, bytes] : MalformedMessages()) {
       SCOPED_TRACE(absl::StrCat(method.method, ": ", kind));

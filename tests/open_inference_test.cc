@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -351,7 +352,8 @@ TEST_F(OpenInferenceTest, DefaultBudgetPresetAndFullAttentionAreEchoed) {
   }
 }
 
-// raw_input_contents (what Triton's client sends): a 4-byte little-endian length, then the bytes. The result
+// raw_input_contents (what Triton's client sends): a 4-byte little-endian length, then the bytes. The answer
+// comes in raw_output_contents (FP32 little-endian; BYTES length-prefixed, as Triton's clients read them) and
 // equals the typed form; a requested output limits the outputs.
 TEST_F(OpenInferenceTest, RawInputContentsAndRequestedOutputs) {
   const std::string& image = images_[5];
@@ -373,10 +375,38 @@ TEST_F(OpenInferenceTest, RawInputContentsAndRequestedOutputs) {
   EXPECT_EQ(raw_response.outputs(0).name(), "scores");
   const auto* typed_scores = FindOutput(typed_response, "scores");
   ASSERT_NE(typed_scores, nullptr);
-  ASSERT_EQ(raw_response.outputs(0).contents().fp32_contents_size(), 10);
+  EXPECT_EQ(raw_response.outputs(0).contents().fp32_contents_size(), 0);
+  ASSERT_EQ(raw_response.raw_output_contents_size(), 1);
+  const std::string& scores = raw_response.raw_output_contents(0);
+  ASSERT_EQ(scores.size(), 4u * 10);
   for (int c = 0; c < 10; ++c) {
-    EXPECT_NEAR(raw_response.outputs(0).contents().fp32_contents(c), typed_scores->contents().fp32_contents(c), 1e-5);
+    uint32_t bits = 0;
+    for (int b = 3; b >= 0; --b) bits = bits << 8 | static_cast<unsigned char>(scores[4 * c + b]);
+    float value = 0;
+    std::memcpy(&value, &bits, sizeof(value));
+    EXPECT_FLOAT_EQ(value, typed_scores->contents().fp32_contents(c)) << c;
   }
+
+  // Both outputs, raw: the labels as 4-byte little-endian lengths and bytes, the typed labels in order.
+  raw.clear_outputs();
+  ASSERT_TRUE(Infer(raw, &raw_response).ok());
+  ASSERT_EQ(raw_response.raw_output_contents_size(), 2);
+  const auto* typed_labels = FindOutput(typed_response, "labels");
+  ASSERT_NE(typed_labels, nullptr);
+  ASSERT_EQ(raw_response.outputs(1).name(), "labels");
+  const std::string& labels = raw_response.raw_output_contents(1);
+  size_t offset = 0;
+  for (const std::string& expected : typed_labels->contents().bytes_contents()) {
+    ASSERT_LE(offset + 4, labels.size());
+    uint32_t size = 0;
+    for (int b = 3; b >= 0; --b) size = size << 8 | static_cast<unsigned char>(labels[offset + b]);
+    offset += 4;
+    ASSERT_LE(offset + size, labels.size());
+    EXPECT_EQ(labels.substr(offset, size), expected);
+    offset += size;
+  }
+  EXPECT_EQ(offset, labels.size());
+  EXPECT_EQ(typed_labels->contents().bytes_contents_size(), raw_response.outputs(1).shape(0));
 }
 
 TEST_F(OpenInferenceTest, BadRequestsGetTheMitaV1CodesWithProtocolNames) {
@@ -632,6 +662,32 @@ TEST_F(OpenInferenceTest, HealthAndMetadata) {
     ASSERT_TRUE(stub_->ServerMetadata(&context, {}, &response).ok());
     EXPECT_EQ(response.name(), "mita-serve");
     EXPECT_EQ(response.version(), "test");
+    EXPECT_THAT(response.extensions(), ElementsAre("model_configuration"));
+  }
+  {
+    // Triton's ModelConfig: no batch dimension, the declared input and outputs in Triton's types, the knobs.
+    grpc::ClientContext context;
+    inference::ModelConfigRequest request;
+    request.set_name(kModel);
+    inference::ModelConfigResponse response;
+    ASSERT_TRUE(stub_->ModelConfig(&context, request, &response).ok());
+    const inference::ModelConfig& config = response.config();
+    EXPECT_EQ(config.name(), kModel);
+    EXPECT_EQ(config.max_batch_size(), 0);
+    ASSERT_EQ(config.input_size(), 1);
+    EXPECT_EQ(config.input(0).name(), "image");
+    EXPECT_EQ(config.input(0).data_type(), inference::TYPE_STRING);
+    EXPECT_THAT(config.input(0).dims(), ElementsAre(1));
+    EXPECT_FALSE(config.input(0).optional());
+    ASSERT_EQ(config.output_size(), 2);
+    EXPECT_EQ(config.output(0).data_type(), inference::TYPE_FP32);
+    EXPECT_THAT(config.output(0).dims(), ElementsAre(10));
+    ASSERT_TRUE(config.parameters().contains(kParametersMetadataKey));
+    const nlohmann::json knobs = nlohmann::json::parse(config.parameters().at(kParametersMetadataKey).string_value());
+    EXPECT_EQ(knobs["mita_expert_count"]["default"], 9);
+    request.set_name("missing");
+    grpc::ClientContext missing_context;
+    EXPECT_EQ(stub_->ModelConfig(&missing_context, request, &response).error_code(), grpc::StatusCode::NOT_FOUND);
   }
 
   grpc::ClientContext context;
@@ -777,6 +833,14 @@ TEST(OpenInferenceTranslationTest, DocumentsBecomeTextOrTokenIds) {
   EXPECT_EQ(metadata.inputs(0).name(), "text");
   EXPECT_EQ(metadata.inputs(1).name(), "token_ids");
   EXPECT_EQ(metadata.inputs(1).datatype(), "INT64");
+  // ModelConfig marks both optional: a request sends one of them.
+  const inference::ModelConfigResponse config = ToModelConfigResponse(model);
+  ASSERT_EQ(config.config().input_size(), 2);
+  EXPECT_TRUE(config.config().input(0).optional());
+  EXPECT_EQ(config.config().input(0).data_type(), inference::TYPE_STRING);
+  EXPECT_TRUE(config.config().input(1).optional());
+  EXPECT_EQ(config.config().input(1).data_type(), inference::TYPE_INT64);
+  EXPECT_THAT(config.config().input(1).dims(), ElementsAre(-1));
 }
 
 // One structured error, worded by each front end in its own vocabulary; statuses without field problems pass

@@ -297,6 +297,13 @@ TEST(BearerTokenTest, EveryOpenInferenceCallNeedsTheToken) {
                 return stub->ModelMetadata(&context, request, &response);
               }),
               expected);
+    EXPECT_EQ(call(with_token, [&](grpc::ClientContext& context) {
+                inference::ModelConfigRequest request;
+                request.set_name(kModel);
+                inference::ModelConfigResponse response;
+                return stub->ModelConfig(&context, request, &response);
+              }),
+              expected);
   }
   for (const char* method : {"ServerLive", "ServerReady", "ServerMetadata"}) {
     EXPECT_EQ(test_util::MetricValue(*server->metrics->registry(), "mita_requests_total",
@@ -304,7 +311,7 @@ TEST(BearerTokenTest, EveryOpenInferenceCallNeedsTheToken) {
               1)
         << method;
   }
-  for (const char* method : {"ModelReady", "ModelMetadata"}) {
+  for (const char* method : {"ModelReady", "ModelMetadata", "ModelConfig"}) {
     EXPECT_EQ(test_util::MetricValue(*server->metrics->registry(), "mita_requests_total",
                                      {{"method", method}, {"model", "unknown"}, {"code", "UNAUTHENTICATED"}}),
               1)

@@ -13,6 +13,10 @@ expert, docs/design.md section 2.6), so --pool_size and --kv_topk are given as t
 them. A depthwise conv on v ("DWC" variant) is detected from blocks.0.attn.dwc.weight (use --rename if the
 checkpoint names it differently, e.g. --rename attn.lepe.=attn.dwc.). Distilled DeiT checkpoints (dist_token)
 are rejected: their two leading special tokens do not fit the image landmark rule.
+
+A stock timm DeiT (trained with full attention, no MiTA) converts with --full_attention_default: full attention
+is the model's default budget, and the MiTA budget of --pool_size/--kv_topk is its preset "mita" (the same
+weights under MiTA, for a client that trades accuracy for speed). tests/timm_logits_test.py converts both kinds.
 """
 import argparse
 import json
@@ -29,7 +33,7 @@ IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
 
 
-def convert(state, num_heads, pool_size, kv_topk, renames, mean, std):
+def convert(state, num_heads, pool_size, kv_topk, renames, mean, std, full_attention_default=False):
     for old, new in renames:
         state = {name.replace(old, new): tensor for name, tensor in state.items()}
     if "dist_token" in state:
@@ -62,6 +66,10 @@ def convert(state, num_heads, pool_size, kv_topk, renames, mean, std):
             "presets": {"checkpoint": {"expert_count": expert_count, "expert_width": expert_width}},
         },
     }
+    if full_attention_default:
+        config["attention"]["default_budget"] = {"full_attention": True}
+        config["attention"]["presets"] = {"checkpoint": {"full_attention": True},
+                                          "mita": {"expert_count": expert_count, "expert_width": expert_width}}
     return config, state
 
 
@@ -76,11 +84,14 @@ def main():
     parser.add_argument("--rename", action="append", default=[], help="OLD=NEW substring rename of tensor names")
     parser.add_argument("--mean", type=float, nargs="+", default=IMAGENET_MEAN)
     parser.add_argument("--std", type=float, nargs="+", default=IMAGENET_STD)
+    parser.add_argument("--full_attention_default", action="store_true",
+                        help="a checkpoint trained with full attention (stock DeiT): full attention by default")
     args = parser.parse_args()
     checkpoint = torch.load(args.checkpoint, map_location="cpu")
     state = checkpoint.get("model", checkpoint) if isinstance(checkpoint, dict) else checkpoint.state_dict()
     renames = [tuple(item.split("=", 1)) for item in args.rename]
-    config, state = convert(state, args.num_heads, args.pool_size, args.kv_topk, renames, args.mean, args.std)
+    config, state = convert(state, args.num_heads, args.pool_size, args.kv_topk, renames, args.mean, args.std,
+                            args.full_attention_default)
     os.makedirs(args.out, exist_ok=True)
     save_safetensors(state, os.path.join(args.out, "model.safetensors"), {"converted_from": args.checkpoint})
     with open(os.path.join(args.out, "config.json"), "w") as f:
@@ -95,9 +106,11 @@ def main():
         raise ValueError(f"{len(labels)} labels for {config['num_classes']} classes")
     with open(os.path.join(args.out, "labels.txt"), "w") as f:
         f.write("\n".join(labels) + "\n")
+    default = config["attention"]["default_budget"]
+    default_text = ("full attention" if default.get("full_attention")
+                    else f"m={default['expert_count']} k={default['expert_width']}")
     print(f"wrote {args.out}: {config['depth']} blocks, dim {config['embed_dim']}, N={grid_tokens(config)}, "
-          f"default budget m={config['attention']['default_budget']['expert_count']} "
-          f"k={config['attention']['default_budget']['expert_width']}")
+          f"default budget {default_text}")
 
 
 def grid_tokens(config):

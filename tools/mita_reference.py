@@ -49,7 +49,9 @@ def mita_attention(q, k, v, landmarks, expert_width: int):
     # torch.topk does not promise the kernels' tie rule (higher score, then lower index); exact float ties
     # between keys of trained weights are rare, and the C++ tests use their own float64 loop for ties.
     expert_keys = scores.topk(width, dim=-1).indices  # [B, H, M, k]
-    expert_mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, expert_keys, True)
+    # A tensor source, not the scalar True: TorchScript's tracer has no scatter_ with a bool scalar.
+    expert_mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, expert_keys, torch.ones_like(
+        expert_keys, dtype=torch.bool))
     shared = torch.softmax(scores * scale, dim=-1) @ v  # [B, H, M, d]
     gate = landmarks @ q.transpose(-1, -2)  # [B, H, M, N], no scale
     expert_of_query = gate.argmax(dim=2)  # [B, H, N]
