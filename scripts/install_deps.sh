@@ -22,8 +22,11 @@ PACKAGES=(
   openssl
   dataset-fashion-mnist
   python3 python3-numpy python3-torch  # python3-torch: training, and the tests' independent PyTorch reference
+  libopenblas0-pthread  # BLAS for python3-torch: training is ~7x slower on the reference BLAS (docs/long_documents.md)
   python3-grpcio python3-protobuf python3-yaml
   python3-venv python3-dev python3-pip  # the peers' venv; torch.compile's generated C++ includes Python.h
+  python3-sklearn xz-utils  # TF-IDF baseline (tools/tfidf_baseline.py); the shipped held-out texts (data/*.xz)
+  poppler-utils  # pdftotext: building the TeX Live documentation corpus (tools/build_document_corpus.py)
   clang libclang-rt-dev libomp-dev  # ASan/UBSan test build, libFuzzer targets (scripts/run_sanitizers.sh)
 )
 case "$LIBTORCH" in

@@ -692,10 +692,18 @@ TEST_F(DocumentTwinTest, PackageFaultsAreNamed) {
   ExpectStatus(LoadModelPackage(package_directory_).status(), absl::StatusCode::kNotFound, "tokenizer.model");
 }
 
-// The trained package (tools/train_document.py): loads with its SentencePiece tokenizer, and its C++ logits equal
-// the twin's on real text at three budgets and full attention.
-TEST(TrainedDocumentPackageTest, LoadsAndMatchesPython) {
-  const std::string directory = SourceDirectory() + "/models/repository/linux-doc-mita";
+// The trained packages (tools/train_document.py): each loads with its SentencePiece tokenizer, and its C++ logits
+// equal the twin's on real text of its domain at three budgets and full attention.
+struct TrainedPackage {
+  std::string name;
+  std::string text;
+};
+void PrintTo(const TrainedPackage& package, std::ostream* out) { *out << package.name; }
+
+class TrainedDocumentPackageTest : public ::testing::TestWithParam<TrainedPackage> {};
+
+TEST_P(TrainedDocumentPackageTest, LoadsAndMatchesPython) {
+  const std::string directory = SourceDirectory() + "/models/repository/" + GetParam().name;
   if (!std::filesystem::exists(directory + "/model.safetensors")) {
     GTEST_SKIP() << "no trained package at " << directory << " (train it with tools/train_document.py)";
   }
@@ -707,9 +715,7 @@ TEST(TrainedDocumentPackageTest, LoadsAndMatchesPython) {
   EXPECT_EQ(package.tokenizer()->vocab_size(), package.config().vocab_size);
   EXPECT_GE(package.config().max_tokens, 65536);
   EXPECT_EQ(static_cast<int64_t>(package.description().labels.size()), package.config().num_classes);
-  const std::string text =
-      "The I2C bus driver registers an adapter; client drivers bind to devices found in the device tree.\n"
-      "Each transfer is a list of messages. The SMBus protocol is a subset of I2C.";
+  const std::string& text = GetParam().text;
   absl::StatusOr<std::vector<int64_t>> ids = package.tokenizer()->Encode(text);
   ASSERT_TRUE(ids.ok()) << ids.status();
   ASSERT_GT(ids->size(), 20u);
@@ -730,6 +736,45 @@ TEST(TrainedDocumentPackageTest, LoadsAndMatchesPython) {
   absl::StatusOr<at::Tensor> expected = PythonDocumentLogits(directory, tokens, lengths, budgets, work);
   ASSERT_TRUE(expected.ok()) << expected.status();
   EXPECT_LE(output->logits.sub(*expected).abs().max().item<double>(), 1e-4);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    EmbeddedModels, TrainedDocumentPackageTest,
+    ::testing::Values(
+        TrainedPackage{"linux-doc-mita",
+                       "The I2C bus driver registers an adapter; client drivers bind to devices found in the device "
+                       "tree.\nEach transfer is a list of messages. The SMBus protocol is a subset of I2C."},
+        TrainedPackage{"texlive-doc-mita",
+                       "The package provides commands to typeset musical scores: \\begin{music} starts a piece, "
+                       "\\notes ... \\enotes a group of notes.\nSee the bibliography style options of biblatex."}),
+    [](const ::testing::TestParamInfo<TrainedPackage>& info) {
+      std::string name = info.param.name;
+      std::replace(name.begin(), name.end(), '-', '_');
+      return name;
+    });
+
+// The TeX Live model's tokenizer was trained with byte fallback: characters outside its vocabulary become their
+// UTF-8 bytes (pieces <0xNN>), never <unk> (id 0), and the C++ ids still equal spm_encode's.
+TEST(TrainedDocumentPackageTest, TexLiveTokenizerFallsBackToBytes) {
+  const std::string model_path = SourceDirectory() + "/models/repository/texlive-doc-mita/tokenizer.model";
+  if (!std::filesystem::exists(model_path)) GTEST_SKIP() << "no " << model_path;
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadSentencePieceTokenizer(model_path);
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  const std::string text = "Parrot \xF0\x9F\xA6\x9C and \xE9\xBE\x98 in a LaTeX manual";  // U+1F99C, U+9F98
+  absl::StatusOr<std::vector<int64_t>> ids = (*tokenizer)->Encode(text);
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_EQ(std::count(ids->begin(), ids->end(), 0), 0) << "an <unk> id in the encoding";
+  const std::string work = MakeTempDirectory("texlive_tokenizer");
+  WriteFile(work + "/input.txt", text + "\n");
+  ASSERT_EQ(std::system(("spm_encode --model=" + model_path + " --output_format=id < " + work + "/input.txt > " +
+                         work + "/ids.txt")
+                            .c_str()),
+            0);
+  std::istringstream expected_stream(ReadFile(work + "/ids.txt"));
+  std::vector<int64_t> expected((std::istream_iterator<int64_t>(expected_stream)), std::istream_iterator<int64_t>());
+  EXPECT_EQ(*ids, expected);
+  // Byte pieces: the 4 bytes of the emoji and the 3 of the rare ideograph, unless they are pieces themselves.
+  EXPECT_GE(ids->size(), 7u);
 }
 
 }  // namespace

@@ -1,13 +1,18 @@
-// mita-eval-documents: held-out accuracy of a document model package at several budgets plus full attention.
+// mita-eval-documents: held-out accuracy of a document model package at several budgets plus full attention,
+// per length bucket, with the forward time per document.
 //
-//   mita-eval-documents --model=models/repository/linux-doc-mita --corpus=build/linux-doc-corpus \
-//       --budgets=8x32,16x64,32x128 --threads=2
+//   mita-eval-documents --model=models/repository/texlive-doc-mita --corpus=build/texlive-doc-corpus \
+//       --budgets=4x16,8x32,16x64,32x128 --first_tokens=512 --threads=2
 // Reads the corpus split written by tools/build_document_corpus.py, validates and tokenizes every document with
 // the package's own tokenizer (as the server does), cuts it to the model's max_tokens, and classifies it with
-// each budget (expert_count x expert_width, applied to each document's length with ApplyDocumentBudget) and
-// with full attention, in packed batches of at most --batch_tokens tokens. Prints the accuracy per budget, the
-// majority-class baseline (the most frequent class of the training split, predicted for every document) and
-// the token-count statistics.
+// each budget (expert_count x expert_width, applied to each document's length with ApplyBudget) and with full
+// attention, in packed batches of at most --batch_tokens tokens (0: one document per forward, so that the time
+// per document is its own forward). Prints, per budget, the accuracy in each length bucket (under 4K, 4K-16K,
+// 16K-32K, 32K-64K tokens, counted after the cut to max_tokens) and overall, and the mean forward time per
+// document in each bucket; with --first_tokens=N also the same model on each document's first N tokens only
+// (full attention), the truncation baseline; then the majority-class baseline (the training split's most
+// frequent class, predicted for every document). --full_attention_max_tokens leaves full attention out on
+// longer documents (its time grows as N^2): their cells then count only the documents it ran on.
 #include <ATen/Parallel.h>
 #include <ATen/ops/tensor.h>
 
@@ -23,17 +28,22 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "kernels/runtime_environment.h"
 #include "models/model_package.h"
 #include "tools/document_corpus.h"
 
-ABSL_FLAG(std::string, model, "models/repository/linux-doc-mita", "document model package folder");
-ABSL_FLAG(std::string, corpus, "build/linux-doc-corpus", "corpus folder (tools/build_document_corpus.py)");
+ABSL_FLAG(std::string, model, "models/repository/texlive-doc-mita", "document model package folder");
+ABSL_FLAG(std::string, corpus, "build/texlive-doc-corpus", "corpus folder (tools/build_document_corpus.py)");
 ABSL_FLAG(std::string, split, "heldout", "corpus split to evaluate");
 ABSL_FLAG(std::string, budgets, "8x32,16x64,32x128",
           "comma-separated expert_count x expert_width budgets; full attention is always added");
-ABSL_FLAG(int64_t, batch_tokens, 65536, "largest packed batch, tokens (a longer document runs alone)");
+ABSL_FLAG(int64_t, batch_tokens, 65536,
+          "largest packed batch, tokens (a longer document runs alone; 0: one document per forward)");
+ABSL_FLAG(int64_t, first_tokens, 0, "also classify each document's first N tokens with full attention (0: no)");
+ABSL_FLAG(int64_t, full_attention_max_tokens, 0, "full attention only on documents of at most N tokens (0: all)");
 ABSL_FLAG(int64_t, limit, 0, "evaluate only the first N documents (0 = all)");
 ABSL_FLAG(int, threads, 2, "LibTorch intra-op threads");
 
@@ -145,39 +155,118 @@ int main(int argc, char** argv) {
   int64_t majority_correct = 0;
   for (const auto& input : inputs) majority_correct += input.label == majority;
 
-  std::printf("| budget | held-out accuracy | correct | forward time (s) |\n|---|---|---|---|\n");
-  for (size_t budget_index = 0; budget_index < budgets.size(); ++budget_index) {
-    int64_t correct = 0;
-    const auto start = Clock::now();
-    for (int64_t first = 0; first < count;) {
+  // A run: a budget on every document (or its first `first_tokens` tokens), skipping documents over `max_tokens`.
+  struct Run {
+    std::string name;
+    mita::models::AttentionBudget budget;
+    int64_t first_tokens = 0;  // 0: the whole document
+    int64_t max_tokens = 0;    // 0: every document
+  };
+  std::vector<Run> runs;
+  for (size_t i = 0; i < budgets.size(); ++i) {
+    runs.push_back({names[i], budgets[i], 0, budgets[i].full_attention ? absl::GetFlag(FLAGS_full_attention_max_tokens) : 0});
+  }
+  if (absl::GetFlag(FLAGS_first_tokens) > 0) {
+    runs.push_back({absl::StrCat("first ", absl::GetFlag(FLAGS_first_tokens), " tokens only, full attention"),
+                    {true, 0, 0}, absl::GetFlag(FLAGS_first_tokens), 0});
+  }
+  // Length buckets of the classified tokens (after the cut to max_tokens).
+  const std::vector<std::pair<int64_t, std::string>> buckets = {
+      {4096, "under 4K"}, {16384, "4K-16K"}, {32768, "16K-32K"}, {int64_t{1} << 62, "32K-64K"}};
+  auto bucket_of = [&](int64_t tokens) {
+    size_t b = 0;
+    while (tokens >= buckets[b].first) ++b;
+    return b;
+  };
+  std::vector<int64_t> bucket_counts(buckets.size());
+  for (const auto& input : inputs) ++bucket_counts[bucket_of(static_cast<int64_t>(input.ids.size()))];
+  std::printf("documents per bucket:");
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    std::printf(" %s %lld%s", buckets[b].second.c_str(), static_cast<long long>(bucket_counts[b]),
+                b + 1 < buckets.size() ? "," : "\n");
+  }
+  std::printf("| budget |");
+  for (const auto& bucket : buckets) std::printf(" %s |", bucket.second.c_str());
+  std::printf(" all | forward time per document (ms), per bucket |\n|---|");
+  for (size_t b = 0; b <= buckets.size() + 1; ++b) std::printf("---|");
+  std::printf("\n");
+  const int64_t batch_tokens = absl::GetFlag(FLAGS_batch_tokens);
+  for (const Run& run : runs) {
+    std::vector<int64_t> correct(buckets.size()), seen(buckets.size());
+    std::vector<double> seconds(buckets.size());
+    std::vector<int64_t> order;  // the documents this run classifies
+    for (int64_t i = 0; i < count; ++i) {
+      if (run.max_tokens == 0 || static_cast<int64_t>(inputs[i].ids.size()) <= run.max_tokens) order.push_back(i);
+    }
+    for (size_t first = 0; first < order.size();) {
       // A packed batch: documents while the token total stays within --batch_tokens (at least one document).
       std::vector<int64_t> ids, lengths;
       std::vector<mita::models::AttentionBudget> applied;
-      int64_t last = first;
-      while (last < count && (last == first || static_cast<int64_t>(ids.size() + inputs[last].ids.size()) <=
-                                                   absl::GetFlag(FLAGS_batch_tokens))) {
-        ids.insert(ids.end(), inputs[last].ids.begin(), inputs[last].ids.end());
-        lengths.push_back(static_cast<int64_t>(inputs[last].ids.size()));
-        applied.push_back(mita::models::ApplyBudget(budgets[budget_index], lengths.back()));
+      size_t last = first;
+      auto tokens_of = [&](size_t position) {
+        const int64_t tokens = static_cast<int64_t>(inputs[order[position]].ids.size());
+        return run.first_tokens > 0 ? std::min(tokens, run.first_tokens) : tokens;
+      };
+      while (last < order.size() &&
+             (last == first || static_cast<int64_t>(ids.size()) + tokens_of(last) <= batch_tokens)) {
+        const auto& document = inputs[order[last]].ids;
+        ids.insert(ids.end(), document.begin(), document.begin() + tokens_of(last));
+        lengths.push_back(tokens_of(last));
+        applied.push_back(mita::models::ApplyBudget(run.budget, lengths.back()));
         ++last;
       }
+      const auto start = Clock::now();
       auto output = model.Forward(at::tensor(ids, at::TensorOptions().dtype(at::kLong)), lengths, applied, false);
+      const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
       if (!output.ok()) {
         std::fprintf(stderr, "%s\n", output.status().ToString().c_str());
         return 1;
       }
       const at::Tensor predicted = output->logits.argmax(1);
-      for (int64_t i = first; i < last; ++i) correct += predicted[i - first].item<int64_t>() == inputs[i].label;
+      for (size_t i = first; i < last; ++i) {
+        const Tokenized& input = inputs[order[i]];
+        const size_t b = bucket_of(static_cast<int64_t>(input.ids.size()));
+        correct[b] += predicted[static_cast<int64_t>(i - first)].item<int64_t>() == input.label;
+        ++seen[b];
+        // A packed batch's time is shared by its documents in proportion to their tokens.
+        seconds[b] += elapsed * static_cast<double>(lengths[i - first]) / static_cast<double>(ids.size());
+      }
       first = last;
     }
-    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    std::printf("| %s | %.4f | %lld / %lld | %.1f |\n", names[budget_index].c_str(),
-                static_cast<double>(correct) / static_cast<double>(count), static_cast<long long>(correct),
-                static_cast<long long>(count), seconds);
+    int64_t all_correct = 0, all_seen = 0;
+    std::printf("| %s |", run.name.c_str());
+    std::string times;
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      all_correct += correct[b];
+      all_seen += seen[b];
+      if (seen[b] == 0) {
+        std::printf(" - |");
+        absl::StrAppend(&times, b == 0 ? "" : " / ", "-");
+        continue;
+      }
+      std::printf(" %.3f (%lld/%lld) |", static_cast<double>(correct[b]) / static_cast<double>(seen[b]),
+                  static_cast<long long>(correct[b]), static_cast<long long>(seen[b]));
+      absl::StrAppend(&times, b == 0 ? "" : " / ", absl::StrFormat("%.0f", 1000 * seconds[b] / static_cast<double>(seen[b])));
+    }
+    std::printf(" %.3f (%lld/%lld) | %s |\n",
+                all_seen == 0 ? 0.0 : static_cast<double>(all_correct) / static_cast<double>(all_seen),
+                static_cast<long long>(all_correct), static_cast<long long>(all_seen), times.c_str());
     std::fflush(stdout);
   }
-  std::printf("| majority class (%s, from the training split) | %.4f | %lld / %lld | - |\n",
-              model.description().labels[majority].c_str(), static_cast<double>(majority_correct) / static_cast<double>(count),
+  std::printf("| majority class (%s, from the training split) |", model.description().labels[majority].c_str());
+  std::vector<int64_t> majority_bucket(buckets.size());
+  for (const auto& input : inputs) {
+    majority_bucket[bucket_of(static_cast<int64_t>(input.ids.size()))] += input.label == majority;
+  }
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    if (bucket_counts[b] == 0) {
+      std::printf(" - |");
+    } else {
+      std::printf(" %.3f (%lld/%lld) |", static_cast<double>(majority_bucket[b]) / static_cast<double>(bucket_counts[b]),
+                  static_cast<long long>(majority_bucket[b]), static_cast<long long>(bucket_counts[b]));
+    }
+  }
+  std::printf(" %.3f (%lld/%lld) | - |\n", static_cast<double>(majority_correct) / static_cast<double>(count),
               static_cast<long long>(majority_correct), static_cast<long long>(count));
   return 0;
 }

@@ -1,13 +1,15 @@
-"""Trains the embedded long-document model (MiTA document classifier) on the Linux documentation corpus.
+"""Trains a MiTA document classifier package on a corpus from tools/build_document_corpus.py.
 
-Usage (reproduces models/repository/linux-doc-mita; corpus from tools/build_document_corpus.py):
-  OMP_WAIT_POLICY=passive /usr/bin/python3 tools/train_document.py --corpus build/linux-doc-corpus \
-      --out models/repository/linux-doc-mita --steps 800 --threads 2
-Documents are cut to a random window of --crop tokens (256) per step: MiTA and the convolutional position
-encoding have nothing tied to the trained length, and the classifier mean-pools over the tokens, so the model
-runs on documents of up to max_tokens (65,536) at inference. Each step takes --batch documents; steps cycle
-through full attention (every 4th step) and MiTA budgets, so the same weights work at every declared budget and
-with full attention. The package (config.json, model.safetensors, labels.txt, tokenizer.model) is rewritten
+Usage (reproduces models/repository/texlive-doc-mita, the main job's document model; docs/long_documents.md):
+  OMP_WAIT_POLICY=passive /usr/bin/python3 tools/train_document.py --corpus build/texlive-doc-corpus \
+      --out models/repository/texlive-doc-mita --steps 3000 --crop 512 --lr 5e-3 --threads 2
+and models/repository/linux-doc-mita (the Linux documentation corpus):
+  ... --corpus build/linux-doc-corpus --out models/repository/linux-doc-mita --steps 800 --crop 256 --lr 2e-3
+The vocabulary size is the corpus tokenizer's (tokenizer.vocab). Documents are cut to a random window of --crop
+tokens per step: MiTA and the convolutional position encoding have nothing tied to the trained length, and the
+classifier mean-pools over the tokens, so the model runs on documents of up to max_tokens (65,536) at
+inference. Each step takes --batch documents; steps cycle through full attention (every 4th step) and MiTA
+budgets, so the same weights work at every declared budget and with full attention. The package (config.json, model.safetensors, labels.txt, tokenizer.model) is rewritten
 every --checkpoint-every steps, so a run stopped early (or by --max-minutes) still leaves usable weights.
 """
 import argparse
@@ -82,6 +84,10 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--max-minutes", type=float, default=35, help="stop (after a checkpoint) past this time")
+    parser.add_argument("--embed-dim", type=int, default=64)
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--mlp-hidden-dim", type=int, default=128)
     args = parser.parse_args()
     torch.manual_seed(0)
     random.seed(0)
@@ -90,8 +96,11 @@ def main():
         labels = [line.strip() for line in f if line.strip()]
     train_ids, train_labels = read_split(args.corpus, "train")
     heldout_ids, heldout_labels = read_split(args.corpus, "heldout")
-    cfg = document_config(vocab_size=4096, num_classes=len(labels), tokenizer="sentencepiece", embed_dim=64,
-                          depth=2, num_heads=2, mlp_hidden_dim=128, kernel_size=9)
+    with open(os.path.join(args.corpus, "tokenizer.vocab"), encoding="utf-8") as f:
+        vocab_size = sum(1 for line in f if line.strip())
+    cfg = document_config(vocab_size=vocab_size, num_classes=len(labels), tokenizer="sentencepiece",
+                          embed_dim=args.embed_dim, depth=args.depth, num_heads=args.heads,
+                          mlp_hidden_dim=args.mlp_hidden_dim, kernel_size=9)
     model = MitaDocument(cfg)
     print(f"{len(train_ids)} training, {len(heldout_ids)} held-out documents, {len(labels)} classes, "
           f"{sum(p.numel() for p in model.parameters())} parameters", flush=True)
@@ -125,9 +134,9 @@ def main():
         out_of_time = time.time() - start > args.max_minutes * 60
         if step % args.checkpoint_every == 0 or step == args.steps or out_of_time:
             write_package(model, cfg, args.corpus, args.out, step)
-            accuracy = evaluate(model, heldout_ids, heldout_labels, default_budget, 256)
+            accuracy = evaluate(model, heldout_ids, heldout_labels, default_budget, args.crop)
             print(f"step {step}/{args.steps}: loss {loss_sum / seen:.4f} train acc {correct / seen:.4f} held-out acc "
-                  f"(first 256 tokens, default budget) {accuracy:.4f} ({time.time() - start:.0f} s)", flush=True)
+                  f"(first {args.crop} tokens, default budget) {accuracy:.4f} ({time.time() - start:.0f} s)", flush=True)
             loss_sum, correct, seen = 0.0, 0, 0
         if out_of_time:
             print(f"stopped at step {step}: --max-minutes {args.max_minutes} reached", flush=True)
