@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The main job: build, start mita-server on the embedded models, classify 200 real Fashion-MNIST test images
-# (PNG) through mita-client over gRPC at two budgets (+ full attention), classify the held-out Linux kernel
-# documents (Debian linux-doc-6.1) with the embedded document model and one long real document (held-out
-# documents of one class concatenated, >= 16K tokens) at two budgets and full attention, print accuracy and
-# latency, scrape the metrics, stop the server.
-# Environment: IMAGES (default 200), DOCUMENTS (held-out documents to classify, default all), PORT (default
-# 50051), METRICS_PORT (default 9464).
+# (PNG) through mita-client over gRPC at two budgets (+ full attention), classify the held-out TeX Live
+# documentation (real PDFs' text, none concatenated; data/texlive-doc-heldout.jsonl.xz) with the embedded document
+# model at two budgets, all of it and its 32K-64K-token bucket apart (accuracy and latency), and one held-out
+# document of 16K-32K tokens at two budgets and full attention, scrape the metrics, stop the server.
+# Environment: IMAGES (default 200), DOCUMENTS (held-out documents of the first pass, default all), PORT
+# (default 50051), METRICS_PORT (default 9464).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 IMAGES=${IMAGES:-200}
@@ -43,26 +43,45 @@ echo "== one image with attention statistics"
 ./build/client/mita-client --server="127.0.0.1:$PORT" --model=fashion-mnist-vit --statistics \
   "$work/images/t10k-00000.png"
 
-DOCUMENT_MODEL=linux-doc-mita
-echo "== documents: held-out Linux kernel documentation (corpus built by tools/build_document_corpus.py)"
-/usr/bin/python3 tools/build_document_corpus.py --out "$work/corpus" --vocab-size 0 > "$work/corpus.log" 2>&1 ||
-  { cat "$work/corpus.log"; exit 1; }
-# manifest "path,label_index" of the held-out documents (heldout.tsv: text file, label index, source path)
-awk -F'\t' -v n="${DOCUMENTS:-0}" 'n == 0 || NR <= n {print $1 "," $2}' "$work/corpus/heldout.tsv" \
-  > "$work/corpus/heldout.csv"
-docs=(./build/client/mita-client --server="127.0.0.1:$PORT" --model="$DOCUMENT_MODEL"
-      --manifest="$work/corpus/heldout.csv" --concurrency=2 --truncate --quiet --deadline_ms=120000)
-echo "== documents, model default budget"
-"${docs[@]}"
-echo "== documents, preset 'fast'"
-"${docs[@]}" --preset=fast
+DOCUMENT_MODEL=texlive-doc-mita
+echo "== documents: the held-out TeX Live documentation (data/texlive-doc-heldout.jsonl.xz, real PDFs' text)"
+# The shipped held-out split as a corpus folder, token counts from the model's own tokenizer (spm_encode).
+/usr/bin/python3 tools/build_document_corpus.py --source jsonl --heldout data/texlive-doc-heldout.jsonl.xz \
+  --labels "models/repository/$DOCUMENT_MODEL/labels.txt" --tokenizer "models/repository/$DOCUMENT_MODEL/tokenizer.model" \
+  --out "$work/corpus" > "$work/corpus.log" 2>&1 || { cat "$work/corpus.log"; exit 1; }
+grep '^heldout:' "$work/corpus.log" | sed 's/^/   /'
+# Manifests "path,label_index": every held-out document (or the first DOCUMENTS), the 32K-64K-token bucket
+# (documents over 65,536 tokens are cut to it with --truncate), and one document of 16K-32K tokens (the
+# shortest of them, so that full attention stays within a few minutes) for full attention.
+/usr/bin/python3 - "$work/corpus" "${DOCUMENTS:-0}" > "$work/long.label" <<'PYTHON'
+import os, sys
+corpus, limit = sys.argv[1], int(sys.argv[2])
+rows = [line.rstrip("\n").split("\t") for line in open(os.path.join(corpus, "heldout.tsv")) if line.strip()]
+tokens = [len(line.split()) for line in open(os.path.join(corpus, "heldout.ids")).read().split("\n")[: len(rows)]]
+names = open(os.path.join(corpus, "labels.txt")).read().split()
+with open(os.path.join(corpus, "heldout.csv"), "w") as f:
+    f.writelines(f"{path},{label}\n" for path, label, _ in rows[: limit or len(rows)])
+bucket = [(row, n) for row, n in zip(rows, tokens) if n >= 32768]
+with open(os.path.join(corpus, "bucket64k.csv"), "w") as f:
+    f.writelines(f"{row[0]},{row[1]}\n" for row, _ in bucket)
+row, n = min(((row, n) for row, n in zip(rows, tokens) if 16384 <= n < 32768), key=lambda pair: pair[1])
+with open(os.path.join(corpus, "long.path"), "w") as f:
+    f.write(os.path.join(corpus, row[0]))
+print(f"{row[2]} ({n} tokens, class {names[int(row[1])]}); the 32K-64K bucket: {len(bucket)} documents")
+PYTHON
+docs=(./build/client/mita-client --server="127.0.0.1:$PORT" --model="$DOCUMENT_MODEL" --truncate --quiet
+      --concurrency=2 --deadline_ms=600000)
+for budget in "default:" "fast:--preset=fast"; do
+  name=${budget%%:*} flags=${budget#*:}
+  echo "== documents, budget '$name' (${flags:-model default m=16 k=64}): all $(wc -l < "$work/corpus/heldout.csv") held-out documents"
+  "${docs[@]}" --manifest="$work/corpus/heldout.csv" $flags
+  echo "== documents, budget '$name': the 32K-64K-token bucket (accuracy and latency)"
+  "${docs[@]}" --manifest="$work/corpus/bucket64k.csv" $flags
+done
 
-# One long real document (scripts/long_document.py: ~19K tokens; full attention on it took 5.7 s on 2 cores in the
-# 2026-11-30 run, MiTA under 0.1 s).
-/usr/bin/python3 scripts/long_document.py "$work/corpus" > "$work/long.label"
-echo "== one long document: $(cat "$work/long.label")"
+echo "== one long held-out document: $(cat "$work/long.label")"
 long=(./build/client/mita-client --server="127.0.0.1:$PORT" --model="$DOCUMENT_MODEL" --truncate --top_n=3
-      --deadline_ms=600000 "$work/corpus/long.txt")
+      --deadline_ms=600000 "$(cat "$work/corpus/long.path")")
 "${long[@]}" | tee "$work/long.out"
 tokens=$(sed -n 's/.*, \([0-9]*\) tokens.*/\1/p' "$work/long.out" | head -1)
 [ "${tokens:-0}" -ge 16384 ] || { echo "the long document has ${tokens:-0} tokens, fewer than 16384"; exit 1; }
