@@ -15,16 +15,16 @@ SECONDS_EACH="${SECONDS_EACH:-20}"
 MODEL=linux-doc-mita
 work="$(mktemp -d)"
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
-find /usr/share/doc/linux-doc-6.1/Documentation -name '*.rst*' | sort | head -400 |
+find /usr/share/doc/linux-doc-6.1/Documentation -name '*.rst*' | sort | sed -n '1,400p' |
   while read -r f; do case "$f" in *.gz) zcat "$f" ;; *) cat "$f" ;; esac; done > "$work/corpus.txt"
 spm_encode --model="models/repository/$MODEL/tokenizer.model" --output_format=id < "$work/corpus.txt" |
   tr '\n' ' ' > "$work/ids.txt"
 for tokens in 1000 64000; do
-  tr ' ' '\n' < "$work/ids.txt" | grep -v '^$' | head -n "$tokens" | tr '\n' ' ' |
+  tr ' ' '\n' < "$work/ids.txt" | grep -v '^$' | sed -n "1,${tokens}p" | tr '\n' ' ' |
     spm_decode --model="models/repository/$MODEL/tokenizer.model" --input_format=id > "$work/doc_$tokens.txt"
 done
 "$BUILD/tools/mita-export-images" --count=20 --out="$work/images" > /dev/null
-printf 'image,%s\n' "$work"/images/*.png | head -20 > "$work/short_image.csv"
+printf 'image,%s\n' "$work"/images/*.png > "$work/short_image.csv"
 echo "document,$work/doc_1000.txt,$MODEL" > "$work/short_document.csv"
 echo "document,$work/doc_64000.txt,$MODEL" > "$work/long.csv"
 echo "machine: $(nproc) cores; load average $(cut -d' ' -f1-3 /proc/loadavg)"
