@@ -10,6 +10,7 @@
 # Usage: scripts/bench_bounded_work.sh [BUILD_DIR]   (default build/; ROUNDS=2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/bench_server.sh
 BUILD="${1:-build}"
 ROUNDS="${ROUNDS:-2}"
 work="$(mktemp -d)"
@@ -37,12 +38,7 @@ start_server() {  # extra flags...; sets pid and port
   "$BUILD/server/mita-server" --model_repository=models/repository --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
     --max_receive_message_bytes=67108864 "$@" 2> "$work/server.log" &
   pid=$!
-  port=""
-  for _ in $(seq 1 600); do
-    port="$(sed -n 's/.*serving gRPC.* (port \([0-9]*\);.*/\1/p' "$work/server.log")"
-    [ -n "$port" ] && break
-    sleep 0.1
-  done
+  port="$(wait_for_server_port "$work/server.log")"
   metrics_port="$(sed -n 's/.*metrics on .* (port \([0-9]*\)).*/\1/p' "$work/server.log")"
 }
 stop_server() { kill -TERM "$pid"; wait "$pid" || true; }

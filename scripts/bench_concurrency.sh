@@ -11,6 +11,7 @@
 # default 2000), IN_FLIGHT (default 1000).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/bench_server.sh
 BUILD="${BUILD:-build}"
 ROUNDS="${ROUNDS:-2}"
 REQUESTS="${REQUESTS:-2000}"
@@ -37,12 +38,8 @@ run_server() {
   "$binary" --model_repository=models/repository --listen=127.0.0.1:0 --metrics_listen= \
     --queue_capacity=$((IN_FLIGHT * 2)) --max_batch_size=16 2> "$work/server.log" &
   server_pid=$!
-  local port=""
-  for _ in $(seq 1 1200); do
-    port="$(sed -n 's/.*serving gRPC.* (port \([0-9]*\);.*/\1/p' "$work/server.log")"
-    [ -n "$port" ] && break
-    sleep 0.1
-  done
+  local port
+  port="$(wait_for_server_port "$work/server.log" 1200)"
   [ -n "$port" ] || { echo "server did not start:"; cat "$work/server.log"; exit 1; }
   local bench=("$BUILD/client/mita-bench" --server="127.0.0.1:$port" --manifest="$work/inputs.csv"
                --deadlines_ms=0 --warmup_requests=50)

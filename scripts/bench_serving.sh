@@ -12,6 +12,7 @@
 # SOAK_REQUESTS (default 20000), OPEN_RATE (default 200/s), OPEN_SECONDS (default 10).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/bench_server.sh
 BUILD="${1:-build}"
 REQUESTS="${REQUESTS:-2000}"
 ROUNDS="${ROUNDS:-3}"
@@ -40,11 +41,8 @@ start_server() {
     2> "$work/$name.log" &
   server_pid=$!
   pids+=("$server_pid")
-  for _ in $(seq 1 1200); do
-    port="$(sed -n 's/.*serving gRPC.* (port \([0-9]*\);.*/\1/p' "$work/$name.log")"
-    [ -n "$port" ] && return 0
-    sleep 0.1
-  done
+  port="$(wait_for_server_port "$work/$name.log" 1200)"
+  [ -n "$port" ] && return 0
   echo "server did not start:"; cat "$work/$name.log"; exit 1
 }
 # stop_server PID NAME: SIGTERM, wait, print its last log line (the drain summary).

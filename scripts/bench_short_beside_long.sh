@@ -8,6 +8,7 @@
 # Usage: scripts/bench_short_beside_long.sh [BUILD_DIR]   (default build/; ROUNDS=2 RATE=4 SECONDS_EACH=20)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/bench_server.sh
 BUILD="${1:-build}"
 ROUNDS="${ROUNDS:-2}"
 RATE="${RATE:-4}"
@@ -33,12 +34,7 @@ start_server() {
   "$BUILD/server/mita-server" --model_repository=models/repository --listen=127.0.0.1:0 --metrics_listen= "$@" \
     2> "$work/server.log" &
   pid=$!
-  port=""
-  for _ in $(seq 1 600); do
-    port="$(sed -n 's/.*serving gRPC.* (port \([0-9]*\);.*/\1/p' "$work/server.log")"
-    [ -n "$port" ] && break
-    sleep 0.1
-  done
+  port="$(wait_for_server_port "$work/server.log")"
 }
 short_load() {  # manifest label -> "p50 p99 ok/answered"
   "$BUILD/client/mita-bench" --server="127.0.0.1:$port" --manifest="$1" --mode=open --rate="$RATE" --requests=0 \

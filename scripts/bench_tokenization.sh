@@ -6,6 +6,7 @@
 # Usage: scripts/bench_tokenization.sh [BUILD_DIR]   (default build/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/bench_server.sh
 BUILD="${1:-build}"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
@@ -27,12 +28,7 @@ for kind in known unknown; do
     "$BUILD/server/mita-server" --model_repository=models/repository --listen=127.0.0.1:0 --metrics_listen= \
       --max_receive_message_bytes=67108864 2> "$work/server.log" &
     pid=$!
-    port=""
-    for _ in $(seq 1 600); do
-      port="$(sed -n 's/.*serving gRPC.* (port \([0-9]*\);.*/\1/p' "$work/server.log")"
-      [ -n "$port" ] && break
-      sleep 0.1
-    done
+    port="$(wait_for_server_port "$work/server.log")"
     before=$(awk '/VmHWM/ {print $2}' "/proc/$pid/status")
     start=$(date +%s%N)
     "$BUILD/client/mita-client" --server="127.0.0.1:$port" --model=linux-doc-mita --input=text --truncate \

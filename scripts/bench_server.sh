@@ -1,0 +1,12 @@
+# Sourced by the bench scripts. wait_for_server_port LOG [TRIES]: prints the gRPC port from mita-server's
+# "serving gRPC ... (port N;" log line in LOG once it appears, checking every 0.1 s up to TRIES times (600);
+# prints nothing when it never appears.
+wait_for_server_port() {
+  local log="$1" tries="${2:-600}" port=""
+  for _ in $(seq 1 "$tries"); do
+    port="$(sed -n 's/.*serving gRPC.* (port \([0-9]*\);.*/\1/p' "$log")"
+    [ -n "$port" ] && break
+    sleep 0.1
+  done
+  echo "$port"
+}
