@@ -34,6 +34,7 @@ from PIL import Image
 SOURCE_DIR, BUILD_DIR = sys.argv[1], sys.argv[2]
 sys.path.insert(0, os.path.join(SOURCE_DIR, "tools"))
 from timm_mita import add_noise, set_budget, swap_mita_attention  # noqa: E402
+from mita_server_process import start_server  # noqa: E402
 
 MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
 STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
@@ -82,25 +83,6 @@ def cpp_logits(package, inputs, budgets, work):
                     f"--images={inputs_path}", f"--budgets={','.join(budgets)}", f"--out={logits_path}",
                     "--threads=2"], check=True)
     return torch.from_numpy(np.fromfile(logits_path, dtype="<f4").reshape(inputs.shape[0], -1))
-
-
-def start_server(repository, work):
-    log = open(os.path.join(work, "server.log"), "w+")
-    process = subprocess.Popen(
-        [os.path.join(BUILD_DIR, "server", "mita-server"), "--listen=127.0.0.1:0", "--metrics_listen=",
-         f"--model_repository={repository}", "--torch_threads=2"],
-        stdout=subprocess.DEVNULL, stderr=log, env=dict(os.environ, OMP_WAIT_POLICY="passive"))
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        log.seek(0)
-        match = re.search(r"serving gRPC on \S+ \(port (\d+);", log.read())
-        if match:
-            return process, int(match.group(1))
-        if process.poll() is not None:
-            break
-        time.sleep(0.1)
-    log.seek(0)
-    sys.exit(f"mita-server did not start:\n{log.read()}")
 
 
 def served_scores(client, model, png_path, budget):
@@ -186,7 +168,7 @@ def main():
         mita_logits = cpp_logits(stock_package, inputs, ["25x25"], work)
         assert torch.isfinite(mita_logits).all()
 
-        process, port = start_server(repository, work)
+        process, port = start_server(BUILD_DIR, repository, work)
         try:
             client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
             for name, reference in references.items():

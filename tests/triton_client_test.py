@@ -32,30 +32,11 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from mita_server_process import start_server
+
 IMAGE_MODEL = "fashion-mnist-vit"
 DOCUMENT_MODEL = "linux-doc-mita"
 DOCUMENTATION = "/usr/share/doc/linux-doc-6.1/Documentation"
-
-
-def start_server(source_dir, build_dir, work):
-    """Starts mita-server on 127.0.0.1 with a free port; returns (process, port)."""
-    log = open(os.path.join(work, "server.log"), "w+")
-    env = dict(os.environ, OMP_WAIT_POLICY="passive")
-    process = subprocess.Popen(
-        [os.path.join(build_dir, "server", "mita-server"), "--listen=127.0.0.1:0", "--metrics_listen=",
-         f"--model_repository={source_dir}/models/repository", "--torch_threads=2"],
-        stdout=subprocess.DEVNULL, stderr=log, env=env)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        log.seek(0)
-        match = re.search(r"serving gRPC on \S+ \(port (\d+);", log.read())
-        if match:
-            return process, int(match.group(1))
-        if process.poll() is not None:
-            break
-        time.sleep(0.1)
-    log.seek(0)
-    sys.exit(f"mita-server did not start:\n{log.read()}")
 
 
 def image_input(png):
@@ -251,7 +232,7 @@ def check_errors(client, work):
 def main():
     source_dir, build_dir = sys.argv[1], sys.argv[2]
     with tempfile.TemporaryDirectory() as work:
-        process, port = start_server(source_dir, build_dir, work)
+        process, port = start_server(build_dir, f"{source_dir}/models/repository", work)
         try:
             client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
             check_health_and_metadata(client)
