@@ -55,7 +55,8 @@ ABSL_FLAG(int64_t, expert_width, 0, "Expert width k of an explicit MiTA budget (
 ABSL_FLAG(std::string, preset, "", "Named budget preset of the model, e.g. fast.");
 ABSL_FLAG(bool, full_attention, false, "Run full attention instead of MiTA.");
 ABSL_FLAG(int32_t, top_n, 0, "Classes to return (0: server default, 5).");
-ABSL_FLAG(int64_t, deadline_ms, 10000, "Deadline of each call, milliseconds (0: none).");
+ABSL_FLAG(int64_t, deadline_ms, 10000,
+          "Deadline of each Classify call, milliseconds (0: none); --input=auto's model lookup takes at least 10 s.");
 ABSL_FLAG(bool, statistics, false, "Ask for and print per-layer attention statistics.");
 ABSL_FLAG(std::string, manifest, "", "CSV file of 'path,label_index' lines to evaluate.");
 ABSL_FLAG(int32_t, concurrency, 1, "Manifest requests in flight at once (threads).");
@@ -331,7 +332,9 @@ int main(int argc, char** argv) {
   } else if (input == "token_ids") {
     kind = InputKind::kTokenIds;
   } else if (input == "auto") {
-    absl::StatusOr<v1::ModelMetadata> metadata = client->GetModel(options.model, options.deadline);
+    // The lookup is the client's own step, not a call the user timed: a tiny --deadline_ms is for Classify.
+    absl::StatusOr<v1::ModelMetadata> metadata =
+        client->GetModel(options.model, std::max(options.deadline, absl::Seconds(10)));
     if (!metadata.ok()) {
       PrintFailure(absl::StrCat("GetModel ", options.model), metadata.status());
       return 1;

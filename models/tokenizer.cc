@@ -222,7 +222,8 @@ absl::StatusOr<BoundedEncoding> EncodeBounded(const Tokenizer& tokenizer, std::s
     size_t end = std::min(utf8_text.size(), start + piece_bytes);
     if (end < utf8_text.size()) {
       // Cut right before the last whitespace byte of the piece: no piece of a text spans whitespace, so the ids
-      // are those of the whole text. Without whitespace, cut at a character boundary.
+      // are the whole text's up to ties between equal-score segmentations. Without whitespace, cut at a character
+      // boundary.
       size_t cut = end;
       while (cut > start + 1 && !IsAsciiWhitespace(utf8_text[cut])) --cut;
       if (cut > start + 1) {

@@ -50,7 +50,8 @@ inline constexpr size_t kEncodePieceBytes = size_t{8} << 10;
 
 // Encodes `utf8_text` (checked with ValidateUtf8) in pieces of at most `piece_bytes` bytes, each cut right
 // before an ASCII whitespace byte when it has one (SentencePiece never joins pieces across whitespace, so the
-// ids equal those of the whole text), else at a character boundary. Time and memory grow linearly with the
+// pieces are those of the whole text up to ties between segmentations of equal score, which can fall the other
+// way), else at a character boundary. Time and memory grow linearly with the
 // bytes read, whatever the text (SentencePiece on one long run of unknown characters grows about as its
 // square), and encoding stops once more than `max_tokens` ids exist. `stop` (optional) is asked before every
 // piece. Errors: the tokenizer's; `stop`'s status when it says to stop.

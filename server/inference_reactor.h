@@ -4,6 +4,7 @@
 // engine's answer into its own response in Answer, which ends by finishing the call (FinishCall).
 #pragma once
 
+#include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/server_callback.h>
 
 #include <memory>
@@ -12,8 +13,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "google/protobuf/message.h"
 #include "server/inference_engine.h"
 #include "server/inference_request.h"
+#include "server/unary_call.h"
 
 namespace mita::server {
 
@@ -27,6 +30,23 @@ class InferenceReactor : public grpc::ServerUnaryReactor {
 
  protected:
   ~InferenceReactor() override = default;
+
+  // Authenticates the call and parses the bytes the client sent into `*request` (ReceiveRequest: the size limit
+  // first). Returns false when the call is already answered: an unauthenticated one finished at once and counted
+  // with model "unknown" (its request is not trusted), one whose bytes do not parse through Answer.
+  bool Receive(const FrontEndOptions& options, ServerMetrics& metrics, RpcMethod method,
+               const grpc::CallbackServerContext& context, const grpc::ByteBuffer& wire_request,
+               google::protobuf::Message* request) {
+    if (absl::Status status = Authenticate(options, context); !status.ok()) {
+      FinishCall(this, metrics, method, "", status);
+      return false;
+    }
+    if (absl::Status received = ReceiveRequest(options, wire_request, request); !received.ok()) {
+      Answer(received);
+      return false;
+    }
+    return true;
+  }
 
   // Submits `request`; the engine calls Answer exactly once, on this thread or another.
   void Submit(InferenceEngine& engine, InferenceRequest request) {

@@ -70,6 +70,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <memory>
 #include <set>
@@ -217,8 +218,9 @@ void RateLimitedProtobufLog(google::protobuf::LogLevel level, const char* filena
   dropped = 0;
 }
 
-// Checks that a flag is in [low, high]; the error names the flag and the range.
-absl::Status CheckFlagRange(const char* flag, int64_t value, int64_t low, int64_t high) {
+// Checks that a flag is in [low, high] (a NaN is not); the error names the flag and the range.
+template <typename Number, typename Bound>
+absl::Status CheckFlagRange(const char* flag, Number value, Bound low, Bound high) {
   if (value >= low && value <= high) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("flag --", flag, ": ", value, " is out of range: allowed [", low, ", ", high, "]"));
@@ -229,9 +231,8 @@ absl::Status CheckFlagRange(const char* flag, int64_t value, int64_t low, int64_
 int main(int argc, char** argv) {
   // Named like its launcher, so that pgrep/pkill mita-server find the server (/proc/PID/comm).
   prctl(PR_SET_NAME, "mita-server", 0, 0, 0);
-  // Blocked already (BlockShutdownSignals); again in case the preinit array did not run.
+  // Blocked already, by the launcher or BlockShutdownSignals (the .preinit_array runs before any initialiser).
   sigset_t shutdown_signals = ShutdownSignals();
-  pthread_sigmask(SIG_BLOCK, &shutdown_signals, nullptr);
   mita::kernels::ReexecWithPassiveOpenMpWaitIfUnset(argv);
 
   google::protobuf::SetLogHandler(&RateLimitedProtobufLog);
@@ -250,37 +251,51 @@ int main(int argc, char** argv) {
     return Fail(std::string(status.message()));
   }
   const double delay_ms = absl::GetFlag(FLAGS_max_queue_delay_ms);
-  if (!(delay_ms >= 0 && delay_ms <= 60000)) return Fail("--max_queue_delay_ms must be in [0, 60000]");
   const int32_t drain_timeout_s = absl::GetFlag(FLAGS_drain_timeout_s);
-  if (drain_timeout_s < 0) return Fail("--drain_timeout_s must be >= 0");
 
+  // Both addresses' forms are checked before the models load (seconds); binding happens after.
   const std::string listen = absl::GetFlag(FLAGS_listen);
-  if (absl::StatusOr<mita::server::ListenAddress> parsed = mita::server::ParseListenAddress(listen, "--listen");
-      !parsed.ok()) {
-    return Fail(std::string(parsed.status().message()));
+  const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);  // empty: no /metrics endpoint
+  for (const absl::Status& status :
+       {mita::server::ParseListenAddress(listen, "--listen").status(),
+        metrics_listen.empty() ? absl::OkStatus()
+                               : mita::server::ParseListenAddress(metrics_listen, "--metrics_listen").status()}) {
+    if (!status.ok()) return Fail(std::string(status.message()));
   }
   const int32_t max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
   const int32_t max_connection_idle_s = absl::GetFlag(FLAGS_max_connection_idle_s);
   const int32_t keepalive_time_s = absl::GetFlag(FLAGS_keepalive_time_s);
   const int32_t keepalive_timeout_s = absl::GetFlag(FLAGS_keepalive_timeout_s);
+  int32_t torch_threads = absl::GetFlag(FLAGS_torch_threads);
+  const int32_t preparation_threads = absl::GetFlag(FLAGS_preparation_threads);
+  const int64_t preparation_queue_capacity = absl::GetFlag(FLAGS_preparation_queue_capacity);
+  const int64_t preparation_memory_bytes = absl::GetFlag(FLAGS_preparation_memory_bytes);
+  const int64_t long_document_tokens = absl::GetFlag(FLAGS_long_document_tokens);
+  const double cuda_memory_fraction = absl::GetFlag(FLAGS_cuda_memory_fraction);
   for (const absl::Status& status :
-       {CheckFlagRange("max_concurrent_streams", max_concurrent_streams, 1, 1 << 20),
+       {CheckFlagRange("max_queue_delay_ms", delay_ms, 0, 60000),
+        CheckFlagRange("drain_timeout_s", drain_timeout_s, 0, 86400),
+        CheckFlagRange("torch_threads", torch_threads, 0, 1024),
+        CheckFlagRange("preparation_threads", preparation_threads, 0, 1024),
+        CheckFlagRange("preparation_queue_capacity", preparation_queue_capacity, int64_t{1}, int64_t{1} << 30),
+        CheckFlagRange("preparation_memory_bytes", preparation_memory_bytes, int64_t{1},
+                       std::numeric_limits<int64_t>::max()),
+        CheckFlagRange("long_document_tokens", long_document_tokens, int64_t{0},
+                       int64_t{std::numeric_limits<int32_t>::max()}),
+        CheckFlagRange("max_concurrent_streams", max_concurrent_streams, 1, 1 << 20),
         CheckFlagRange("max_connection_idle_s", max_connection_idle_s, 0, 86400 * 365),
         CheckFlagRange("keepalive_time_s", keepalive_time_s, 1, 86400 * 365),
         CheckFlagRange("keepalive_timeout_s", keepalive_timeout_s, 1, 3600)}) {
     if (!status.ok()) return Fail(std::string(status.message()));
   }
+  if (!(cuda_memory_fraction > 0 && cuda_memory_fraction <= 1)) {
+    return Fail(absl::StrCat("flag --cuda_memory_fraction: ", cuda_memory_fraction, " is out of range: allowed (0, 1]"));
+  }
 
-  int32_t torch_threads = absl::GetFlag(FLAGS_torch_threads);
-  if (torch_threads < 0) return Fail("--torch_threads must be >= 0");
   if (torch_threads == 0) torch_threads = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
   const int blas_threads = mita::kernels::SetIntraOpThreads(torch_threads);
   const bool keep_freed_memory =
       absl::GetFlag(FLAGS_keep_freed_memory) && mita::kernels::KeepFreedMemoryForReuse();
-  const int32_t preparation_threads = absl::GetFlag(FLAGS_preparation_threads);
-  if (preparation_threads < 0) return Fail("--preparation_threads must be >= 0");
-  const int64_t preparation_queue_capacity = absl::GetFlag(FLAGS_preparation_queue_capacity);
-  if (preparation_queue_capacity < 1) return Fail("--preparation_queue_capacity must be >= 1");
   // Debian's Abseil is built without NDEBUG, so absl::Mutex records every lock order in a global graph to detect
   // deadlocks (GraphCycles showed in server profiles under load); a serving process does not pay for that.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
@@ -297,10 +312,8 @@ int main(int argc, char** argv) {
   options.max_encoded_image_bytes = message_limits.max_receive_bytes;
   options.preparation_threads = preparation_threads;
   options.preparation_queue_capacity = preparation_queue_capacity;
-  options.preparation_memory_bytes = absl::GetFlag(FLAGS_preparation_memory_bytes);
-  options.long_document_tokens = absl::GetFlag(FLAGS_long_document_tokens);
-  if (options.long_document_tokens < 0) return Fail("--long_document_tokens must be >= 0 (0: one lane)");
-  if (options.preparation_memory_bytes < 1) return Fail("--preparation_memory_bytes must be >= 1");
+  options.preparation_memory_bytes = preparation_memory_bytes;
+  options.long_document_tokens = long_document_tokens;
   if (absl::Status status = mita::server::ValidateBatcherOptions(options.batching); !status.ok()) {
     return Fail(std::string(status.message()));
   }
@@ -327,8 +340,6 @@ int main(int argc, char** argv) {
   if (!model_names.ok()) return Fail(model_names.status().ToString());
   absl::StatusOr<std::map<std::string, mita::models::Placement>> placements = placement_flags->Resolve(*model_names);
   if (!placements.ok()) return Fail(std::string(placements.status().message()));
-  const double cuda_memory_fraction = absl::GetFlag(FLAGS_cuda_memory_fraction);
-  if (!(cuda_memory_fraction > 0 && cuda_memory_fraction <= 1)) return Fail("--cuda_memory_fraction must be in (0, 1]");
   std::set<std::string> cuda_devices;
   for (const auto& [name, placement] : *placements) {
     if (!placement.device.is_cuda() || !cuda_devices.insert(mita::kernels::DeviceName(placement.device)).second) continue;
@@ -359,7 +370,6 @@ int main(int argc, char** argv) {
   mita::server::ServerMetrics metrics(mita::server::MetricsModelInfos(**registry));
   front_end.message_size = std::make_shared<mita::server::MessageSizeGuard>(message_limits, metrics.registry().get());
   std::unique_ptr<mita::server::MetricsHttpServer> metrics_server;
-  const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   if (!metrics_listen.empty()) {
     absl::StatusOr<std::unique_ptr<mita::server::MetricsHttpServer>> started =
         mita::server::MetricsHttpServer::Start(metrics_listen, metrics.registry());

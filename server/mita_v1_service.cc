@@ -203,14 +203,7 @@ class MitaV1Service::ClassifyReactor final : public InferenceReactor {
   ClassifyReactor(MitaV1Service* service, grpc::CallbackServerContext* context, const grpc::ByteBuffer* wire_request,
                   grpc::ByteBuffer* wire_response)
       : service_(service), wire_response_(wire_response) {
-    // An unauthenticated call is counted with model "unknown": its request is not trusted.
-    if (absl::Status status = Authenticate(service_->options_, *context); !status.ok()) {
-      FinishCall(this, *service_->metrics_, RpcMethod::kClassify, "", status);
-      return;
-    }
-    // The size limit applies to the bytes the client sent, before any decoding.
-    if (absl::Status received = ReceiveRequest(service_->options_, *wire_request, &request_); !received.ok()) {
-      Answer(received);
+    if (!Receive(service_->options_, *service_->metrics_, RpcMethod::kClassify, *context, *wire_request, &request_)) {
       return;
     }
     model_ = request_.model();

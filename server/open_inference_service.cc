@@ -553,14 +553,8 @@ class OpenInferenceService::InferReactor final : public InferenceReactor {
   InferReactor(OpenInferenceService* service, grpc::CallbackServerContext* context,
                const grpc::ByteBuffer* wire_request, grpc::ByteBuffer* wire_response)
       : service_(service), wire_response_(wire_response) {
-    // An unauthenticated call is counted with model "unknown": its request is not trusted.
-    if (absl::Status status = Authenticate(service_->options_, *context); !status.ok()) {
-      FinishCall(this, *service_->metrics_, RpcMethod::kModelInfer, "", status);
-      return;
-    }
-    // The size limit applies to the bytes the client sent, before any decoding.
-    if (absl::Status received = ReceiveRequest(service_->options_, *wire_request, &request_); !received.ok()) {
-      Answer(received);
+    if (!Receive(service_->options_, *service_->metrics_, RpcMethod::kModelInfer, *context, *wire_request,
+                 &request_)) {
       return;
     }
     model_ = request_.model_name();

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -36,6 +37,7 @@ namespace mita {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using test_util::ReadFile;
 using test_util::RepositoryPath;
 using test_util::WaitForExit;
@@ -114,12 +116,32 @@ TEST(ProcessEdgesTest, InvalidListenAddressesAreStartUpErrors) {
     EXPECT_EQ(WEXITSTATUS(status), 1);
     EXPECT_THAT(ReadFile(log), HasSubstr(absl::StrCat("flag --listen: address '", address, "' ", expected)));
   }
-  const std::string log = LogPath("invalid_flag");
-  const pid_t pid = StartServer({"--listen=127.0.0.1:0", "--keepalive_timeout_s=0"}, log);
-  const int status = WaitForExit(pid, absl::Seconds(60));
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 1);
-  EXPECT_THAT(ReadFile(log), HasSubstr("flag --keepalive_timeout_s: 0 is out of range: allowed [1, 3600]"));
+  // --metrics_listen's form is checked with --listen's, before the models load (no "loaded" line).
+  {
+    const std::string log = LogPath("invalid_metrics");
+    const pid_t pid = StartServer({"--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:70000"}, log);
+    const int status = WaitForExit(pid, absl::Seconds(60));
+    ASSERT_TRUE(WIFEXITED(status)) << ReadFile(log);
+    EXPECT_EQ(WEXITSTATUS(status), 1);
+    EXPECT_THAT(ReadFile(log), HasSubstr("flag --metrics_listen: address '127.0.0.1:70000' has port 70000"));
+    EXPECT_THAT(ReadFile(log), Not(HasSubstr("loaded ")));
+  }
+  // Every numeric flag out of its range: one wording, naming the flag and the range.
+  const std::vector<std::pair<std::string, std::string>> flags = {
+      {"--keepalive_timeout_s=0", "flag --keepalive_timeout_s: 0 is out of range: allowed [1, 3600]"},
+      {"--max_queue_delay_ms=-1", "flag --max_queue_delay_ms: -1 is out of range: allowed [0, 60000]"},
+      {"--preparation_queue_capacity=0", "flag --preparation_queue_capacity: 0 is out of range: allowed [1, "},
+      {"--cuda_memory_fraction=1.5", "flag --cuda_memory_fraction: 1.5 is out of range: allowed (0, 1]"},
+  };
+  for (const auto& [flag, expected] : flags) {
+    SCOPED_TRACE(flag);
+    const std::string log = LogPath("invalid_flag");
+    const pid_t pid = StartServer({"--listen=127.0.0.1:0", flag}, log);
+    const int status = WaitForExit(pid, absl::Seconds(60));
+    ASSERT_TRUE(WIFEXITED(status));
+    EXPECT_EQ(WEXITSTATUS(status), 1);
+    EXPECT_THAT(ReadFile(log), HasSubstr(expected));
+  }
 }
 
 // SIGTERM while the server starts (before 2026-12-02, during the first second it killed the process: the
@@ -215,6 +237,31 @@ TEST(ProcessEdgesTest, StuckStreamsHoldNoThreads) {
 
 // Requests with invalid UTF-8 in a string field are INVALID_ARGUMENT, and protobuf's log line for each is
 // rate-limited (one per second), so that a client cannot flood the server's log with them.
+// mita-client's --input=auto looks the model's input kind up first; a tiny --deadline_ms is for the Classify
+// calls (before 2026-12-02 the lookup spent it and the client reported "GetModel ...: DEADLINE_EXCEEDED").
+TEST(ProcessEdgesTest, ATinyClientDeadlineIsSpentOnClassify) {
+  const std::string log = LogPath("client_deadline");
+  const pid_t pid = StartServer({"--listen=127.0.0.1:0"}, log);
+  const int port = WaitForPort(log);
+  ASSERT_GT(port, 0) << ReadFile(log);
+  const std::string document = absl::StrCat(::testing::TempDir(), "/process_edges_document_", getpid(), ".txt");
+  {
+    std::ofstream out(document);
+    for (int i = 0; i < 2000; ++i) out << "The font package defines the shapes of mathematical symbols. ";
+  }
+  const std::string client_log = LogPath("client_deadline_client");
+  const pid_t client = test_util::StartProcess(
+      MITA_CLIENT_PATH, {absl::StrCat("--server=127.0.0.1:", port), "--model=texlive-doc-mita", "--deadline_ms=1",
+                         document},
+      client_log);
+  const int status = WaitForExit(client, absl::Seconds(60));
+  ASSERT_TRUE(WIFEXITED(status)) << ReadFile(client_log);
+  const std::string output = ReadFile(client_log);
+  EXPECT_THAT(output, Not(HasSubstr("GetModel"))) << output;
+  EXPECT_THAT(output, HasSubstr("DEADLINE_EXCEEDED")) << output;
+  StopAndExpectZero(pid, log);
+}
+
 TEST(ProcessEdgesTest, InvalidUtf8RequestsDoNotFloodTheLog) {
   const std::string log = LogPath("utf8");
   const pid_t pid = StartServer({"--listen=127.0.0.1:0"}, log);
