@@ -14,8 +14,8 @@ Kubernetes OpenAPI validation):
   - mita-server flags in container args exist in server/main.cc; terminationGracePeriodSeconds covers the
     preStop sleep plus --drain_timeout_s;
   - every metric named in the Grafana dashboard, the HPA, the adapter rule and the Prometheus config is a
-    series of the README "Metrics" table (histograms with _bucket/_sum/_count), and the dashboard has the
-    panels the README promises.
+    series of the metrics table of docs/metrics.md (histograms with _bucket/_sum/_count), and the dashboard has
+    the panels the docs promise.
 Usage: scripts/check_deploy.py [REPO_ROOT]. Prints what it checked; exit 1 on the first list of problems.
 """
 import glob
@@ -35,10 +35,10 @@ def problem(where, message):
     problems.append(f"{os.path.relpath(where, ROOT)}: {message}")
 
 
-def readme_metrics():
-    """name -> (type, labels) from the README metrics table (the table metrics_docs_test checks)."""
+def documented_metrics():
+    """name -> (type, labels) from the metrics table of docs/metrics.md (the table metrics_docs_test checks)."""
     table, inside = {}, False
-    for line in open(os.path.join(ROOT, "README.md"), encoding="utf-8"):
+    for line in open(os.path.join(ROOT, "docs", "metrics.md"), encoding="utf-8"):
         if line.startswith("| name | type | labels | meaning |"):
             inside = True
             continue
@@ -52,7 +52,7 @@ def readme_metrics():
     return table
 
 
-METRICS = readme_metrics()
+METRICS = documented_metrics()
 
 
 def check_metric_names(where, text):
@@ -60,7 +60,7 @@ def check_metric_names(where, text):
         base = re.sub(r"_(bucket|sum|count)$", "", name)
         if name in METRICS or (base in METRICS and METRICS[base][0] == "histogram"):
             continue
-        problem(where, f"metric {name} is not a series of the README metrics table")
+        problem(where, f"metric {name} is not a series of the docs/metrics.md table")
 
 
 def server_flags():
@@ -368,7 +368,7 @@ def check_grafana():
 
 def main():
     if len(METRICS) < 10:
-        problem(os.path.join(ROOT, "README.md"), "metrics table not found")
+        problem(os.path.join(ROOT, "docs", "metrics.md"), "metrics table not found")
     check_kubernetes()
     check_prometheus()
     check_grafana()
@@ -379,7 +379,7 @@ def main():
         for line in problems:
             print("  " + line)
         return 1
-    print(f"deploy/ OK ({len(checked)} objects and files; metric names against {len(METRICS)} README series)")
+    print(f"deploy/ OK ({len(checked)} objects and files; metric names against {len(METRICS)} documented series)")
     return 0
 
 

@@ -1,5 +1,5 @@
-// The README's metrics table is the one list of exported series: this test reads it from README.md (section
-// "Metrics", the table with columns name | type | labels | meaning) and compares it with what the server can
+// The metrics table of docs/metrics.md is the one list of exported series: this test reads it (the table with
+// columns name | type | labels | meaning) and compares it with what the server can
 // export, two ways:
 //   - a real mita-server process (the binary, started on the embedded model repository as an operator would)
 //     is scraped at /metrics: every documented family must be exposed with the documented type and label
@@ -54,8 +54,8 @@ struct DocumentedSeries {
   bool cuda_only = false;  // the meaning starts with "CUDA devices only"
 };
 
-// Reads the metrics table of README.md: rows "| `name` | type | label, label | meaning |".
-std::map<std::string, DocumentedSeries> ReadReadmeTable(const std::string& path) {
+// Reads the metrics table of docs/metrics.md: rows "| `name` | type | label, label | meaning |".
+std::map<std::string, DocumentedSeries> ReadDocumentedTable(const std::string& path) {
   std::ifstream file(path);
   EXPECT_TRUE(file.good()) << path;
   std::map<std::string, DocumentedSeries> table;
@@ -151,8 +151,8 @@ std::set<std::string> RegisteredFamilyNames(const std::string& source_directory)
 
 TEST(MetricsDocsTest, EveryFamilyTheServerExportsIsDocumentedAndNothingElse) {
   const std::map<std::string, DocumentedSeries> documented =
-      ReadReadmeTable(absl::StrCat(SourceDirectory(), "/README.md"));
-  ASSERT_GE(documented.size(), 10u) << "the README metrics table was not found or is short";
+      ReadDocumentedTable(absl::StrCat(SourceDirectory(), "/docs/metrics.md"));
+  ASSERT_GE(documented.size(), 10u) << "the docs/metrics.md table was not found or is short";
 
   // The real server on the embedded models (an image and a document model), as scripts/run_main_job.sh runs it.
   const std::string log_path = absl::StrCat(::testing::TempDir(), "/metrics_docs_test_server_", getpid(), ".log");
@@ -172,24 +172,24 @@ TEST(MetricsDocsTest, EveryFamilyTheServerExportsIsDocumentedAndNothingElse) {
   for (const auto& [name, series] : documented) {
     auto it = exposed.find(name);
     if (series.cuda_only && it == exposed.end()) continue;  // this server runs on the CPU
-    ASSERT_NE(it, exposed.end()) << "documented in README but not exposed: " << name;
+    ASSERT_NE(it, exposed.end()) << "documented in docs/metrics.md but not exposed: " << name;
     EXPECT_EQ(it->second.type, series.type) << name;
     EXPECT_EQ(absl::StrJoin(it->second.labels, ","), absl::StrJoin(series.labels, ",")) << name;
   }
   for (const auto& [name, series] : exposed) {
-    EXPECT_TRUE(documented.count(name)) << "exposed but not in the README metrics table: " << name;
+    EXPECT_TRUE(documented.count(name)) << "exposed but not in the docs/metrics.md table: " << name;
   }
 }
 
 TEST(MetricsDocsTest, EveryFamilyRegisteredInTheSourcesIsDocumented) {
   const std::map<std::string, DocumentedSeries> documented =
-      ReadReadmeTable(absl::StrCat(SourceDirectory(), "/README.md"));
+      ReadDocumentedTable(absl::StrCat(SourceDirectory(), "/docs/metrics.md"));
   const std::set<std::string> registered = RegisteredFamilyNames(SourceDirectory());
   // The scan works: the families of server/metrics.cc are found.
   ASSERT_TRUE(registered.count("mita_requests_total")) << "no .Name(\"...\") found under server/";
-  ASSERT_GE(registered.size(), documented.size()) << "the scan found fewer families than the README documents";
+  ASSERT_GE(registered.size(), documented.size()) << "the scan found fewer families than docs/metrics.md documents";
   for (const std::string& name : registered) {
-    EXPECT_TRUE(documented.count(name)) << "registered in the sources but not in the README metrics table: " << name;
+    EXPECT_TRUE(documented.count(name)) << "registered in the sources but not in the docs/metrics.md table: " << name;
   }
 }
 
