@@ -158,7 +158,12 @@ void PrintFailure(const std::string& path, const absl::Status& status, bool sent
     std::cerr << path << ": NOT SENT (client-side error): " << status.message() << "\n";
     return;
   }
-  std::cerr << path << ": FAILED " << absl::StatusCodeToString(status.code()) << ": " << status.message() << "\n";
+  std::cerr << path << ": FAILED " << absl::StatusCodeToString(status.code()) << ": " << status.message();
+  // gRPC's own words when the deadline passed before the server answered (the server's own errors say more).
+  if (status.code() == absl::StatusCode::kDeadlineExceeded && status.message() == "Deadline Exceeded") {
+    std::cerr << " (the call's deadline, --deadline_ms, passed before the server answered)";
+  }
+  std::cerr << "\n";
 }
 
 int ListModels(const MitaClient& client, absl::Duration deadline) {
@@ -181,7 +186,8 @@ int ListModels(const MitaClient& client, absl::Duration deadline) {
     if (model.input_kind() == v1::INPUT_KIND_IMAGE) {
       const v1::ImageLimits& image = model.image_limits();
       std::cout << "  input: image " << image.width() << "x" << image.height() << "x" << image.channels()
-                << ", at most " << image.max_width() << "x" << image.max_height() << " pixels and "
+                << ", at most " << image.max_width() << "x" << image.max_height()
+                << " pixels decoded (larger JPEGs decode scaled down, up to 8x per side) and "
                 << image.max_encoded_bytes() << " bytes\n";
     } else if (model.input_kind() == v1::INPUT_KIND_DOCUMENT) {
       const v1::DocumentLimits& document = model.document_limits();
