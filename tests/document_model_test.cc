@@ -753,28 +753,35 @@ INSTANTIATE_TEST_SUITE_P(
       return name;
     });
 
-// The TeX Live model's tokenizer was trained with byte fallback: characters outside its vocabulary become their
-// UTF-8 bytes (pieces <0xNN>), never <unk> (id 0), and the C++ ids still equal spm_encode's.
-TEST(TrainedDocumentPackageTest, TexLiveTokenizerFallsBackToBytes) {
-  const std::string model_path = SourceDirectory() + "/models/repository/texlive-doc-mita/tokenizer.model";
-  if (!std::filesystem::exists(model_path)) GTEST_SKIP() << "no " << model_path;
-  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadSentencePieceTokenizer(model_path);
-  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
-  const std::string text = "Parrot \xF0\x9F\xA6\x9C and \xE9\xBE\x98 in a LaTeX manual";  // U+1F99C, U+9F98
-  absl::StatusOr<std::vector<int64_t>> ids = (*tokenizer)->Encode(text);
-  ASSERT_TRUE(ids.ok()) << ids.status();
-  EXPECT_EQ(std::count(ids->begin(), ids->end(), 0), 0) << "an <unk> id in the encoding";
-  const std::string work = MakeTempDirectory("texlive_tokenizer");
-  WriteFile(work + "/input.txt", text + "\n");
-  ASSERT_EQ(std::system(("spm_encode --model=" + model_path + " --output_format=id < " + work + "/input.txt > " +
-                         work + "/ids.txt")
-                            .c_str()),
-            0);
-  std::istringstream expected_stream(ReadFile(work + "/ids.txt"));
-  std::vector<int64_t> expected((std::istream_iterator<int64_t>(expected_stream)), std::istream_iterator<int64_t>());
-  EXPECT_EQ(*ids, expected);
-  // Byte pieces: the 4 bytes of the emoji and the 3 of the rare ideograph, unless they are pieces themselves.
-  EXPECT_GE(ids->size(), 7u);
+// Every embedded document model's tokenizer was trained with byte fallback: characters outside its vocabulary
+// become their UTF-8 bytes (pieces <0xNN>), never <unk> (id 0), and the C++ ids still equal spm_encode's.
+TEST(TrainedDocumentPackageTest, EveryDocumentTokenizerFallsBackToBytes) {
+  int tokenizers = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(SourceDirectory() + "/models/repository")) {
+    const std::string model_path = entry.path().string() + "/tokenizer.model";
+    if (!std::filesystem::exists(model_path)) continue;
+    ++tokenizers;
+    SCOPED_TRACE(model_path);
+    absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadSentencePieceTokenizer(model_path);
+    ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+    const std::string text = "Parrot \xF0\x9F\xA6\x9C and \xE9\xBE\x98 in a manual";  // U+1F99C, U+9F98
+    absl::StatusOr<std::vector<int64_t>> ids = (*tokenizer)->Encode(text);
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    EXPECT_EQ(std::count(ids->begin(), ids->end(), 0), 0) << "an <unk> id in the encoding";
+    const std::string work = MakeTempDirectory("document_tokenizer");
+    WriteFile(work + "/input.txt", text + "\n");
+    ASSERT_EQ(std::system(("spm_encode --model=" + model_path + " --output_format=id < " + work + "/input.txt > " +
+                           work + "/ids.txt")
+                              .c_str()),
+              0);
+    std::istringstream expected_stream(ReadFile(work + "/ids.txt"));
+    std::vector<int64_t> expected((std::istream_iterator<int64_t>(expected_stream)),
+                                  std::istream_iterator<int64_t>());
+    EXPECT_EQ(*ids, expected);
+    // Byte pieces: the 4 bytes of the emoji and the 3 of the rare ideograph, unless they are pieces themselves.
+    EXPECT_GE(ids->size(), 7u);
+  }
+  EXPECT_GE(tokenizers, 2) << "the embedded document models (linux-doc-mita, texlive-doc-mita)";
 }
 
 }  // namespace
