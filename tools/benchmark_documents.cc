@@ -15,6 +15,8 @@
 // (mallopt(M_MMAP_MAX, 0), mallopt(M_TRIM_THRESHOLD, max)), as mita-server does by default, so that multi-MiB
 // buffers are reused from the heap instead of being mapped and page-faulted in again at every layer (a fresh
 // 64 MiB buffer costs ~220 ms of page faults on this machine); the same setting applies to every case.
+// --pack=P adds, per case, one packed forward of P copies of the document (the server's packed batch) timed
+// alternately with the P forwards one after another; --full=false leaves out full attention.
 // --device=cuda:N (--weights_dtype=bfloat16) runs the children on a CUDA device (ids copied from pinned memory;
 // Forward returns the logits to the host, so each timed forward includes the wait for the device) and adds the
 // caching allocator's peak GPU memory to the table.
@@ -53,6 +55,10 @@ ABSL_FLAG(std::string, budgets, "8x32,16x64,32x128",
           "comma-separated expert_count x expert_width budgets; full attention is always added");
 ABSL_FLAG(int, repeats, 3, "timed forwards per case (the median is reported)");
 ABSL_FLAG(int, full_repeats, 1, "timed forwards for full attention at N >= 32768");
+ABSL_FLAG(bool, full, true, "also time full attention on the same weights (the speedup column's baseline)");
+ABSL_FLAG(int, pack, 1,
+          "documents per case: with P > 1 each case also times P copies of the N-token document as one packed "
+          "batch (one Forward of P*N tokens) against the same P documents one after another, alternated");
 ABSL_FLAG(int, threads, 2, "LibTorch intra-op threads");
 ABSL_FLAG(std::string, device, "cpu", "where the model runs: cpu or cuda:N");
 ABSL_FLAG(std::string, weights_dtype, "float32", "float32, or bfloat16 on a CUDA device");
@@ -111,27 +117,48 @@ int RunChild() {
   }
   const int repeats = budget->full_attention && tokens >= 32768 ? absl::GetFlag(FLAGS_full_repeats)
                                                                 : absl::GetFlag(FLAGS_repeats);
-  std::vector<double> milliseconds;
+  const int pack = std::max(1, absl::GetFlag(FLAGS_pack));
+  // With --pack=P: P copies back to back, one packed forward (the server's packed batch), timed alternately with
+  // the P documents one after another (pack_ms is the packed forward, milliseconds the P single forwards).
+  const at::Tensor packed = pack > 1 ? document.repeat({pack}) : at::Tensor();
+  const std::vector<int64_t> packed_lengths(pack, tokens);
+  const std::vector<mita::models::AttentionBudget> packed_budgets(pack, mita::models::ApplyBudget(*budget, tokens));
+  std::vector<double> milliseconds, pack_milliseconds;
   for (int r = 0; r < std::max(1, repeats); ++r) {
-    const auto start = Clock::now();
-    auto output = model.Forward(document, {tokens}, {mita::models::ApplyBudget(*budget, tokens)}, false);
-    milliseconds.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
-    if (!output.ok()) {
-      std::fprintf(stderr, "child: %s\n", output.status().ToString().c_str());
-      return 1;
+    if (pack > 1) {
+      const auto start = Clock::now();
+      auto output = model.Forward(packed, packed_lengths, packed_budgets, false);
+      pack_milliseconds.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+      if (!output.ok()) {
+        std::fprintf(stderr, "child: %s\n", output.status().ToString().c_str());
+        return 1;
+      }
     }
+    const auto start = Clock::now();
+    for (int p = 0; p < pack; ++p) {
+      auto output = model.Forward(document, {tokens}, {mita::models::ApplyBudget(*budget, tokens)}, false);
+      if (!output.ok()) {
+        std::fprintf(stderr, "child: %s\n", output.status().ToString().c_str());
+        return 1;
+      }
+    }
+    milliseconds.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count() / pack);
   }
   std::sort(milliseconds.begin(), milliseconds.end());
+  std::sort(pack_milliseconds.begin(), pack_milliseconds.end());
+  const double pack_median_ms = pack > 1 ? pack_milliseconds[pack_milliseconds.size() / 2] : 0.0;
   // On a CUDA device: the caching allocator's peak (weights, activations, attention scratch).
   int64_t device_peak_kb = 0;
   if (placement->device.is_cuda()) {
     absl::StatusOr<mita::kernels::DeviceMemory> memory = mita::kernels::CudaMemory(placement->device);
     if (memory.ok()) device_peak_kb = memory->peak_allocated_bytes / 1024;
   }
-  std::printf("RESULT median_ms=%.3f min_ms=%.3f runs=%zu baseline_kb=%lld peak_kb=%lld device_peak_kb=%lld\n",
-              milliseconds[milliseconds.size() / 2], milliseconds.front(), milliseconds.size(),
-              static_cast<long long>(baseline_kb), static_cast<long long>(MaxRssKilobytes()),
-              static_cast<long long>(device_peak_kb));
+  std::printf(
+      "RESULT median_ms=%.3f min_ms=%.3f runs=%zu baseline_kb=%lld peak_kb=%lld device_peak_kb=%lld "
+      "pack_median_ms=%.3f\n",
+      milliseconds[milliseconds.size() / 2], milliseconds.front(), milliseconds.size(),
+      static_cast<long long>(baseline_kb), static_cast<long long>(MaxRssKilobytes()),
+      static_cast<long long>(device_peak_kb), pack_median_ms);
   return 0;
 }
 
@@ -139,6 +166,7 @@ struct CaseResult {
   double median_ms = 0, min_ms = 0;
   int runs = 0;
   long long baseline_kb = 0, peak_kb = 0, device_peak_kb = 0;
+  double pack_median_ms = 0;  // --pack > 1: the packed forward of P documents
 };
 
 }  // namespace
@@ -193,7 +221,7 @@ int main(int argc, char** argv) {
     }
     budgets.emplace_back(entry);
   }
-  budgets.push_back("full");
+  if (absl::GetFlag(FLAGS_full)) budgets.push_back("full");
 
   // Real text: held-out documents concatenated until the longest case is covered.
   const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
@@ -243,7 +271,7 @@ int main(int argc, char** argv) {
       const std::string command = absl::StrCat(
           "/proc/", getpid(), "/exe --child --model='", absl::GetFlag(FLAGS_model), "' --ids_file=", ids_file,
           " --budget=", budget, " --threads=", absl::GetFlag(FLAGS_threads), " --repeats=", absl::GetFlag(FLAGS_repeats),
-          " --full_repeats=", absl::GetFlag(FLAGS_full_repeats), " --device=", absl::GetFlag(FLAGS_device),
+          " --full_repeats=", absl::GetFlag(FLAGS_full_repeats), " --pack=", absl::GetFlag(FLAGS_pack), " --device=", absl::GetFlag(FLAGS_device),
           " --weights_dtype=", absl::GetFlag(FLAGS_weights_dtype),
           " --keep_freed_memory=", absl::GetFlag(FLAGS_keep_freed_memory) ? "true" : "false");
       FILE* pipe = popen(command.c_str(), "r");
@@ -253,9 +281,9 @@ int main(int argc, char** argv) {
       while (pipe != nullptr && std::fgets(line, sizeof(line), pipe) != nullptr) {
         found |= std::sscanf(line,
                              "RESULT median_ms=%lf min_ms=%lf runs=%d baseline_kb=%lld peak_kb=%lld "
-                             "device_peak_kb=%lld",
+                             "device_peak_kb=%lld pack_median_ms=%lf",
                              &result.median_ms, &result.min_ms, &result.runs, &result.baseline_kb, &result.peak_kb,
-                             &result.device_peak_kb) == 6;
+                             &result.device_peak_kb, &result.pack_median_ms) == 7;
       }
       if (pipe == nullptr || pclose(pipe) != 0 || !found) {
         std::fprintf(stderr, "case N=%lld budget %s failed\n", static_cast<long long>(length), budget.c_str());
@@ -269,18 +297,26 @@ int main(int argc, char** argv) {
   }
   std::remove(ids_file.c_str());
 
+  const int pack = absl::GetFlag(FLAGS_pack);
   std::printf("\n| tokens N | attention | latency median (ms) | runs | speedup vs full | peak RSS (MiB) | "
-              "peak RSS - baseline (MiB) |%s\n|---|---|---|---|---|---|---|%s\n",
-              on_cuda ? " peak GPU allocated (MiB) |" : "", on_cuda ? "---|" : "");
+              "peak RSS - baseline (MiB) |%s%s\n|---|---|---|---|---|---|---|%s%s\n",
+              on_cuda ? " peak GPU allocated (MiB) |" : "",
+              pack > 1 ? absl::StrCat(" packed ", pack, " documents (ms) | packed / one after another |").c_str() : "",
+              on_cuda ? "---|" : "", pack > 1 ? "---|---|" : "");
   for (int64_t length : lengths) {
-    const CaseResult& full = results[{length, "full"}];
+    const auto full = results.find({length, "full"});
     for (const std::string& budget : budgets) {
       const CaseResult& result = results[{length, budget}];
       const std::string name = mita::models::BudgetName(*mita::models::ParseBudget(budget));  // parsed above
-      std::printf("| %lld | %s | %.1f | %d | %.1fx | %.1f | %.1f |%s\n", static_cast<long long>(length),
-                  name.c_str(), result.median_ms, result.runs, full.median_ms / result.median_ms,
+      std::printf("| %lld | %s | %.1f | %d | %s | %.1f | %.1f |%s%s\n", static_cast<long long>(length),
+                  name.c_str(), result.median_ms, result.runs,
+                  full == results.end() ? "-" : absl::StrFormat("%.1fx", full->second.median_ms / result.median_ms).c_str(),
                   result.peak_kb / 1024.0, (result.peak_kb - result.baseline_kb) / 1024.0,
-                  on_cuda ? absl::StrFormat(" %.1f |", result.device_peak_kb / 1024.0).c_str() : "");
+                  on_cuda ? absl::StrFormat(" %.1f |", result.device_peak_kb / 1024.0).c_str() : "",
+                  pack > 1 ? absl::StrFormat(" %.1f | %.2f |", result.pack_median_ms,
+                                             result.pack_median_ms / (pack * result.median_ms))
+                                 .c_str()
+                           : "");
     }
   }
   return 0;
