@@ -2,6 +2,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 
 namespace mita::server {
 
@@ -16,6 +17,7 @@ absl::StatusOr<ListenAddress> ParseListenAddress(absl::string_view address, absl
   ListenAddress parsed;
   absl::string_view host = address.substr(0, colon);
   const absl::string_view port = address.substr(colon + 1);
+  absl::string_view port_digits = port;
   if (!host.empty() && (host.front() == '[') != (host.back() == ']')) return error("has an unbalanced '['");
   if (host.size() >= 2 && host.front() == '[') {
     host = host.substr(1, host.size() - 2);
@@ -23,11 +25,13 @@ absl::StatusOr<ListenAddress> ParseListenAddress(absl::string_view address, absl
   } else if (host.find(':') != absl::string_view::npos) {
     return error("has an IPv6 host without brackets: use [host]:port");
   }
-  if (port.find_first_not_of("0123456789") != absl::string_view::npos) {
+  // A negative port is a number out of range, not a malformed one.
+  const absl::string_view digits = absl::ConsumePrefix(&port_digits, "-") ? port_digits : port;
+  if (port.empty() || digits.empty() || digits.find_first_not_of("0123456789") != absl::string_view::npos) {
     return error(absl::StrCat("has port '", port, "', which is not a number"));
   }
   int64_t number = 0;
-  if (port.size() > 5 || !absl::SimpleAtoi(port, &number) || number > 65535) {
+  if (port.size() > 5 || !absl::SimpleAtoi(port, &number) || number < 0 || number > 65535) {
     return error(absl::StrCat("has port ", port, ", which is out of range: allowed [0, 65535]"));
   }
   parsed.host = std::string(host);

@@ -273,7 +273,10 @@ int main(int argc, char** argv) {
   const int64_t long_document_tokens = absl::GetFlag(FLAGS_long_document_tokens);
   const double cuda_memory_fraction = absl::GetFlag(FLAGS_cuda_memory_fraction);
   for (const absl::Status& status :
-       {CheckFlagRange("max_queue_delay_ms", delay_ms, 0, 60000),
+       {CheckFlagRange("max_batch_size", absl::GetFlag(FLAGS_max_batch_size), int64_t{1}, int64_t{65536}),
+        CheckFlagRange("queue_capacity", absl::GetFlag(FLAGS_queue_capacity), int64_t{1}, int64_t{1} << 30),
+        CheckFlagRange("max_batch_tokens", absl::GetFlag(FLAGS_max_batch_tokens), int64_t{1}, int64_t{1} << 40),
+        CheckFlagRange("max_queue_delay_ms", delay_ms, 0, 60000),
         CheckFlagRange("drain_timeout_s", drain_timeout_s, 0, 86400),
         CheckFlagRange("torch_threads", torch_threads, 0, 1024),
         CheckFlagRange("preparation_threads", preparation_threads, 0, 1024),

@@ -101,7 +101,7 @@ TEST(ProcessEdgesTest, APortInUseIsAStartUpError) {
 TEST(ProcessEdgesTest, InvalidListenAddressesAreStartUpErrors) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"127.0.0.1:99999", "has port 99999, which is out of range: allowed [0, 65535]"},
-      {"127.0.0.1:-1", "has port '-1', which is not a number"},
+      {"127.0.0.1:-1", "has port -1, which is out of range: allowed [0, 65535]"},
       {"127.0.0.1:50051x", "has port '50051x', which is not a number"},
       {"127.0.0.1", "has no port"},
       {"[::1:50051", "has an unbalanced '['"},
@@ -131,6 +131,9 @@ TEST(ProcessEdgesTest, InvalidListenAddressesAreStartUpErrors) {
       {"--keepalive_timeout_s=0", "flag --keepalive_timeout_s: 0 is out of range: allowed [1, 3600]"},
       {"--max_queue_delay_ms=-1", "flag --max_queue_delay_ms: -1 is out of range: allowed [0, 60000]"},
       {"--preparation_queue_capacity=0", "flag --preparation_queue_capacity: 0 is out of range: allowed [1, "},
+      {"--max_batch_size=99999999999", "flag --max_batch_size: 99999999999 is out of range: allowed [1, 65536]"},
+      {"--queue_capacity=0", "flag --queue_capacity: 0 is out of range: allowed [1, "},
+      {"--max_batch_tokens=0", "flag --max_batch_tokens: 0 is out of range: allowed [1, "},
       {"--cuda_memory_fraction=1.5", "flag --cuda_memory_fraction: 1.5 is out of range: allowed (0, 1]"},
   };
   for (const auto& [flag, expected] : flags) {
