@@ -27,6 +27,7 @@
 // the compressed logits on the per-expert path (now recomputed per expert chunk), AVX2 code paths beyond
 // ExpAndSum (the build targets baseline x86-64), splitting one head over threads when B * H < threads.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -147,6 +148,25 @@ double ExpAndSum(double* values, int64_t count, double multiplier, double shift)
   }
   return sum;
 }
+
+// Charges the time since its previous charge to a phase (MitaForwardOptions::phase_seconds); a null test when
+// phase timing is off.
+class PhaseClock {
+ public:
+  explicit PhaseClock(double* seconds) : seconds_(seconds) {
+    if (seconds_ != nullptr) last_ = std::chrono::steady_clock::now();
+  }
+  void Charge(MitaPhase phase) {
+    if (seconds_ == nullptr) return;
+    const std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now();
+    seconds_[phase] += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  double* seconds_;
+  std::chrono::steady_clock::time_point last_;
+};
 
 // One (item, head) problem: [rows, head_dim] matrices with contiguous rows; queries, keys and values have their
 // own row strides (in elements), so slices of a fused qkv projection are read in place.
@@ -296,7 +316,7 @@ struct HeadWorkspace {
 // Needs the key pass (shared_output), the selected keys (expert_keys, unless width == tokens), the routing
 // (expert_of_query) and each expert's first position in query order (expert_offsets).
 template <typename T>
-void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
+void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work, PhaseClock& clock) {
   const int64_t head_dim = problem.head_dim, expert_count = problem.expert_count, width = problem.width;
   const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
   const bool shared = problem.include_shared_expert;
@@ -325,6 +345,7 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
   work.logits.resize(chunk_capacity * logit_count);
   work.chunk_output.resize(chunk_capacity * head_dim);
   work.inverse_sums.resize(chunk_capacity);
+  clock.Charge(kPhaseGrouping);
   for (int64_t i = 0; i < expert_count; ++i) {
     const int64_t first = work.expert_offsets[i], query_count = work.expert_offsets[i + 1] - first;
     if (query_count == 0) continue;
@@ -341,6 +362,7 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
       key_rows = work.expert_key_rows.data();
       value_rows = work.expert_value_rows.data();
       key_rows_stride = value_rows_stride = head_dim;
+      clock.Charge(kPhaseGather);
     }
     for (int64_t chunk_start = 0; chunk_start < query_count; chunk_start += chunk_capacity) {
       const int64_t count = std::min(chunk_capacity, query_count - chunk_start);
@@ -357,11 +379,13 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
       }
       MatmulTransposed(work.chunk_queries.data(), head_dim, key_rows, key_rows_stride,
                        work.logits.data() + compressed_count, logit_count, count, width, head_dim);
+      clock.Charge(kPhaseRoutedLogits);
       // One softmax over the M + k logits, max-subtracted; normalised after the output GEMMs.
       for (int64_t r = 0; r < count; ++r) {
         T* row = work.logits.data() + r * logit_count;
         work.inverse_sums[r] = T(1) / ExpAndSum(row, logit_count, T(1), MaxOf(row, logit_count));
       }
+      clock.Charge(kPhaseRoutedSoftmax);
       if (shared) {
         MatmulAccumulate(work.logits.data(), logit_count, work.shared_output.data(), head_dim,
                          work.chunk_output.data(), head_dim, count, head_dim, expert_count, /*accumulate=*/false);
@@ -373,6 +397,7 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
         const T* source = work.chunk_output.data() + r * head_dim;
         for (int64_t c = 0; c < head_dim; ++c) target[c] = source[c] * work.inverse_sums[r];
       }
+      clock.Charge(kPhaseRoutedOutput);
     }
   }
 }
@@ -418,7 +443,7 @@ void SmallInputOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
 
 template <typename T>
 void MitaHead(const HeadProblem<T>& problem, HeadWorkspace<T>& work, HeadCounts* counts,
-              MitaHeadRouting* routing) {
+              MitaHeadRouting* routing, PhaseClock& clock) {
   const int64_t tokens = problem.tokens, head_dim = problem.head_dim, expert_count = problem.expert_count;
   const int64_t width = problem.width;
   const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
@@ -439,35 +464,42 @@ void MitaHead(const HeadProblem<T>& problem, HeadWorkspace<T>& work, HeadCounts*
   }
   if (shared || !all_keys) {
     work.block_scores.resize(expert_count * key_block);
+    clock.Charge(kPhaseSetup);
     for (int64_t start = 0; start < tokens; start += key_block) {
       const int64_t count = std::min(key_block, tokens - start);
       MatmulTransposed(problem.landmarks, head_dim, problem.keys + start * problem.key_stride, problem.key_stride,
                        work.block_scores.data(), key_block, expert_count, count, head_dim);
-      for (int64_t i = 0; i < expert_count; ++i) {
-        T* row = work.block_scores.data() + i * key_block;
-        if (!all_keys) work.selectors[i].Add(row, count, start);
-        if (shared) {
-          // Online softmax of S[i, :] * s: rescale what was accumulated when the running max grows.
-          const T old_max = work.running_max[i];
-          const T new_max = std::max(old_max, MaxOf(row, count) * scale);  // s > 0: max(S s) = max(S) s
-          const T factor = old_max == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(old_max - new_max);
-          if (factor != T(1)) {
-            for (int64_t c = 0; c < head_dim; ++c) work.shared_output[i * head_dim + c] *= factor;
-          }
-          work.running_sum[i] = work.running_sum[i] * factor + ExpAndSum(row, count, scale, new_max);
-          work.running_max[i] = new_max;
+      clock.Charge(kPhaseLandmarkScores);
+      if (!all_keys) {
+        for (int64_t i = 0; i < expert_count; ++i) {
+          work.selectors[i].Add(work.block_scores.data() + i * key_block, count, start);
         }
+        clock.Charge(kPhaseTopKSelection);
+      }
+      for (int64_t i = 0; shared && i < expert_count; ++i) {
+        // Online softmax of S[i, :] * s: rescale what was accumulated when the running max grows.
+        T* row = work.block_scores.data() + i * key_block;
+        const T old_max = work.running_max[i];
+        const T new_max = std::max(old_max, MaxOf(row, count) * scale);  // s > 0: max(S s) = max(S) s
+        const T factor = old_max == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(old_max - new_max);
+        if (factor != T(1)) {
+          for (int64_t c = 0; c < head_dim; ++c) work.shared_output[i * head_dim + c] *= factor;
+        }
+        work.running_sum[i] = work.running_sum[i] * factor + ExpAndSum(row, count, scale, new_max);
+        work.running_max[i] = new_max;
       }
       if (shared) {
         MatmulAccumulate(work.block_scores.data(), key_block, problem.values + start * problem.value_stride,
                          problem.value_stride,
                          work.shared_output.data(), head_dim, expert_count, head_dim, count, /*accumulate=*/true);
+        clock.Charge(kPhaseSharedExpert);
       }
     }
     for (int64_t i = 0; shared && i < expert_count; ++i) {
       const T inverse_sum = T(1) / work.running_sum[i];
       for (int64_t c = 0; c < head_dim; ++c) work.shared_output[i * head_dim + c] *= inverse_sum;
     }
+    clock.Charge(kPhaseSharedExpert);
   }
 
   // 2. Each expert's keys, ascending; and how many experts selected each key (statistics).
@@ -484,6 +516,7 @@ void MitaHead(const HeadProblem<T>& problem, HeadWorkspace<T>& work, HeadCounts*
     counts->pruned_keys = std::count(work.selections.begin(), work.selections.end(), 0);
     counts->overlapping_keys = std::count_if(work.selections.begin(), work.selections.end(),
                                              [](int32_t selected) { return selected >= 2; });
+    clock.Charge(kPhaseTopKSelection);
   }
 
   // 3. Gate G = l q^T (no scale), e(n) = first argmax over experts; then group queries by expert.
@@ -511,13 +544,15 @@ void MitaHead(const HeadProblem<T>& problem, HeadWorkspace<T>& work, HeadCounts*
     counts->queries_per_expert[i] = work.expert_offsets[i + 1];
     work.expert_offsets[i + 1] += work.expert_offsets[i];
   }
+  clock.Charge(kPhaseGate);
 
   // 4. The output.
   if (problem.small_input_path &&
       SmallInputPathApplies(tokens, head_dim, expert_count, problem.width, problem.include_shared_expert)) {
     SmallInputOutput(problem, work);
+    clock.Charge(kPhaseSmallInput);
   } else {
-    RoutedExpertOutput(problem, work);
+    RoutedExpertOutput(problem, work, clock);
   }
 
   if (routing != nullptr) {
@@ -549,6 +584,7 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
 
   std::vector<HeadCounts> counts(batch * heads);
   if (options.routing != nullptr) options.routing->assign(batch * heads, MitaHeadRouting{});
+  if (options.phase_seconds != nullptr) options.phase_seconds->assign(batch * heads, MitaPhaseSeconds{});
   const T* q_data = q.data_ptr<T>();
   const T* k_data = k.data_ptr<T>();
   const T* v_data = v.data_ptr<T>();
@@ -561,6 +597,7 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
   at::parallel_for(0, batch * heads, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
     HeadWorkspace<T> workspace;
     for (int64_t task = begin; task < end; ++task) {
+      PhaseClock clock(options.phase_seconds != nullptr ? (*options.phase_seconds)[task].data() : nullptr);
       const int64_t b = task / heads, h = task % heads;
       const int64_t expert_count = landmarks[b].size(1);
       const int64_t item_tokens = ItemTokens(items[b], tokens);
@@ -580,8 +617,9 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
                              items[b].expert_width,
                              options.include_shared_expert,
                              options.small_input_path};
+      clock.Charge(kPhaseSetup);
       MitaHead(problem, workspace, &counts[task],
-               options.routing != nullptr ? &(*options.routing)[task] : nullptr);
+               options.routing != nullptr ? &(*options.routing)[task] : nullptr, clock);
     }
   });
 
@@ -596,6 +634,10 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
 }
 
 }  // namespace
+
+const char* const kMitaPhaseNames[kPhaseCount] = {"setup",   "scores",     "top-k",   "shared",
+                                                  "gate",    "grouping",   "gather",  "logits",
+                                                  "softmax", "output",     "small"};
 
 bool SmallInputPathApplies(int64_t tokens, int64_t head_dim, int64_t expert_count, int64_t expert_width,
                            bool include_shared_expert) {
