@@ -34,6 +34,8 @@
 #include <limits>
 #include <vector>
 
+#include <dlfcn.h>
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -43,19 +45,50 @@
 namespace mita::kernels::internal {
 namespace {
 
-// The system BLAS behind at::mm here is OpenBLAS (pthreads build). It runs a GEMM on its own thread pool once
-// m * n * k exceeds 64^3 multiply-adds, which inside our at::parallel_for region oversubscribes the cores
-// (measured on the 2-core machine: 3.5x slower with 2 threads). Every GEMM below is sized to stay at or under
-// that volume, so the parallelism is ours alone.
+// The BLAS must run each GEMM on the calling thread: the parallelism over (item, head) is ours.
+// - MKL (linked into the PyPI LibTorch): mkl_set_num_threads_local(1) for the threads of our parallel region
+//   (OneThreadBlas), so GEMMs may be as large as the blocks allow (kOneThreadGemmVolume).
+// - OpenBLAS (pthreads build, Debian's LibTorch) has no per-thread setting: it runs a GEMM on its own thread pool
+//   once m * n * k exceeds 64^3 multiply-adds, which inside our region oversubscribes the cores (measured on the
+//   2-core machine: 3.5x slower with 2 threads), so every GEMM stays at or under kSingleThreadGemmVolume.
 constexpr int64_t kSingleThreadGemmVolume = int64_t{64} * 64 * 64;
+constexpr int64_t kOneThreadGemmVolume = 8 * kSingleThreadGemmVolume;
 // Most rows (keys or queries) per block.
 constexpr int64_t kMaxBlockRows = 512;
 // Upper bound on the elements of one chunk's logits buffer [chunk, M + k].
 constexpr int64_t kMaxLogitElements = int64_t{1} << 20;
 
+// MKL's MKL_Set_Num_Threads_Local (the C name of mkl_service.h's mkl_set_num_threads_local: sets the calling
+// thread's BLAS thread count, returns the previous one, 0 = the global setting), looked up at run time; null with
+// any other BLAS.
+using SetLocalBlasThreads = int (*)(int);
+SetLocalBlasThreads LocalBlasThreadSetter() {
+  static const SetLocalBlasThreads setter =
+      reinterpret_cast<SetLocalBlasThreads>(dlsym(RTLD_DEFAULT, "MKL_Set_Num_Threads_Local"));
+  return setter;
+}
+
+// One BLAS thread for the calling thread while in scope (where the BLAS has a per-thread setting).
+class OneThreadBlas {
+ public:
+  OneThreadBlas() : setter_(LocalBlasThreadSetter()) {
+    if (setter_ != nullptr) previous_ = setter_(1);
+  }
+  ~OneThreadBlas() {
+    if (setter_ != nullptr) setter_(previous_);
+  }
+  OneThreadBlas(const OneThreadBlas&) = delete;
+  OneThreadBlas& operator=(const OneThreadBlas&) = delete;
+
+ private:
+  SetLocalBlasThreads setter_;
+  int previous_ = 0;
+};
+
 // Rows per block for GEMMs whose other two dimensions multiply to `other_dimensions`.
 int64_t BlockRows(int64_t other_dimensions) {
-  return std::clamp<int64_t>(kSingleThreadGemmVolume / other_dimensions, 1, kMaxBlockRows);
+  const int64_t volume = LocalBlasThreadSetter() != nullptr ? kOneThreadGemmVolume : kSingleThreadGemmVolume;
+  return std::clamp<int64_t>(volume / other_dimensions, 1, kMaxBlockRows);
 }
 
 // The system BLAS, called directly (Fortran interface, column-major): an at::mm_out on from_blob views costs
@@ -107,13 +140,54 @@ void MatmulAccumulate(const T* a, int64_t a_stride, const T* b, int64_t b_stride
 // vectorising them); they vectorise with SSE2 at the default -march, 4 floats a step (ExpAndSum for float also
 // with AVX2 and AVX-512, see there).
 
-// Maximum of values[0, count), count >= 1.
+// Maximum of values[0, count), count >= 1. The float version is compiled for AVX-512, AVX2 and the baseline,
+// as ExpAndSum below.
 template <typename T>
-__attribute__((noinline)) T MaxOf(const T* values, int64_t count) {
+inline __attribute__((always_inline)) T MaxOfBody(const T* values, int64_t count) {
   T maximum = values[0];
 #pragma omp simd reduction(max : maximum)
   for (int64_t j = 1; j < count; ++j) maximum = maximum > values[j] ? maximum : values[j];
   return maximum;
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) float MaxOf(const float* values, int64_t count) {
+  return MaxOfBody(values, count);
+}
+
+__attribute__((noinline)) double MaxOf(const double* values, int64_t count) { return MaxOfBody(values, count); }
+
+// Index of the first maximum of values[0, count), count >= 1: as the loop "best = 0; if (values[i] >
+// values[best]) best = i", also with NaNs (which that loop skips, unless values[0] is one), in vectorised passes
+// where no value is NaN.
+template <typename T>
+inline __attribute__((always_inline)) int64_t FirstArgmaxBody(const T* values, int64_t count) {
+  T maximum = values[0];
+  int unordered = 0;
+#pragma omp simd reduction(max : maximum) reduction(| : unordered)
+  for (int64_t j = 0; j < count; ++j) {
+    maximum = maximum > values[j] ? maximum : values[j];
+    unordered |= values[j] != values[j] ? 1 : 0;
+  }
+  if (unordered != 0) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < count; ++i) {
+      if (values[i] > values[best]) best = i;
+    }
+    return best;
+  }
+  int64_t first = count;
+#pragma omp simd reduction(min : first)
+  for (int64_t j = 0; j < count; ++j) first = values[j] == maximum && j < first ? j : first;
+  return first;
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) int64_t FirstArgmax(const float* values,
+                                                                                int64_t count) {
+  return FirstArgmaxBody(values, count);
+}
+
+__attribute__((noinline)) int64_t FirstArgmax(const double* values, int64_t count) {
+  return FirstArgmaxBody(values, count);
 }
 
 // values[j] = exp(values[j] * multiplier - shift) over [0, count), for arguments <= 0 (max-subtracted
@@ -295,12 +369,11 @@ struct HeadWorkspace {
   std::vector<T> running_max, running_sum;        // [M]
   std::vector<std::vector<int64_t>> expert_keys;  // [M][k], ascending
   std::vector<int32_t> selections;                // [N]: experts that selected each key
-  std::vector<T> gate;                            // [query_block, M]
+  std::vector<T> gate;                            // G = Q l^T: [N, M]
   std::vector<int64_t> expert_of_query;           // [N]
   std::vector<int64_t> expert_offsets;            // [M + 1]
   std::vector<int64_t> next_slot;                 // [M]
   std::vector<int64_t> query_order;               // [N], grouped by expert
-  std::vector<T> scaled_landmarks;                // [M, d], times s
   std::vector<T> expert_key_rows;                 // [k, d]
   std::vector<T> expert_value_rows;               // [k, d]
   std::vector<T> chunk_queries;                   // [chunk, d], times s
@@ -326,15 +399,12 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work, P
   work.next_slot.assign(work.expert_offsets.begin(), work.expert_offsets.end() - 1);
   work.query_order.resize(problem.tokens);
   for (int64_t n = 0; n < problem.tokens; ++n) work.query_order[work.next_slot[work.expert_of_query[n]]++] = n;
-  // Queries are scaled by s when gathered and landmarks by s once: (s q) . (s l) = q . l s^2 (compressed
-  // logits) and (s q) . k = q . k s (routed logits).
-  if (shared) {
-    work.scaled_landmarks.assign(problem.landmarks, problem.landmarks + expert_count * head_dim);
-    for (T& value : work.scaled_landmarks) value *= scale;
-  }
+  // Queries are scaled by s when gathered: (s q) . k = q . k s (routed logits); the compressed logits are the
+  // gate's q . l times s^2.
   const int64_t compressed_count = shared ? expert_count : 0;
   const int64_t logit_count = compressed_count + width;
-  // Queries per chunk: GEMMs [chunk x M x d], [chunk x k x d] and back; logits buffer [chunk, M + k].
+  // Queries per chunk: GEMMs [chunk x k x d] and back ([chunk x d x M], [chunk x d x k]); logits buffer
+  // [chunk, M + k].
   const int64_t chunk_capacity = std::min(BlockRows(std::max(expert_count, width) * head_dim),
                                           std::max<int64_t>(1, kMaxLogitElements / logit_count));
   if (!all_keys) {
@@ -373,9 +443,10 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work, P
         for (int64_t c = 0; c < head_dim; ++c) target[c] = query[c] * scale;
       }
       // Logits row r: [compressed (M) | routed (k)].
-      if (shared) {
-        MatmulTransposed(work.chunk_queries.data(), head_dim, work.scaled_landmarks.data(), head_dim,
-                         work.logits.data(), logit_count, count, expert_count, head_dim);
+      for (int64_t r = 0; shared && r < count; ++r) {
+        const T* gate = work.gate.data() + chunk_order[r] * expert_count;
+        T* target = work.logits.data() + r * logit_count;
+        for (int64_t j = 0; j < expert_count; ++j) target[j] = gate[j] * (scale * scale);
       }
       MatmulTransposed(work.chunk_queries.data(), head_dim, key_rows, key_rows_stride,
                        work.logits.data() + compressed_count, logit_count, count, width, head_dim);
@@ -519,21 +590,18 @@ void MitaHead(const HeadProblem<T>& problem, HeadWorkspace<T>& work, HeadCounts*
     clock.Charge(kPhaseTopKSelection);
   }
 
-  // 3. Gate G = l q^T (no scale), e(n) = first argmax over experts; then group queries by expert.
+  // 3. Gate G = Q l^T (no scale), e(n) = first argmax over experts; then group queries by expert. G is kept for
+  // step 4: the compressed logits are q . l s^2 = G s^2.
   work.expert_of_query.resize(tokens);
   const int64_t query_block = BlockRows(expert_count * head_dim);
-  work.gate.resize(query_block * expert_count);  // [queries, M]
+  work.gate.resize(tokens * expert_count);  // [N, M]
   for (int64_t start = 0; start < tokens; start += query_block) {
     const int64_t count = std::min(query_block, tokens - start);
+    T* gate = work.gate.data() + start * expert_count;
     MatmulTransposed(problem.queries + start * problem.query_stride, problem.query_stride, problem.landmarks,
-                     head_dim, work.gate.data(), expert_count, count, expert_count, head_dim);
+                     head_dim, gate, expert_count, count, expert_count, head_dim);
     for (int64_t n = 0; n < count; ++n) {
-      const T* row = work.gate.data() + n * expert_count;
-      int64_t best = 0;
-      for (int64_t i = 1; i < expert_count; ++i) {
-        if (row[i] > row[best]) best = i;
-      }
-      work.expert_of_query[start + n] = best;
+      work.expert_of_query[start + n] = FirstArgmax(gate + n * expert_count, expert_count);
     }
   }
   // Queries per expert (statistics), and where each expert's queries start in query order (expert_offsets).
@@ -596,6 +664,7 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
   };
   at::parallel_for(0, batch * heads, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
     HeadWorkspace<T> workspace;
+    OneThreadBlas one_thread_blas;
     for (int64_t task = begin; task < end; ++task) {
       PhaseClock clock(options.phase_seconds != nullptr ? (*options.phase_seconds)[task].data() : nullptr);
       const int64_t b = task / heads, h = task % heads;
@@ -644,7 +713,7 @@ bool SmallInputPathApplies(int64_t tokens, int64_t head_dim, int64_t expert_coun
   // The shared expert already carries any non-finite value of V to every output (through A), so the dense
   // product W V, which multiplies the zero weights of unselected keys too, adds no new way for one to spread.
   return include_shared_expert && tokens <= 2 * (expert_count + expert_width) &&
-         tokens <= BlockRows(expert_count * head_dim) && tokens * tokens * head_dim <= kSingleThreadGemmVolume;
+         tokens * tokens * head_dim <= kSingleThreadGemmVolume;
 }
 
 // Per-item statistics: each head's load, entropy, pruning and overlap, averaged over heads (DESIGN.md

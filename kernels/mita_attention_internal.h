@@ -70,7 +70,7 @@ struct MitaForwardOptions {
 // all N^2 query-key scores, dense weight matrices) instead of per routed expert (4 small BLAS calls per expert).
 // It does when: the shared expert is included; N <= 2 (M + k), so that it does at most about twice the
 // per-expert path's arithmetic (N keys per query against M + k); N^2 d <= 64^3 multiply-adds (one
-// single-threaded BLAS call); N <= 64^3 / (M d) (the gate's query block holds every query). Measured with
+// single-threaded BLAS call). Measured with
 // mita-kernel-bench (docs/kernels.md, "Small inputs").
 bool SmallInputPathApplies(int64_t tokens, int64_t head_dim, int64_t expert_count, int64_t expert_width,
                            bool include_shared_expert);
