@@ -11,21 +11,21 @@
 //      score first, then lower key index"; a key that cannot beat the current k-th best is never stored. When
 //      all keys fit one block (no compaction), the selection runs on plain scores and one pass in key order
 //      takes the keys above the k-th score and the lowest-index ties, already sorted.
-//   3. gate: G_block = Q_block l^T (GEMM), e(n) = first argmax; queries counted per expert.
+//   3. gate: G = Q l^T (GEMM by query blocks, kept [N, M]), e(n) = first argmax; queries counted per expert.
 //   4. the output, by one of two paths with the same logits and weights (up to rounding):
 //      - per routed expert (RoutedExpertOutput): queries grouped by expert (counting sort); each expert's k
-//        keys and values are gathered once; its queries, in chunks, get their M + k logits from two GEMMs into
-//        one row buffer, one max-subtracted softmax, and the output from two GEMMs (weights x A,
+//        keys and values are gathered once; its queries, in chunks, get their M + k logits (G s^2 and one GEMM)
+//        in one row buffer, one max-subtracted softmax, and the output from two GEMMs (weights x A,
 //        weights x V_expert), normalised by the softmax sum;
 //      - small inputs (SmallInputOutput, where SmallInputPathApplies: e.g. 50 tokens at M = 9, k = 16): one
 //        GEMM for all N^2 scores q K^T, the compressed logits from the gate (G s^2), and two GEMMs with dense
 //        weight matrices (Wc x A, W x V), instead of 4 BLAS calls of a few hundred multiply-adds per expert.
-// The GEMMs call the system BLAS (sgemm_/dgemm_) directly on the buffers (no copies); MatmulTransposed and
-// MatmulAccumulate are the single place to swap in a hand-written micro-kernel later. The float exponentials
-// use FastExp in vectorised row loops. Buffers live in a HeadWorkspace reused by all the (item, head) pairs of
-// one thread. Left for later (docs/kernels.md has the measurements behind these): reusing the gate's q l^T for
-// the compressed logits on the per-expert path (now recomputed per expert chunk), AVX2 code paths beyond
-// ExpAndSum (the build targets baseline x86-64), splitting one head over threads when B * H < threads.
+// The GEMMs call the system BLAS (sgemm_/dgemm_) directly on the buffers (no copies), one BLAS thread per thread
+// of the region (OneThreadBlas); MatmulTransposed and MatmulAccumulate are the single place to swap in a
+// hand-written micro-kernel later. The gate G is kept for all N queries and gives the compressed logits (G s^2) on
+// both output paths. The float exponentials use FastExp in vectorised row loops. Buffers live in a HeadWorkspace
+// reused by all the (item, head) pairs of one thread. Left for later (docs/kernels.md has the measurements behind
+// these): splitting one head over threads when B * H < threads, a vectorised running top-k.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
