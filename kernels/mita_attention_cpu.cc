@@ -11,27 +11,30 @@
 //      score first, then lower key index"; a key that cannot beat the current k-th best is never stored. When
 //      all keys fit one block (no compaction), the selection runs on plain scores and one pass in key order
 //      takes the keys above the k-th score and the lowest-index ties, already sorted.
-//   3. gate: G_block = Q_block l^T (GEMM), e(n) = first argmax; queries counted per expert.
+//   3. gate: G = Q l^T (GEMM by query blocks, kept [N, M]), e(n) = first argmax; queries counted per expert.
 //   4. the output, by one of two paths with the same logits and weights (up to rounding):
 //      - per routed expert (RoutedExpertOutput): queries grouped by expert (counting sort); each expert's k
-//        keys and values are gathered once; its queries, in chunks, get their M + k logits from two GEMMs into
-//        one row buffer, one max-subtracted softmax, and the output from two GEMMs (weights x A,
+//        keys and values are gathered once; its queries, in chunks, get their M + k logits (G s^2 and one GEMM)
+//        in one row buffer, one max-subtracted softmax, and the output from two GEMMs (weights x A,
 //        weights x V_expert), normalised by the softmax sum;
 //      - small inputs (SmallInputOutput, where SmallInputPathApplies: e.g. 50 tokens at M = 9, k = 16): one
 //        GEMM for all N^2 scores q K^T, the compressed logits from the gate (G s^2), and two GEMMs with dense
 //        weight matrices (Wc x A, W x V), instead of 4 BLAS calls of a few hundred multiply-adds per expert.
-// The GEMMs call the system BLAS (sgemm_/dgemm_) directly on the buffers (no copies); MatmulTransposed and
-// MatmulAccumulate are the single place to swap in a hand-written micro-kernel later. The float exponentials
-// use FastExp in vectorised row loops. Buffers live in a HeadWorkspace reused by all the (item, head) pairs of
-// one thread. Left for later (docs/kernels.md has the measurements behind these): reusing the gate's q l^T for
-// the compressed logits on the per-expert path (now recomputed per expert chunk), AVX2 code paths beyond
-// ExpAndSum (the build targets baseline x86-64), splitting one head over threads when B * H < threads.
+// The GEMMs call the system BLAS (sgemm_/dgemm_) directly on the buffers (no copies), one BLAS thread per thread
+// of the region (OneThreadBlas); MatmulTransposed and MatmulAccumulate are the single place to swap in a
+// hand-written micro-kernel later. The gate G is kept for all N queries and gives the compressed logits (G s^2) on
+// both output paths. The float exponentials use FastExp in vectorised row loops. Buffers live in a HeadWorkspace
+// reused by all the (item, head) pairs of one thread. Left for later (docs/kernels.md has the measurements behind
+// these): splitting one head over threads when B * H < threads, a vectorised running top-k.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <functional>
 #include <limits>
 #include <vector>
+
+#include <dlfcn.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -42,19 +45,50 @@
 namespace mita::kernels::internal {
 namespace {
 
-// The system BLAS behind at::mm here is OpenBLAS (pthreads build). It runs a GEMM on its own thread pool once
-// m * n * k exceeds 64^3 multiply-adds, which inside our at::parallel_for region oversubscribes the cores
-// (measured on the 2-core machine: 3.5x slower with 2 threads). Every GEMM below is sized to stay at or under
-// that volume, so the parallelism is ours alone.
+// The BLAS must run each GEMM on the calling thread: the parallelism over (item, head) is ours.
+// - MKL (linked into the PyPI LibTorch): mkl_set_num_threads_local(1) for the threads of our parallel region
+//   (OneThreadBlas), so GEMMs may be as large as the blocks allow (kOneThreadGemmVolume).
+// - OpenBLAS (pthreads build, Debian's LibTorch) has no per-thread setting: it runs a GEMM on its own thread pool
+//   once m * n * k exceeds 64^3 multiply-adds, which inside our region oversubscribes the cores (measured on the
+//   2-core machine: 3.5x slower with 2 threads), so every GEMM stays at or under kSingleThreadGemmVolume.
 constexpr int64_t kSingleThreadGemmVolume = int64_t{64} * 64 * 64;
+constexpr int64_t kOneThreadGemmVolume = 8 * kSingleThreadGemmVolume;
 // Most rows (keys or queries) per block.
 constexpr int64_t kMaxBlockRows = 512;
 // Upper bound on the elements of one chunk's logits buffer [chunk, M + k].
 constexpr int64_t kMaxLogitElements = int64_t{1} << 20;
 
+// MKL's MKL_Set_Num_Threads_Local (the C name of mkl_service.h's mkl_set_num_threads_local: sets the calling
+// thread's BLAS thread count, returns the previous one, 0 = the global setting), looked up at run time; null with
+// any other BLAS.
+using SetLocalBlasThreads = int (*)(int);
+SetLocalBlasThreads LocalBlasThreadSetter() {
+  static const SetLocalBlasThreads setter =
+      reinterpret_cast<SetLocalBlasThreads>(dlsym(RTLD_DEFAULT, "MKL_Set_Num_Threads_Local"));
+  return setter;
+}
+
+// One BLAS thread for the calling thread while in scope (where the BLAS has a per-thread setting).
+class OneThreadBlas {
+ public:
+  OneThreadBlas() : setter_(LocalBlasThreadSetter()) {
+    if (setter_ != nullptr) previous_ = setter_(1);
+  }
+  ~OneThreadBlas() {
+    if (setter_ != nullptr) setter_(previous_);
+  }
+  OneThreadBlas(const OneThreadBlas&) = delete;
+  OneThreadBlas& operator=(const OneThreadBlas&) = delete;
+
+ private:
+  SetLocalBlasThreads setter_;
+  int previous_ = 0;
+};
+
 // Rows per block for GEMMs whose other two dimensions multiply to `other_dimensions`.
 int64_t BlockRows(int64_t other_dimensions) {
-  return std::clamp<int64_t>(kSingleThreadGemmVolume / other_dimensions, 1, kMaxBlockRows);
+  const int64_t volume = LocalBlasThreadSetter() != nullptr ? kOneThreadGemmVolume : kSingleThreadGemmVolume;
+  return std::clamp<int64_t>(volume / other_dimensions, 1, kMaxBlockRows);
 }
 
 // The system BLAS, called directly (Fortran interface, column-major): an at::mm_out on from_blob views costs
@@ -106,13 +140,54 @@ void MatmulAccumulate(const T* a, int64_t a_stride, const T* b, int64_t b_stride
 // vectorising them); they vectorise with SSE2 at the default -march, 4 floats a step (ExpAndSum for float also
 // with AVX2 and AVX-512, see there).
 
-// Maximum of values[0, count), count >= 1.
+// Maximum of values[0, count), count >= 1. The float version is compiled for AVX-512, AVX2 and the baseline,
+// as ExpAndSum below.
 template <typename T>
-__attribute__((noinline)) T MaxOf(const T* values, int64_t count) {
+inline __attribute__((always_inline)) T MaxOfBody(const T* values, int64_t count) {
   T maximum = values[0];
 #pragma omp simd reduction(max : maximum)
   for (int64_t j = 1; j < count; ++j) maximum = maximum > values[j] ? maximum : values[j];
   return maximum;
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) float MaxOf(const float* values, int64_t count) {
+  return MaxOfBody(values, count);
+}
+
+__attribute__((noinline)) double MaxOf(const double* values, int64_t count) { return MaxOfBody(values, count); }
+
+// Index of the first maximum of values[0, count), count >= 1: as the loop "best = 0; if (values[i] >
+// values[best]) best = i", also with NaNs (which that loop skips, unless values[0] is one), in vectorised passes
+// where no value is NaN.
+template <typename T>
+inline __attribute__((always_inline)) int64_t FirstArgmaxBody(const T* values, int64_t count) {
+  T maximum = values[0];
+  int unordered = 0;
+#pragma omp simd reduction(max : maximum) reduction(| : unordered)
+  for (int64_t j = 0; j < count; ++j) {
+    maximum = maximum > values[j] ? maximum : values[j];
+    unordered |= values[j] != values[j] ? 1 : 0;
+  }
+  if (unordered != 0) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < count; ++i) {
+      if (values[i] > values[best]) best = i;
+    }
+    return best;
+  }
+  int64_t first = count;
+#pragma omp simd reduction(min : first)
+  for (int64_t j = 0; j < count; ++j) first = values[j] == maximum && j < first ? j : first;
+  return first;
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) int64_t FirstArgmax(const float* values,
+                                                                                int64_t count) {
+  return FirstArgmaxBody(values, count);
+}
+
+__attribute__((noinline)) int64_t FirstArgmax(const double* values, int64_t count) {
+  return FirstArgmaxBody(values, count);
 }
 
 // values[j] = exp(values[j] * multiplier - shift) over [0, count), for arguments <= 0 (max-subtracted
@@ -147,6 +222,25 @@ double ExpAndSum(double* values, int64_t count, double multiplier, double shift)
   }
   return sum;
 }
+
+// Charges the time since its previous charge to a phase (MitaForwardOptions::phase_seconds); a null test when
+// phase timing is off.
+class PhaseClock {
+ public:
+  explicit PhaseClock(double* seconds) : seconds_(seconds) {
+    if (seconds_ != nullptr) last_ = std::chrono::steady_clock::now();
+  }
+  void Charge(MitaPhase phase) {
+    if (seconds_ == nullptr) return;
+    const std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now();
+    seconds_[phase] += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  double* seconds_;
+  std::chrono::steady_clock::time_point last_;
+};
 
 // One (item, head) problem: [rows, head_dim] matrices with contiguous rows; queries, keys and values have their
 // own row strides (in elements), so slices of a fused qkv projection are read in place.
@@ -275,12 +369,11 @@ struct HeadWorkspace {
   std::vector<T> running_max, running_sum;        // [M]
   std::vector<std::vector<int64_t>> expert_keys;  // [M][k], ascending
   std::vector<int32_t> selections;                // [N]: experts that selected each key
-  std::vector<T> gate;                            // [query_block, M]
+  std::vector<T> gate;                            // G = Q l^T: [N, M]
   std::vector<int64_t> expert_of_query;           // [N]
   std::vector<int64_t> expert_offsets;            // [M + 1]
   std::vector<int64_t> next_slot;                 // [M]
   std::vector<int64_t> query_order;               // [N], grouped by expert
-  std::vector<T> scaled_landmarks;                // [M, d], times s
   std::vector<T> expert_key_rows;                 // [k, d]
   std::vector<T> expert_value_rows;               // [k, d]
   std::vector<T> chunk_queries;                   // [chunk, d], times s
@@ -296,7 +389,7 @@ struct HeadWorkspace {
 // Needs the key pass (shared_output), the selected keys (expert_keys, unless width == tokens), the routing
 // (expert_of_query) and each expert's first position in query order (expert_offsets).
 template <typename T>
-void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
+void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work, PhaseClock& clock) {
   const int64_t head_dim = problem.head_dim, expert_count = problem.expert_count, width = problem.width;
   const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
   const bool shared = problem.include_shared_expert;
@@ -306,15 +399,12 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
   work.next_slot.assign(work.expert_offsets.begin(), work.expert_offsets.end() - 1);
   work.query_order.resize(problem.tokens);
   for (int64_t n = 0; n < problem.tokens; ++n) work.query_order[work.next_slot[work.expert_of_query[n]]++] = n;
-  // Queries are scaled by s when gathered and landmarks by s once: (s q) . (s l) = q . l s^2 (compressed
-  // logits) and (s q) . k = q . k s (routed logits).
-  if (shared) {
-    work.scaled_landmarks.assign(problem.landmarks, problem.landmarks + expert_count * head_dim);
-    for (T& value : work.scaled_landmarks) value *= scale;
-  }
+  // Queries are scaled by s when gathered: (s q) . k = q . k s (routed logits); the compressed logits are the
+  // gate's q . l times s^2.
   const int64_t compressed_count = shared ? expert_count : 0;
   const int64_t logit_count = compressed_count + width;
-  // Queries per chunk: GEMMs [chunk x M x d], [chunk x k x d] and back; logits buffer [chunk, M + k].
+  // Queries per chunk: GEMMs [chunk x k x d] and back ([chunk x d x M], [chunk x d x k]); logits buffer
+  // [chunk, M + k].
   const int64_t chunk_capacity = std::min(BlockRows(std::max(expert_count, width) * head_dim),
                                           std::max<int64_t>(1, kMaxLogitElements / logit_count));
   if (!all_keys) {
@@ -325,6 +415,7 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
   work.logits.resize(chunk_capacity * logit_count);
   work.chunk_output.resize(chunk_capacity * head_dim);
   work.inverse_sums.resize(chunk_capacity);
+  clock.Charge(kPhaseGrouping);
   for (int64_t i = 0; i < expert_count; ++i) {
     const int64_t first = work.expert_offsets[i], query_count = work.expert_offsets[i + 1] - first;
     if (query_count == 0) continue;
@@ -341,6 +432,7 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
       key_rows = work.expert_key_rows.data();
       value_rows = work.expert_value_rows.data();
       key_rows_stride = value_rows_stride = head_dim;
+      clock.Charge(kPhaseGather);
     }
     for (int64_t chunk_start = 0; chunk_start < query_count; chunk_start += chunk_capacity) {
       const int64_t count = std::min(chunk_capacity, query_count - chunk_start);
@@ -351,17 +443,20 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
         for (int64_t c = 0; c < head_dim; ++c) target[c] = query[c] * scale;
       }
       // Logits row r: [compressed (M) | routed (k)].
-      if (shared) {
-        MatmulTransposed(work.chunk_queries.data(), head_dim, work.scaled_landmarks.data(), head_dim,
-                         work.logits.data(), logit_count, count, expert_count, head_dim);
+      for (int64_t r = 0; shared && r < count; ++r) {
+        const T* gate = work.gate.data() + chunk_order[r] * expert_count;
+        T* target = work.logits.data() + r * logit_count;
+        for (int64_t j = 0; j < expert_count; ++j) target[j] = gate[j] * (scale * scale);
       }
       MatmulTransposed(work.chunk_queries.data(), head_dim, key_rows, key_rows_stride,
                        work.logits.data() + compressed_count, logit_count, count, width, head_dim);
+      clock.Charge(kPhaseRoutedLogits);
       // One softmax over the M + k logits, max-subtracted; normalised after the output GEMMs.
       for (int64_t r = 0; r < count; ++r) {
         T* row = work.logits.data() + r * logit_count;
         work.inverse_sums[r] = T(1) / ExpAndSum(row, logit_count, T(1), MaxOf(row, logit_count));
       }
+      clock.Charge(kPhaseRoutedSoftmax);
       if (shared) {
         MatmulAccumulate(work.logits.data(), logit_count, work.shared_output.data(), head_dim,
                          work.chunk_output.data(), head_dim, count, head_dim, expert_count, /*accumulate=*/false);
@@ -373,6 +468,7 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
         const T* source = work.chunk_output.data() + r * head_dim;
         for (int64_t c = 0; c < head_dim; ++c) target[c] = source[c] * work.inverse_sums[r];
       }
+      clock.Charge(kPhaseRoutedOutput);
     }
   }
 }
@@ -418,7 +514,7 @@ void SmallInputOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
 
 template <typename T>
 void MitaHead(const HeadProblem<T>& problem, HeadWorkspace<T>& work, HeadCounts* counts,
-              MitaHeadRouting* routing) {
+              MitaHeadRouting* routing, PhaseClock& clock) {
   const int64_t tokens = problem.tokens, head_dim = problem.head_dim, expert_count = problem.expert_count;
   const int64_t width = problem.width;
   const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
@@ -439,35 +535,42 @@ void MitaHead(const HeadProblem<T>& problem, HeadWorkspace<T>& work, HeadCounts*
   }
   if (shared || !all_keys) {
     work.block_scores.resize(expert_count * key_block);
+    clock.Charge(kPhaseSetup);
     for (int64_t start = 0; start < tokens; start += key_block) {
       const int64_t count = std::min(key_block, tokens - start);
       MatmulTransposed(problem.landmarks, head_dim, problem.keys + start * problem.key_stride, problem.key_stride,
                        work.block_scores.data(), key_block, expert_count, count, head_dim);
-      for (int64_t i = 0; i < expert_count; ++i) {
-        T* row = work.block_scores.data() + i * key_block;
-        if (!all_keys) work.selectors[i].Add(row, count, start);
-        if (shared) {
-          // Online softmax of S[i, :] * s: rescale what was accumulated when the running max grows.
-          const T old_max = work.running_max[i];
-          const T new_max = std::max(old_max, MaxOf(row, count) * scale);  // s > 0: max(S s) = max(S) s
-          const T factor = old_max == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(old_max - new_max);
-          if (factor != T(1)) {
-            for (int64_t c = 0; c < head_dim; ++c) work.shared_output[i * head_dim + c] *= factor;
-          }
-          work.running_sum[i] = work.running_sum[i] * factor + ExpAndSum(row, count, scale, new_max);
-          work.running_max[i] = new_max;
+      clock.Charge(kPhaseLandmarkScores);
+      if (!all_keys) {
+        for (int64_t i = 0; i < expert_count; ++i) {
+          work.selectors[i].Add(work.block_scores.data() + i * key_block, count, start);
         }
+        clock.Charge(kPhaseTopKSelection);
+      }
+      for (int64_t i = 0; shared && i < expert_count; ++i) {
+        // Online softmax of S[i, :] * s: rescale what was accumulated when the running max grows.
+        T* row = work.block_scores.data() + i * key_block;
+        const T old_max = work.running_max[i];
+        const T new_max = std::max(old_max, MaxOf(row, count) * scale);  // s > 0: max(S s) = max(S) s
+        const T factor = old_max == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(old_max - new_max);
+        if (factor != T(1)) {
+          for (int64_t c = 0; c < head_dim; ++c) work.shared_output[i * head_dim + c] *= factor;
+        }
+        work.running_sum[i] = work.running_sum[i] * factor + ExpAndSum(row, count, scale, new_max);
+        work.running_max[i] = new_max;
       }
       if (shared) {
         MatmulAccumulate(work.block_scores.data(), key_block, problem.values + start * problem.value_stride,
                          problem.value_stride,
                          work.shared_output.data(), head_dim, expert_count, head_dim, count, /*accumulate=*/true);
+        clock.Charge(kPhaseSharedExpert);
       }
     }
     for (int64_t i = 0; shared && i < expert_count; ++i) {
       const T inverse_sum = T(1) / work.running_sum[i];
       for (int64_t c = 0; c < head_dim; ++c) work.shared_output[i * head_dim + c] *= inverse_sum;
     }
+    clock.Charge(kPhaseSharedExpert);
   }
 
   // 2. Each expert's keys, ascending; and how many experts selected each key (statistics).
@@ -484,23 +587,21 @@ void MitaHead(const HeadProblem<T>& problem, HeadWorkspace<T>& work, HeadCounts*
     counts->pruned_keys = std::count(work.selections.begin(), work.selections.end(), 0);
     counts->overlapping_keys = std::count_if(work.selections.begin(), work.selections.end(),
                                              [](int32_t selected) { return selected >= 2; });
+    clock.Charge(kPhaseTopKSelection);
   }
 
-  // 3. Gate G = l q^T (no scale), e(n) = first argmax over experts; then group queries by expert.
+  // 3. Gate G = Q l^T (no scale), e(n) = first argmax over experts; then group queries by expert. G is kept for
+  // step 4: the compressed logits are q . l s^2 = G s^2.
   work.expert_of_query.resize(tokens);
   const int64_t query_block = BlockRows(expert_count * head_dim);
-  work.gate.resize(query_block * expert_count);  // [queries, M]
+  work.gate.resize(tokens * expert_count);  // [N, M]
   for (int64_t start = 0; start < tokens; start += query_block) {
     const int64_t count = std::min(query_block, tokens - start);
+    T* gate = work.gate.data() + start * expert_count;
     MatmulTransposed(problem.queries + start * problem.query_stride, problem.query_stride, problem.landmarks,
-                     head_dim, work.gate.data(), expert_count, count, expert_count, head_dim);
+                     head_dim, gate, expert_count, count, expert_count, head_dim);
     for (int64_t n = 0; n < count; ++n) {
-      const T* row = work.gate.data() + n * expert_count;
-      int64_t best = 0;
-      for (int64_t i = 1; i < expert_count; ++i) {
-        if (row[i] > row[best]) best = i;
-      }
-      work.expert_of_query[start + n] = best;
+      work.expert_of_query[start + n] = FirstArgmax(gate + n * expert_count, expert_count);
     }
   }
   // Queries per expert (statistics), and where each expert's queries start in query order (expert_offsets).
@@ -511,13 +612,15 @@ void MitaHead(const HeadProblem<T>& problem, HeadWorkspace<T>& work, HeadCounts*
     counts->queries_per_expert[i] = work.expert_offsets[i + 1];
     work.expert_offsets[i + 1] += work.expert_offsets[i];
   }
+  clock.Charge(kPhaseGate);
 
   // 4. The output.
   if (problem.small_input_path &&
       SmallInputPathApplies(tokens, head_dim, expert_count, problem.width, problem.include_shared_expert)) {
     SmallInputOutput(problem, work);
+    clock.Charge(kPhaseSmallInput);
   } else {
-    RoutedExpertOutput(problem, work);
+    RoutedExpertOutput(problem, work, clock);
   }
 
   if (routing != nullptr) {
@@ -549,6 +652,7 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
 
   std::vector<HeadCounts> counts(batch * heads);
   if (options.routing != nullptr) options.routing->assign(batch * heads, MitaHeadRouting{});
+  if (options.phase_seconds != nullptr) options.phase_seconds->assign(batch * heads, MitaPhaseSeconds{});
   const T* q_data = q.data_ptr<T>();
   const T* k_data = k.data_ptr<T>();
   const T* v_data = v.data_ptr<T>();
@@ -560,7 +664,9 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
   };
   at::parallel_for(0, batch * heads, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
     HeadWorkspace<T> workspace;
+    OneThreadBlas one_thread_blas;
     for (int64_t task = begin; task < end; ++task) {
+      PhaseClock clock(options.phase_seconds != nullptr ? (*options.phase_seconds)[task].data() : nullptr);
       const int64_t b = task / heads, h = task % heads;
       const int64_t expert_count = landmarks[b].size(1);
       const int64_t item_tokens = ItemTokens(items[b], tokens);
@@ -580,8 +686,9 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
                              items[b].expert_width,
                              options.include_shared_expert,
                              options.small_input_path};
+      clock.Charge(kPhaseSetup);
       MitaHead(problem, workspace, &counts[task],
-               options.routing != nullptr ? &(*options.routing)[task] : nullptr);
+               options.routing != nullptr ? &(*options.routing)[task] : nullptr, clock);
     }
   });
 
@@ -597,12 +704,16 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
 
 }  // namespace
 
+const char* const kMitaPhaseNames[kPhaseCount] = {"setup",   "scores",     "top-k",   "shared",
+                                                  "gate",    "grouping",   "gather",  "logits",
+                                                  "softmax", "output",     "small"};
+
 bool SmallInputPathApplies(int64_t tokens, int64_t head_dim, int64_t expert_count, int64_t expert_width,
                            bool include_shared_expert) {
   // The shared expert already carries any non-finite value of V to every output (through A), so the dense
   // product W V, which multiplies the zero weights of unselected keys too, adds no new way for one to spread.
   return include_shared_expert && tokens <= 2 * (expert_count + expert_width) &&
-         tokens <= BlockRows(expert_count * head_dim) && tokens * tokens * head_dim <= kSingleThreadGemmVolume;
+         tokens * tokens * head_dim <= kSingleThreadGemmVolume;
 }
 
 // Per-item statistics: each head's load, entropy, pruning and overlap, averaged over heads (DESIGN.md

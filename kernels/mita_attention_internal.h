@@ -3,6 +3,7 @@
 // Not part of the public API: models/ and server/ use kernels/mita_attention.h only.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -25,6 +26,27 @@ struct MitaHeadRouting {
   std::vector<std::vector<int64_t>> expert_keys;
 };
 
+// The phases of the CPU kernel's work on one (item, head), in the order it runs them (mita_attention_cpu.cc),
+// timed when MitaForwardOptions::phase_seconds is set.
+enum MitaPhase : int {
+  kPhaseSetup,           // output padding, workspace sizing
+  kPhaseLandmarkScores,  // S_block = l K_block^T
+  kPhaseTopKSelection,   // running top-k per landmark, and its final selection
+  kPhaseSharedExpert,    // online softmax of S s and A += weights V_block
+  kPhaseGate,            // G = Q l^T, first argmax, queries per expert
+  kPhaseGrouping,        // queries grouped by expert (counting sort), scaled landmarks
+  kPhaseGather,          // each expert's k key and value rows copied together
+  kPhaseRoutedLogits,    // query chunks gathered, M + k logits per query
+  kPhaseRoutedSoftmax,   // max-subtracted softmax of each query's logits
+  kPhaseRoutedOutput,    // weights x A and weights x V_expert, normalised, scattered to the output rows
+  kPhaseSmallInput,      // the whole output on the small-input path
+  kPhaseCount
+};
+// Seconds of thread time per phase.
+using MitaPhaseSeconds = std::array<double, kPhaseCount>;
+// Short names of the phases, for tables (mita-kernel-bench --phases).
+extern const char* const kMitaPhaseNames[kPhaseCount];
+
 // Options of the MiTA forward that the public API does not expose.
 struct MitaForwardOptions {
   // Testing hook. When false the compressed (shared-expert) logits are left out of the softmax, so each query
@@ -37,6 +59,10 @@ struct MitaForwardOptions {
   // routed expert, also where SmallInputPathApplies (so that tests and mita-kernel-bench compare both paths on
   // the same inputs).
   bool small_input_path = true;
+  // Benchmarking hook of the CPU kernel. When not null, resized to B * H and filled with the thread time of
+  // each phase of item b, head h at index b * H + h (two steady_clock reads per phase and key block or query
+  // chunk; when null, one pointer test each).
+  std::vector<MitaPhaseSeconds>* phase_seconds = nullptr;
 };
 
 // Whether the CPU kernel computes the output of an (item, head) with N = `tokens` tokens of d = `head_dim`
@@ -44,7 +70,7 @@ struct MitaForwardOptions {
 // all N^2 query-key scores, dense weight matrices) instead of per routed expert (4 small BLAS calls per expert).
 // It does when: the shared expert is included; N <= 2 (M + k), so that it does at most about twice the
 // per-expert path's arithmetic (N keys per query against M + k); N^2 d <= 64^3 multiply-adds (one
-// single-threaded BLAS call); N <= 64^3 / (M d) (the gate's query block holds every query). Measured with
+// single-threaded BLAS call). Measured with
 // mita-kernel-bench (docs/kernels.md, "Small inputs").
 bool SmallInputPathApplies(int64_t tokens, int64_t head_dim, int64_t expert_count, int64_t expert_width,
                            bool include_shared_expert);

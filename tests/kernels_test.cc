@@ -366,15 +366,14 @@ INSTANTIATE_TEST_SUITE_P(
 // path (one q K^T GEMM, dense weight matrices) and the per-routed-expert path (forced with small_input_path =
 // false); and where SmallInputPathApplies draws the line.
 TEST(MitaCpuKernel, SmallInputPathAndPerExpertPathMatchLoop) {
-  // N <= 2 (M + k), N^2 d <= 64^3 multiply-adds, N within the gate's query block 64^3 / (M d), and the shared
-  // expert.
+  // N <= 2 (M + k), N^2 d <= 64^3 multiply-adds, and the shared expert.
   EXPECT_TRUE(internal::SmallInputPathApplies(50, 24, 9, 16, true));     // 50 <= 2 (9 + 16)
   EXPECT_FALSE(internal::SmallInputPathApplies(51, 24, 9, 16, true));
   EXPECT_FALSE(internal::SmallInputPathApplies(50, 24, 4, 8, true));
-  EXPECT_TRUE(internal::SmallInputPathApplies(104, 24, 49, 50, true));   // 259,584 <= 262,144; block 222
+  EXPECT_TRUE(internal::SmallInputPathApplies(104, 24, 49, 50, true));   // 259,584 <= 262,144
   EXPECT_FALSE(internal::SmallInputPathApplies(105, 24, 49, 50, true));  // 264,600
-  EXPECT_TRUE(internal::SmallInputPathApplies(64, 64, 16, 32, true));    // 64^3 exactly; block 256
-  EXPECT_FALSE(internal::SmallInputPathApplies(17, 64, 256, 8, true));   // block 64^3 / (256 * 64) = 16 < 17
+  EXPECT_TRUE(internal::SmallInputPathApplies(64, 64, 16, 32, true));    // 64^3 exactly
+  EXPECT_TRUE(internal::SmallInputPathApplies(17, 64, 256, 8, true));    // the gate keeps all N rows: no block bound
   EXPECT_FALSE(internal::SmallInputPathApplies(50, 24, 9, 16, false));
   // The embedded image model's attention: 50 tokens, 4 heads of 24; budgets where the small-input path applies
   // (m = 9 and 16, and k = N) and one where it does not (m = 4, k = 8), for the per-expert run to compare with.

@@ -35,6 +35,11 @@
 //               (every output computed per routed expert, as for larger N), timed in the same loop as MiTA ms,
 //               run for run; "-" elsewhere.
 //   x per-expert   per-expert ms / MiTA ms.
+//   x N/4       MiTA ms / MiTA ms of the row with a quarter of the tokens and the same d, H, m, k (when the grid
+//               has it): 4.0 for a cost linear in N.
+// --phases adds a second table: one more run of each row with the kernel's phase timers on
+// (internal::MitaForwardOptions::phase_seconds), the thread time of each phase summed over the heads, in ms, and
+// the wall time of that run.
 // Full attention and the reference are skipped where a prediction from a smaller N with the same other
 // parameters (N^2 for full attention, N for the reference) exceeds --full_max_seconds / --reference_max_seconds,
 // or where the reference's gathered keys and values (2 N k d floats per head) exceed --reference_max_bytes;
@@ -84,6 +89,7 @@ ABSL_FLAG(double, reference_max_bytes, 3e9, "skip (and extrapolate) a reference 
 ABSL_FLAG(bool, no_full, false, "do not run full attention");
 ABSL_FLAG(bool, no_reference, false, "do not run the reference kernel");
 ABSL_FLAG(uint64_t, seed, 1, "at::manual_seed for the random inputs");
+ABSL_FLAG(bool, phases, false, "also print the CPU kernel's time per phase (one extra run per row)");
 
 namespace {
 
@@ -194,8 +200,8 @@ int main(int argc, char** argv) {
               static_cast<long long>(absl::GetFlag(FLAGS_gemm_size)), gemm_rate);
   std::printf(
       "| N | d | H | m | k | MiTA ms | GFLOP/s | GEMM | %%GEMM | full ms | x full | ref ms | x ref | per-expert ms "
-      "| x per-expert |\n");
-  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+      "| x per-expert | x N/4 |\n");
+  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   std::fflush(stdout);
 
   // Largest measured N so far, and its time, per key (for extrapolation).
@@ -205,6 +211,8 @@ int main(int argc, char** argv) {
   const double reference_limit = absl::GetFlag(FLAGS_reference_max_seconds);
   const int repeats = std::max(1, absl::GetFlag(FLAGS_repeats));
   const Clock::time_point run_start = Clock::now();
+  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>, double> mita_measured;  // (N, d, H, m, k)
+  std::vector<std::string> phase_rows;
 
   for (int64_t tokens : token_counts) {
     for (int64_t head_dim : head_dims) {
@@ -282,6 +290,34 @@ int main(int argc, char** argv) {
           } else {
             per_expert.missing = true;
           }
+          mita_measured[std::make_tuple(tokens, head_dim, heads, expert_count, width)] = mita_seconds;
+          std::string linearity = "-";
+          if (tokens % 4 == 0) {
+            const auto quarter = mita_measured.find(std::make_tuple(tokens / 4, head_dim, heads, expert_count, width));
+            if (quarter != mita_measured.end()) linearity = absl::StrFormat("%.2fx", mita_seconds / quarter->second);
+          }
+          if (absl::GetFlag(FLAGS_phases)) {
+            std::vector<mita::kernels::internal::MitaPhaseSeconds> phase_seconds;
+            mita::kernels::internal::MitaForwardOptions phase_options;
+            phase_options.phase_seconds = &phase_seconds;
+            const Clock::time_point start = Clock::now();
+            Check(mita::kernels::internal::MitaAttentionForwardWithOptions(
+                      q, k, v, items, nullptr, mita::kernels::MitaBackend::kAuto, phase_options)
+                      .status(),
+                  "MiTA with phase timers");
+            const double wall = SecondsSince(start);
+            std::string row = absl::StrFormat("| %d | %d | %d | %d | %d | %.1f |", tokens, head_dim, heads,
+                                              expert_count, width, wall * 1e3);
+            double total = 0;
+            for (int phase = 0; phase < mita::kernels::internal::kPhaseCount; ++phase) {
+              double seconds = 0;
+              for (const auto& head : phase_seconds) seconds += head[phase];
+              total += seconds;
+              absl::StrAppendFormat(&row, " %.1f |", seconds * 1e3);
+            }
+            absl::StrAppendFormat(&row, " %.1f |", total * 1e3);
+            phase_rows.push_back(row);
+          }
           const double flops = 2.0 * tokens * head_dim * (4.0 * expert_count + 2.0 * width) * heads;
           const double gflops = flops / mita_seconds / 1e9;
 
@@ -321,18 +357,28 @@ int main(int argc, char** argv) {
           }
 
           std::printf("| %lld | %lld | %lld | %lld | %lld | %.3f | %.1f | %.1f | %.0f%% | %s | %s | %s | %s | %s | %s "
-                      "|\n",
+                      "| %s |\n",
                       static_cast<long long>(tokens), static_cast<long long>(head_dim),
                       static_cast<long long>(heads), static_cast<long long>(expert_count),
                       static_cast<long long>(width), mita_seconds * 1e3, gflops, group_gemm_rate,
                       100.0 * gflops / group_gemm_rate,
                       FormatMilliseconds(full).c_str(), FormatRatio(full, mita_seconds).c_str(),
                       FormatMilliseconds(reference).c_str(), FormatRatio(reference, mita_seconds).c_str(),
-                      FormatMilliseconds(per_expert).c_str(), FormatRatio(per_expert, mita_seconds).c_str());
+                      FormatMilliseconds(per_expert).c_str(), FormatRatio(per_expert, mita_seconds).c_str(),
+                      linearity.c_str());
           std::fflush(stdout);
         }
       }
     }
+  }
+  if (!phase_rows.empty()) {
+    std::printf("\nThread time per phase (ms, summed over heads), one run with the phase timers on:\n\n");
+    std::printf("| N | d | H | m | k | wall ms |");
+    for (const char* name : mita::kernels::internal::kMitaPhaseNames) std::printf(" %s |", name);
+    std::printf(" sum |\n|");
+    for (int column = 0; column < 7 + mita::kernels::internal::kPhaseCount; ++column) std::printf("---:|");
+    std::printf("\n");
+    for (const std::string& row : phase_rows) std::printf("%s\n", row.c_str());
   }
   std::printf("\nfp32 GEMM rate at the end of the run: %.1f GFLOP/s; total run %.0f s\n",
               MeasureGemmRate(absl::GetFlag(FLAGS_gemm_size)), SecondsSince(run_start));
