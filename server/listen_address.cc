@@ -17,7 +17,6 @@ absl::StatusOr<ListenAddress> ParseListenAddress(absl::string_view address, absl
   ListenAddress parsed;
   absl::string_view host = address.substr(0, colon);
   const absl::string_view port = address.substr(colon + 1);
-  absl::string_view port_digits = port;
   if (!host.empty() && (host.front() == '[') != (host.back() == ']')) return error("has an unbalanced '['");
   if (host.size() >= 2 && host.front() == '[') {
     host = host.substr(1, host.size() - 2);
@@ -26,8 +25,8 @@ absl::StatusOr<ListenAddress> ParseListenAddress(absl::string_view address, absl
     return error("has an IPv6 host without brackets: use [host]:port");
   }
   // A negative port is a number out of range, not a malformed one.
-  const absl::string_view digits = absl::ConsumePrefix(&port_digits, "-") ? port_digits : port;
-  if (port.empty() || digits.empty() || digits.find_first_not_of("0123456789") != absl::string_view::npos) {
+  const absl::string_view digits = absl::StripPrefix(port, "-");
+  if (digits.empty() || digits.find_first_not_of("0123456789") != absl::string_view::npos) {
     return error(absl::StrCat("has port '", port, "', which is not a number"));
   }
   int64_t number = 0;

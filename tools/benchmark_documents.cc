@@ -43,6 +43,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/types/span.h"
 #include "kernels/device.h"
 #include "kernels/runtime_environment.h"
 #include "models/model_package.h"
@@ -52,7 +53,7 @@ ABSL_FLAG(std::string, model, "models/repository/linux-doc-mita", "document mode
 ABSL_FLAG(std::string, corpus, "build/linux-doc-corpus", "corpus folder (tools/build_document_corpus.py)");
 ABSL_FLAG(std::string, tokens, "4096,16384,32768,65536", "comma-separated document lengths, tokens");
 ABSL_FLAG(std::string, budgets, "8x32,16x64,32x128",
-          "comma-separated expert_count x expert_width budgets; full attention is always added");
+          "comma-separated expert_count x expert_width budgets; full attention is added unless --full=false");
 ABSL_FLAG(int, repeats, 3, "timed forwards per case (the median is reported)");
 ABSL_FLAG(int, full_repeats, 1, "timed forwards for full attention at N >= 32768");
 ABSL_FLAG(bool, full, true, "also time full attention on the same weights (the speedup column's baseline)");
@@ -109,38 +110,37 @@ int RunChild() {
   const int64_t baseline_kb = MaxRssKilobytes();
   const mita::models::DocumentClassifier& model = **loaded;
   const int64_t warmup_tokens = std::min<int64_t>(512, tokens);
-  auto warmup = model.Forward(document.narrow(0, 0, warmup_tokens), {warmup_tokens},
-                              {mita::models::ApplyBudget(*budget, warmup_tokens)}, false);
-  if (!warmup.ok()) {
-    std::fprintf(stderr, "child: %s\n", warmup.status().ToString().c_str());
-    return 1;
-  }
   const int repeats = budget->full_attention && tokens >= 32768 ? absl::GetFlag(FLAGS_full_repeats)
                                                                 : absl::GetFlag(FLAGS_repeats);
   const int pack = std::max(1, absl::GetFlag(FLAGS_pack));
   // With --pack=P: P copies back to back, one packed forward (the server's packed batch), timed alternately with
-  // the P documents one after another (pack_ms is the packed forward, milliseconds the P single forwards).
+  // the P documents one after another (pack_milliseconds: the packed forwards; milliseconds: the P single ones, per
+  // document).
   const at::Tensor packed = pack > 1 ? document.repeat({pack}) : at::Tensor();
   const std::vector<int64_t> packed_lengths(pack, tokens);
-  const std::vector<mita::models::AttentionBudget> packed_budgets(pack, mita::models::ApplyBudget(*budget, tokens));
+  const mita::models::AttentionBudget applied = mita::models::ApplyBudget(*budget, tokens);
+  const std::vector<mita::models::AttentionBudget> packed_budgets(pack, applied);
+  // One forward; false (after printing why) when it failed.
+  auto forward = [&model](const at::Tensor& ids, absl::Span<const int64_t> lengths,
+                          absl::Span<const mita::models::AttentionBudget> budgets) {
+    auto output = model.Forward(ids, lengths, budgets, false);
+    if (!output.ok()) std::fprintf(stderr, "child: %s\n", output.status().ToString().c_str());
+    return output.ok();
+  };
+  if (!forward(document.narrow(0, 0, warmup_tokens), {warmup_tokens},
+               {mita::models::ApplyBudget(*budget, warmup_tokens)})) {
+    return 1;
+  }
   std::vector<double> milliseconds, pack_milliseconds;
   for (int r = 0; r < std::max(1, repeats); ++r) {
     if (pack > 1) {
       const auto start = Clock::now();
-      auto output = model.Forward(packed, packed_lengths, packed_budgets, false);
+      if (!forward(packed, packed_lengths, packed_budgets)) return 1;
       pack_milliseconds.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
-      if (!output.ok()) {
-        std::fprintf(stderr, "child: %s\n", output.status().ToString().c_str());
-        return 1;
-      }
     }
     const auto start = Clock::now();
     for (int p = 0; p < pack; ++p) {
-      auto output = model.Forward(document, {tokens}, {mita::models::ApplyBudget(*budget, tokens)}, false);
-      if (!output.ok()) {
-        std::fprintf(stderr, "child: %s\n", output.status().ToString().c_str());
-        return 1;
-      }
+      if (!forward(document, {tokens}, {applied})) return 1;
     }
     milliseconds.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count() / pack);
   }
@@ -271,7 +271,8 @@ int main(int argc, char** argv) {
       const std::string command = absl::StrCat(
           "/proc/", getpid(), "/exe --child --model='", absl::GetFlag(FLAGS_model), "' --ids_file=", ids_file,
           " --budget=", budget, " --threads=", absl::GetFlag(FLAGS_threads), " --repeats=", absl::GetFlag(FLAGS_repeats),
-          " --full_repeats=", absl::GetFlag(FLAGS_full_repeats), " --pack=", absl::GetFlag(FLAGS_pack), " --device=", absl::GetFlag(FLAGS_device),
+          " --full_repeats=", absl::GetFlag(FLAGS_full_repeats), " --pack=", absl::GetFlag(FLAGS_pack),
+          " --device=", absl::GetFlag(FLAGS_device),
           " --weights_dtype=", absl::GetFlag(FLAGS_weights_dtype),
           " --keep_freed_memory=", absl::GetFlag(FLAGS_keep_freed_memory) ? "true" : "false");
       FILE* pipe = popen(command.c_str(), "r");
