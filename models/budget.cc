@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "kernels/status_macros.h"
 #include "models/request_error.h"
 
 namespace mita::models {
@@ -83,8 +84,57 @@ absl::StatusOr<ResolvedBudget> ResolveBudget(const BudgetKnobs& knobs, const Bud
       budget.full_attention = true;
       return ResolvedBudget{budget, ""};
     }
+    case BudgetRequest::Choice::kLatencyTarget: {
+      ASSIGN_OR_RETURN(std::vector<ResolvedBudget> allowed, AllowedBudgets(knobs, request));
+      return allowed.front();
+    }
   }
   return InvalidRequest(RequestField::kBudget, "unknown budget choice");
+}
+
+absl::StatusOr<std::vector<ResolvedBudget>> AllowedBudgets(const BudgetKnobs& knobs, const BudgetRequest& request) {
+  if (request.choice != BudgetRequest::Choice::kLatencyTarget) {
+    ASSIGN_OR_RETURN(ResolvedBudget resolved, ResolveBudget(knobs, request));
+    return std::vector<ResolvedBudget>{std::move(resolved)};
+  }
+  if (request.latency_target < absl::ZeroDuration()) {
+    return InvalidRequest(RequestField::kLatencyTarget,
+                          absl::StrCat(absl::ToInt64Milliseconds(request.latency_target),
+                                       " ms is out of range: allowed >= 0 (0 means the call's deadline)"));
+  }
+  if (knobs.accuracy_order.empty()) {
+    return InvalidRequest(RequestField::kBudget, "this model declares no budgets to choose from");
+  }
+  std::vector<ResolvedBudget> allowed;
+  for (const DeclaredBudget& declared : knobs.accuracy_order) {
+    // The echoed name: a preset's (or "default"), none for a budget named by its text.
+    const bool named = declared.name == "default" || knobs.presets.count(declared.name) > 0;
+    allowed.push_back(ResolvedBudget{declared.budget, named ? declared.name : ""});
+    if (!request.floor.empty() && declared.name == request.floor) return allowed;
+  }
+  if (request.floor.empty()) return allowed;
+  std::vector<std::string> names;
+  for (const DeclaredBudget& declared : knobs.accuracy_order) names.push_back(declared.name);
+  return InvalidRequest(RequestField::kBudgetFloor, absl::StrCat("unknown budget ", Quote(request.floor),
+                                                                 "; the model's budgets, most accurate first: ",
+                                                                 absl::StrJoin(names, ", ")));
+}
+
+std::vector<DeclaredBudget> DefaultAccuracyOrder(const BudgetKnobs& knobs, int64_t tokens) {
+  std::vector<DeclaredBudget> order;
+  auto add = [&](const std::string& name, const AttentionBudget& budget) {
+    for (const DeclaredBudget& existing : order) {
+      if (existing.budget == budget) return;
+    }
+    order.push_back(DeclaredBudget{name, budget, -1});
+  };
+  if (knobs.full_attention_supported) add("full", AttentionBudget{true, 0, 0});
+  add("default", knobs.default_budget);
+  for (const auto& [name, budget] : knobs.presets) add(name, budget);
+  std::stable_sort(order.begin(), order.end(), [tokens](const DeclaredBudget& a, const DeclaredBudget& b) {
+    return ComputeUnits(tokens, ApplyBudget(a.budget, tokens)) > ComputeUnits(tokens, ApplyBudget(b.budget, tokens));
+  });
+  return order;
 }
 
 AttentionBudget ApplyBudget(const AttentionBudget& budget, int64_t tokens) {

@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 
 namespace mita::models {
 
@@ -33,11 +34,26 @@ struct BudgetRequest {
     kPreset,         // a named preset of the model ("" and "default" name the default budget)
     kExperts,        // an expert budget; a knob left at 0 takes the model's default
     kFullAttention,  // ordinary softmax attention with the same weights
+    kLatencyTarget,  // the server picks from the model's accuracy order (BudgetKnobs::accuracy_order)
   };
   Choice choice = Choice::kDefault;
   std::string preset;        // kPreset
   int64_t expert_count = 0;  // kExperts
   int64_t expert_width = 0;  // kExperts
+  // kLatencyTarget: receipt to answer the server plans for; zero: the call's deadline (server/latency_planner.h).
+  absl::Duration latency_target = absl::ZeroDuration();
+  // kLatencyTarget: the least accurate budget the server may apply, a DeclaredBudget name; "": the last one.
+  std::string floor;
+};
+
+// One budget a model declares in its accuracy order, with its held-out accuracy.
+struct DeclaredBudget {
+  // The preset's name when a preset (or the default) is this budget, else the budget's text ("9x16", "full").
+  std::string name;
+  AttentionBudget budget;
+  // Held-out accuracy in [0, 1] written by the evaluation tool (config.json attention.accuracy_order); -1 when
+  // the package declares no order and the budgets are ranked by their compute instead.
+  double accuracy = -1;
 };
 
 // What a model accepts: the knob ranges, its default budget and its named presets.
@@ -52,6 +68,10 @@ struct BudgetKnobs {
   std::map<std::string, AttentionBudget> presets;
   // Every model runs full attention with its own weights (docs/design.md section 2.7).
   bool full_attention_supported = true;
+  // The budgets a latency target chooses from, most accurate first (never empty for a loaded model):
+  // config.json attention.accuracy_order when present, else the default, the presets and full attention ranked
+  // by their compute at the model's longest input (DefaultAccuracyOrder).
+  std::vector<DeclaredBudget> accuracy_order;
 };
 
 // A resolved budget and the preset name to echo: "default" for the default budget, the preset's name for a
@@ -60,6 +80,17 @@ struct ResolvedBudget {
   AttentionBudget budget;
   std::string preset;
 };
+
+// The budgets a request allows, most accurate first: one for a fixed budget (ResolveBudget's), the accuracy
+// order down to the floor for a latency target. Errors: ResolveBudget's; for kLatencyTarget INVALID_ARGUMENT
+// carrying a kBudgetFloor problem for an unknown floor (listing the names), a kLatencyTarget problem for a
+// negative target.
+absl::StatusOr<std::vector<ResolvedBudget>> AllowedBudgets(const BudgetKnobs& knobs, const BudgetRequest& request);
+
+// The accuracy order of a package that declares none: the default budget, the presets and (when supported) full
+// attention, ranked by ComputeUnits at `tokens` tokens, most first (more compute taken as more accurate), equal
+// budgets once, accuracy -1. Names as DeclaredBudget::name.
+std::vector<DeclaredBudget> DefaultAccuracyOrder(const BudgetKnobs& knobs, int64_t tokens);
 
 // The problems of `budget` against `knobs` (none for full attention): expert_count not allowed ("10 is not
 // allowed: use one of 1, 4, 9") or out of range ("0 is out of range: allowed [1, 256]"), expert_width out of

@@ -311,6 +311,8 @@ BudgetKnobs DocumentKnobs(const DocumentConfig& config) {
   knobs.max_expert_count = config.max_expert_count;
   knobs.min_expert_width = 1;
   knobs.max_expert_width = config.max_expert_width;
+  knobs.accuracy_order =
+      config.accuracy_order.empty() ? DefaultAccuracyOrder(knobs, config.max_tokens) : config.accuracy_order;
   return knobs;
 }
 
@@ -321,6 +323,8 @@ BudgetKnobs ImageKnobs(const VitConfig& config) {
   knobs.max_expert_count = config.grid_side() * config.grid_side();
   knobs.min_expert_width = 1;
   knobs.max_expert_width = config.tokens();
+  knobs.accuracy_order =
+      config.accuracy_order.empty() ? DefaultAccuracyOrder(knobs, config.tokens()) : config.accuracy_order;
   return knobs;
 }
 

@@ -24,6 +24,8 @@ struct EncoderConfig {
   int64_t num_classes = 0;
   AttentionBudget default_budget;
   std::map<std::string, AttentionBudget> presets;
+  // attention.accuracy_order (optional): declared budgets, most accurate first; empty when absent.
+  std::vector<DeclaredBudget> accuracy_order;
 
   int64_t head_dim() const { return embed_dim / num_heads; }
 };

@@ -78,6 +78,10 @@ const char* RequestFieldName(RequestField field) {
       return "top_n";
     case RequestField::kTruncate:
       return "truncate";
+    case RequestField::kLatencyTarget:
+      return "latency target";
+    case RequestField::kBudgetFloor:
+      return "budget floor";
   }
   return "request";
 }

@@ -33,6 +33,8 @@ enum class RequestField {
   kPreset,            // a named budget
   kTopN,              // how many classes to return
   kTruncate,          // whether a long document may be cut
+  kLatencyTarget,     // the latency target (time from receipt to answer)
+  kBudgetFloor,       // the least accurate budget a latency target allows
 };
 
 // A neutral name of `field` for logs and tools ("expert_width", "document text", ...).

@@ -58,6 +58,16 @@ absl::StatusOr<InferenceRequest> ToInferenceRequest(const v1::ClassifyRequest& r
     case v1::Budget::kFullAttention:
       budget.choice = models::BudgetRequest::Choice::kFullAttention;
       break;
+    case v1::Budget::kLatencyTarget:
+      budget.choice = models::BudgetRequest::Choice::kLatencyTarget;
+      if (request.budget().latency_target().target_ms() < 0) {
+        return models::InvalidRequest(models::RequestField::kLatencyTarget,
+                                      absl::StrCat(request.budget().latency_target().target_ms(),
+                                                   " is out of range: allowed >= 0 (0 means the call's deadline)"));
+      }
+      budget.latency_target = absl::Milliseconds(request.budget().latency_target().target_ms());
+      budget.floor = request.budget().latency_target().floor();
+      break;
     default:
       return models::InvalidRequest(models::RequestField::kBudget, "unknown budget choice");
   }
@@ -187,6 +197,10 @@ std::string MitaV1FieldName(const models::FieldProblem& problem) {
       return "top_n";
     case RequestField::kTruncate:
       return "document.truncate";
+    case RequestField::kLatencyTarget:
+      return "budget.latency_target.target_ms";
+    case RequestField::kBudgetFloor:
+      return "budget.latency_target.floor";
   }
   return "request";
 }

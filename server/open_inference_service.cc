@@ -37,6 +37,8 @@ constexpr char kPreset[] = "mita_preset";
 constexpr char kAttention[] = "mita_attention";
 constexpr char kTopN[] = "mita_top_n";
 constexpr char kTruncate[] = "mita_truncate";
+constexpr char kLatencyTargetMs[] = "mita_latency_target_ms";
+constexpr char kBudgetFloor[] = "mita_budget_floor";
 
 const char* ParameterKind(const inference::InferParameter& parameter) {
   switch (parameter.parameter_choice_case()) {
@@ -537,6 +539,10 @@ std::string OpenInferenceFieldName(const models::FieldProblem& problem) {
       return absl::StrCat("parameter ", kTopN);
     case RequestField::kTruncate:
       return absl::StrCat("parameter ", kTruncate);
+    case RequestField::kLatencyTarget:
+      return absl::StrCat("parameter ", kLatencyTargetMs);
+    case RequestField::kBudgetFloor:
+      return absl::StrCat("parameter ", kBudgetFloor);
   }
   return "request";
 }
