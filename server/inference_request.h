@@ -28,6 +28,29 @@ struct InferenceRequest {
   absl::Time deadline = absl::InfiniteFuture();
 };
 
+// Why a request ran with its budget (mita.v1 BudgetReason; the mita_budget_choices_total metric's label).
+enum class BudgetReason {
+  kRequested,            // the request named it (or none: the default)
+  kMostAccurate,         // latency target: the most accurate declared budget was predicted to meet it
+  kLoweredAtAdmission,   // latency target: a less accurate one, the most accurate predicted to meet it
+  kLoweredAtBatchStart,  // latency target: lowered again when its batch started, to finish within it
+};
+
+// The metric label of `reason`: "requested", "most_accurate", "lowered_at_admission", "lowered_at_batch_start".
+inline const char* BudgetReasonName(BudgetReason reason) {
+  switch (reason) {
+    case BudgetReason::kRequested:
+      return "requested";
+    case BudgetReason::kMostAccurate:
+      return "most_accurate";
+    case BudgetReason::kLoweredAtAdmission:
+      return "lowered_at_admission";
+    case BudgetReason::kLoweredAtBatchStart:
+      return "lowered_at_batch_start";
+  }
+  return "requested";
+}
+
 // The answer to one InferenceRequest.
 struct InferenceResult {
   // The model that answered (its labels name the classes); owned by the registry.
@@ -36,6 +59,9 @@ struct InferenceResult {
   std::vector<models::ClassScore> classes;
   // The budget applied to this input and the preset name to echo (models/budget.h ResolvedBudget).
   models::ResolvedBudget budget;
+  // Why that budget, and the queue wait plus compute predicted for it when it was chosen (zero: not predicted).
+  BudgetReason budget_reason = BudgetReason::kRequested;
+  absl::Duration predicted = absl::ZeroDuration();
   // Admission to the start of the request's batch; the batch's model forward; receipt to answer.
   absl::Duration queue_delay;
   absl::Duration compute;
