@@ -323,6 +323,96 @@ TEST(ModelConfigTest, ResolveBudgetFollowsTheRequest) {
                        "the model's default is full attention, so set both expert_count and expert_width"}}));
 }
 
+// attention.accuracy_order: entries kept in the file's order with their accuracies, each named "default" for
+// the default budget (even where a preset equals it), else the preset equal to it, else its text.
+TEST(ModelConfigTest, AccuracyOrderParsesAndNamesEachBudget) {
+  Json json = ValidConfigJson();
+  json["attention"]["accuracy_order"] = Json::parse(R"([
+      {"budget": "16x32", "accuracy": 0.9}, {"budget": "9x16", "accuracy": 0.89},
+      {"budget": "full", "accuracy": 0.88}, {"budget": "4x8", "accuracy": 0.87},
+      {"budget": "25x50", "accuracy": 0.87, "note": "unknown keys are ignored"}])");
+  absl::StatusOr<VitConfig> config = ParseVitConfig(json.dump());
+  ASSERT_TRUE(config.ok()) << config.status();
+  struct Expected {
+    std::string name;
+    AttentionBudget budget;
+    double accuracy;
+  };
+  const std::vector<Expected> expected = {{"accurate", {false, 16, 32}, 0.9},
+                                          {"default", {false, 9, 16}, 0.89},
+                                          {"exact", {true, 0, 0}, 0.88},
+                                          {"fast", {false, 4, 8}, 0.87},
+                                          {"25x50", {false, 25, 50}, 0.87}};
+  ASSERT_EQ(config->accuracy_order.size(), expected.size());
+  const BudgetKnobs knobs = ImageKnobs(*config);
+  ASSERT_EQ(knobs.accuracy_order.size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    for (const DeclaredBudget& declared : {config->accuracy_order[i], knobs.accuracy_order[i]}) {
+      EXPECT_EQ(declared.name, expected[i].name) << i;
+      EXPECT_EQ(declared.budget, expected[i].budget) << i;
+      EXPECT_DOUBLE_EQ(declared.accuracy, expected[i].accuracy) << i;
+    }
+  }
+  // Without a preset for full attention it is named by its text.
+  json["attention"]["presets"].erase("exact");
+  config = ParseVitConfig(json.dump());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->accuracy_order[2].name, "full");
+}
+
+// Without attention.accuracy_order the knobs rank the default, the presets and full attention by compute units at
+// the model's 50 tokens (50 x 50 full, 50 x (16 + 32), 50 x (9 + 16), 50 x (4 + 8)), with the same names.
+TEST(ModelConfigTest, AbsentAccuracyOrderRanksByComputeWithTheSameNames) {
+  absl::StatusOr<VitConfig> config = ParseVitConfig(ValidConfigJson().dump());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_TRUE(config->accuracy_order.empty());
+  const BudgetKnobs knobs = ImageKnobs(*config);
+  std::vector<std::string> names;
+  for (const DeclaredBudget& declared : knobs.accuracy_order) {
+    names.push_back(declared.name);
+    EXPECT_EQ(declared.accuracy, -1);
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"exact", "accurate", "default", "fast"}));
+}
+
+TEST(ModelConfigTest, AccuracyOrderErrorsNameTheEntry) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"budget": "9x16", "accuracy": 0.9})", "attention.accuracy_order must be an array"},
+      {R"([])", "attention.accuracy_order is empty: list at least one budget, or leave the field out"},
+      {R"([7])", "attention.accuracy_order[0] must be an object, found 7"},
+      {R"([{"accuracy": 0.9}])", "missing required field attention.accuracy_order[0].budget"},
+      {R"([{"budget": 9, "accuracy": 0.9}])", "attention.accuracy_order[0].budget must be a string, found 9"},
+      {R"([{"budget": "9x16", "accuracy": 0.9}, {"budget": "9x", "accuracy": 0.8}])",
+       "attention.accuracy_order[1].budget \"9x\" is not expert_count x expert_width (e.g. \"9x16\") or \"full\""},
+      {R"([{"budget": "9x16", "accuracy": 0.9}, {"budget": "4x8", "accuracy": 0.8},
+           {"budget": "10x16", "accuracy": 0.7}])",
+       "attention.accuracy_order[2].budget \"10x16\": expert_count 10 is not allowed: use one of 1, 4, 9, 16, 25, "
+       "36, 49"},
+      {R"([{"budget": "9x51", "accuracy": 0.9}])",
+       "attention.accuracy_order[0].budget \"9x51\": expert_width 51 is out of range: allowed [1, 50]"},
+      {R"([{"budget": "9x16", "accuracy": 0.9}, {"budget": "4x8", "accuracy": 0.8},
+           {"budget": "9x16", "accuracy": 0.7}])",
+       "attention.accuracy_order[2].budget \"9x16\" repeats attention.accuracy_order[0]"},
+      {R"([{"budget": "full", "accuracy": 0.9}, {"budget": "full", "accuracy": 0.9}])",
+       "attention.accuracy_order[1].budget \"full\" repeats attention.accuracy_order[0]"},
+      {R"([{"budget": "9x16"}])", "missing required field attention.accuracy_order[0].accuracy"},
+      {R"([{"budget": "9x16", "accuracy": "high"}])",
+       "attention.accuracy_order[0].accuracy must be a number, found \"high\""},
+      {R"([{"budget": "9x16", "accuracy": 1.5}])", "attention.accuracy_order[0].accuracy 1.5 is out of range [0, 1]"},
+      {R"([{"budget": "9x16", "accuracy": -0.1}])",
+       "attention.accuracy_order[0].accuracy -0.1 is out of range [0, 1]"},
+      {R"([{"budget": "9x16", "accuracy": 0.8}, {"budget": "4x8", "accuracy": 0.85}])",
+       "attention.accuracy_order[1].accuracy 0.85 is above attention.accuracy_order[0]'s 0.8: list the most "
+       "accurate first"},
+  };
+  for (const auto& [order, message] : cases) {
+    Json config = ValidConfigJson();
+    config["attention"]["accuracy_order"] = Json::parse(order);
+    ExpectStatus(ParseVitConfig(config.dump()).status(), absl::StatusCode::kInvalidArgument,
+                 "config.json: " + message);
+  }
+}
+
 // ----- safetensors -----
 
 TEST(SafetensorsTest, HandWrittenFileRoundTrips) {
