@@ -30,6 +30,7 @@
 #include "models/vit_classifier.h"
 #include "nlohmann/json.hpp"
 #include "tests/test_util.h"
+#include "tools/accuracy_order.h"
 #include "tools/fashion_mnist.h"
 #include "tools/fashion_mnist_inputs.h"
 
@@ -411,6 +412,122 @@ TEST(ModelConfigTest, AccuracyOrderErrorsNameTheEntry) {
     ExpectStatus(ParseVitConfig(config.dump()).status(), absl::StatusCode::kInvalidArgument,
                  "config.json: " + message);
   }
+}
+
+// ----- --write_accuracy_order (tools/accuracy_order.h) -----
+
+// Accuracies rounded to the 4 decimals written; ties go to fewer compute units at the given length (ApplyBudget
+// first: at 20 tokens 16x32 runs as 16x20, 20 x 36 = 720 units against full attention's 20 x 20 = 400).
+TEST(AccuracyOrderTest, SortsByRoundedAccuracyThenTheCheaperBudget) {
+  using tools::MeasuredAccuracy;
+  const std::vector<MeasuredAccuracy> measured = {{{false, 9, 16}, 0.88231},
+                                                  {{true, 0, 0}, 0.9},
+                                                  {{false, 16, 32}, 0.88229},
+                                                  {{false, 4, 8}, 0.8823},
+                                                  {{false, 9, 16}, 0.5}};  // listed twice: the first one counts
+  std::vector<MeasuredAccuracy> sorted = tools::SortByAccuracy(measured, 50);
+  ASSERT_EQ(sorted.size(), 4u);
+  const std::vector<AttentionBudget> expected = {{true, 0, 0}, {false, 4, 8}, {false, 9, 16}, {false, 16, 32}};
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_EQ(sorted[i].budget, expected[i]) << i;
+    EXPECT_EQ(sorted[i].accuracy, i == 0 ? 0.9 : 0.8823) << i;
+  }
+  const std::vector<MeasuredAccuracy> tied = {{{false, 16, 32}, 0.9}, {{true, 0, 0}, 0.9}};
+  EXPECT_TRUE(tools::SortByAccuracy(tied, 20)[0].budget.full_attention);   // 400 < 720 units
+  EXPECT_FALSE(tools::SortByAccuracy(tied, 50)[0].budget.full_attention);  // 50 x 48 = 2400 < 2500
+}
+
+// The rewrite keeps every line of the file (2-space indentation, key order) and adds only the order, which the
+// config parser then reads back; a second write replaces it in place; an order the parser rejects leaves the
+// file as it was.
+TEST(AccuracyOrderTest, WriteKeepsTheFileAndAddsTheOrder) {
+  const std::string directory = MakeTempDirectory("accuracy_order");
+  const std::string path = directory + "/config.json";
+  // As tools/train_image.py writes it (Python json.dump, indent=2).
+  const std::string original =
+      "{\n"
+      "  \"architecture\": \"mita_vit\",\n"
+      "  \"image_size\": 28,\n"
+      "  \"patch_size\": 4,\n"
+      "  \"in_channels\": 1,\n"
+      "  \"embed_dim\": 96,\n"
+      "  \"depth\": 4,\n"
+      "  \"num_heads\": 4,\n"
+      "  \"mlp_hidden_dim\": 192,\n"
+      "  \"layer_norm_eps\": 1e-06,\n"
+      "  \"num_classes\": 10,\n"
+      "  \"normalization\": {\n"
+      "    \"mean\": [\n"
+      "      0.286\n"
+      "    ],\n"
+      "    \"std\": [\n"
+      "      0.353\n"
+      "    ]\n"
+      "  },\n"
+      "  \"attention\": {\n"
+      "    \"type\": \"mita\",\n"
+      "    \"depthwise_conv\": true,\n"
+      "    \"default_budget\": {\n"
+      "      \"expert_count\": 9,\n"
+      "      \"expert_width\": 16\n"
+      "    },\n"
+      "    \"presets\": {\n"
+      "      \"fast\": {\n"
+      "        \"expert_count\": 4,\n"
+      "        \"expert_width\": 8\n"
+      "      },\n"
+      "      \"accurate\": {\n"
+      "        \"expert_count\": 16,\n"
+      "        \"expert_width\": 32\n"
+      "      }\n"
+      "    }\n"
+      "  },\n"
+      "  \"max_image_side\": 4096\n"
+      "}";
+  WriteFile(path, original + "\n");
+  absl::StatusOr<std::vector<DeclaredBudget>> written =
+      tools::WriteAccuracyOrder(directory, {{{false, 16, 32}, 0.9}, {{false, 9, 16}, 0.89}, {{false, 1, 50}, 0.5}});
+  ASSERT_TRUE(written.ok()) << written.status();
+  ASSERT_EQ(written->size(), 3u);
+  EXPECT_EQ((*written)[0].name, "accurate");
+  EXPECT_EQ((*written)[1].name, "default");
+  EXPECT_EQ((*written)[2].name, "1x50");
+  const std::string expected_block =
+      "    },\n"
+      "    \"accuracy_order\": [\n"
+      "      {\n        \"budget\": \"16x32\",\n        \"accuracy\": 0.9\n      },\n"
+      "      {\n        \"budget\": \"9x16\",\n        \"accuracy\": 0.89\n      },\n"
+      "      {\n        \"budget\": \"1x50\",\n        \"accuracy\": 0.5\n      }\n"
+      "    ]\n";
+  // The original with the block after the presets' closing brace (the last key of "attention").
+  std::string expected = original + "\n";
+  const std::string presets_end = "    }\n  },\n  \"max_image_side\"";
+  const size_t at = expected.find(presets_end);
+  ASSERT_NE(at, std::string::npos);
+  expected.replace(at, 6, expected_block);
+  const std::string text = ReadFile(path);
+  EXPECT_EQ(text, expected);
+  absl::StatusOr<VitConfig> config = ParseVitConfig(text);
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_EQ(config->accuracy_order.size(), 3u);
+  EXPECT_EQ(config->accuracy_order[2].budget, (AttentionBudget{false, 1, 50}));
+
+  written = tools::WriteAccuracyOrder(directory, {{{false, 4, 8}, 0.7}});
+  ASSERT_TRUE(written.ok()) << written.status();
+  const std::string rewritten = ReadFile(path);
+  std::string expected_again = expected;
+  const size_t block = expected_again.find(expected_block);
+  expected_again.replace(block, expected_block.size(),
+                         "    },\n    \"accuracy_order\": [\n      {\n        \"budget\": \"4x8\",\n"
+                         "        \"accuracy\": 0.7\n      }\n    ]\n");
+  EXPECT_EQ(rewritten, expected_again);
+
+  ExpectStatus(tools::WriteAccuracyOrder(directory, {{{false, 10, 16}, 0.7}}).status(),
+               absl::StatusCode::kInvalidArgument,
+               "config.json: attention.accuracy_order[0].budget \"10x16\": expert_count 10 is not allowed");
+  EXPECT_EQ(ReadFile(path), rewritten);
+  ExpectStatus(tools::WriteAccuracyOrder(directory + "/missing", {}).status(), absl::StatusCode::kNotFound,
+               "cannot open");
 }
 
 // ----- safetensors -----
