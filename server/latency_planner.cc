@@ -41,21 +41,28 @@ int LowerToFit(std::vector<BatchMember>& members, const PredictBatch& predict) {
   int steps = 0;
   absl::Duration predicted = predict(Items(members));
   while (predicted > bound) {
-    // The step down that saves the most.
+    // The step down that saves the most. A member's step is to its next less accurate budget that is cheaper
+    // (an order may rank a dearer budget, e.g. full attention, below a cheaper one).
     size_t best = members.size();
+    size_t best_choice = 0;
     absl::Duration best_time = predicted;
     for (size_t i = 0; i < members.size(); ++i) {
-      if (members[i].choice + 1 >= members[i].allowed.size()) continue;
-      ++members[i].choice;
-      const absl::Duration lowered = predict(Items(members));
-      --members[i].choice;
-      if (lowered < best_time) {
-        best = i;
-        best_time = lowered;
+      const size_t current = members[i].choice;
+      for (size_t next = current + 1; next < members[i].allowed.size(); ++next) {
+        members[i].choice = next;
+        const absl::Duration lowered = predict(Items(members));
+        members[i].choice = current;
+        if (lowered >= predicted) continue;
+        if (lowered < best_time) {
+          best = i;
+          best_choice = next;
+          best_time = lowered;
+        }
+        break;
       }
     }
     if (best == members.size()) break;  // nothing lowers the prediction any further
-    ++members[best].choice;
+    members[best].choice = best_choice;
     predicted = best_time;
     ++steps;
   }

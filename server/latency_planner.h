@@ -49,8 +49,8 @@ struct BatchMember {
 using PredictBatch = std::function<absl::Duration(absl::Span<const CostItem> items)>;
 
 // Degradation when a batch starts: while the batch's predicted compute is over the time left of a member that it
-// can still serve in time, lowers one member a step (choice + 1), the one whose step saves the most predicted
-// compute (ties: the first). A member that would miss even with every member at its floor does not hold the
+// can still serve in time, lowers one member a step (to its next less accurate budget that is cheaper), the one
+// whose step saves the most predicted compute (ties: the first). A member that would miss even with every member at its floor does not hold the
 // others down. Returns the steps taken (0 when the batch fits as it is).
 int LowerToFit(std::vector<BatchMember>& members, const PredictBatch& predict);
 

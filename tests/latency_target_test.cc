@@ -464,6 +464,22 @@ TEST(LatencyPlannerTest, LowerToFitSkipsMembersItCannotServe) {
   EXPECT_EQ(members[1].choice, 1u);
 }
 
+// An accuracy order may rank a dearer budget (full attention at 64K tokens) below a cheaper one: the step skips
+// it to the next cheaper budget.
+TEST(LatencyPlannerTest, LowerToFitStepsOverADearerBudget) {
+  const server::PredictBatch predict = [](absl::Span<const server::CostItem> items) {
+    absl::Duration total;
+    for (const server::CostItem& item : items) {
+      total += item.budget.full_attention ? absl::Seconds(10) : absl::Milliseconds(item.budget.expert_count);
+    }
+    return total;
+  };
+  std::vector<server::BatchMember> members(1);
+  members[0] = {1, {Experts(64, 1), AttentionBudget{true, 0, 0}, Experts(16, 1)}, 0, absl::Milliseconds(20)};
+  EXPECT_EQ(server::LowerToFit(members, predict), 1);
+  EXPECT_EQ(members[0].choice, 2u);
+}
+
 // The start-up sweep on the embedded image model: bounded by its limit, and enough batches for the fit.
 TEST(CostCalibrationTest, SweepIsBoundedByItsLimit) {
   absl::StatusOr<models::ModelPackage> package =
