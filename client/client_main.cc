@@ -153,8 +153,8 @@ std::string TimingText(const v1::Timing& timing, absl::Duration client_latency) 
 // The full report of one image.
 void PrintDetailed(const std::string& path, const Outcome& outcome) {
   const v1::ClassifyResponse& response = outcome.response;
-  std::cout << path << ": model " << response.model() << ", " << BudgetText(response.budget()) << " ("
-            << BudgetReasonText(response.budget()) << "), " << response.token_count() << " tokens";
+  std::cout << path << ": model " << response.model() << ", " << BudgetText(response.budget()) << ", "
+            << BudgetReasonText(response.budget()) << ", " << response.token_count() << " tokens";
   if (response.input_token_count() > response.token_count()) {
     std::cout << " (truncated from " << response.input_token_count() << ")";
   }
