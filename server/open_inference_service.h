@@ -123,7 +123,7 @@ inference::ModelConfigResponse ToModelConfigResponse(const models::ClassifierDes
 //  "mita_top_n":{"datatype":"INT64","min":0,"max":10,"default":5}, "mita_truncate":{...},
 //  "mita_latency_target_ms":{"datatype":"INT64","min":0},
 //  "mita_budget_floor":{"datatype":"BYTES","allowed":["full","accurate",...],"accuracy_order":[{"name":"full",
-//    "mita_attention":"full","accuracy":0.91},{"name":"accurate","mita_expert_count":16,...},...]} (the budgets a
+//    "mita_attention":"full","accuracy":-1},{"name":"accurate","mita_expert_count":16,...},...]} (the budgets a
 //  latency target chooses from, most accurate first; accuracy -1 when the package declares none),
 //  "device":"cuda:0","weights_dtype":"bfloat16"}: the last two say where the model runs (not parameters).
 std::string KnobsJson(const models::ClassifierDescription& model);
