@@ -84,14 +84,20 @@ absl::StatusOr<BatchItem> Classifier::Prepare(const ClassifierInput& input, cons
                                                                                      : "a document")
                                                         : std::string(" and none was set")));
   }
-  ASSIGN_OR_RETURN(ResolvedBudget resolved, ResolveBudget(model.knobs, budget));
+  ASSIGN_OR_RETURN(std::vector<ResolvedBudget> allowed, AllowedBudgets(model.knobs, budget));
   ASSIGN_OR_RETURN(PreparedInput prepared, PrepareInput(input, limits, stop));
   BatchItem item;
   item.input = std::move(prepared.input);
   item.tokens = prepared.tokens;
   item.input_tokens = prepared.input_tokens;
-  item.requested_budget = resolved.budget;
-  item.budget = ResolvedBudget{ApplyBudget(resolved.budget, item.tokens), std::move(resolved.preset)};
+  item.requested_budget = allowed.front().budget;
+  item.budget = ResolvedBudget{ApplyBudget(allowed.front().budget, item.tokens), allowed.front().preset};
+  item.latency_target = budget.choice == BudgetRequest::Choice::kLatencyTarget;
+  if (item.latency_target) {
+    for (const ResolvedBudget& choice : allowed) {
+      item.allowed_budgets.push_back(ResolvedBudget{ApplyBudget(choice.budget, item.tokens), choice.preset});
+    }
+  }
   item.compute_units = ComputeUnits(item.tokens, item.budget.budget);
   return item;
 }

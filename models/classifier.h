@@ -123,8 +123,13 @@ struct BatchItem {
   int64_t input_tokens = 0;
   // The budget applied to this input (ApplyBudget) and the preset name to echo.
   ResolvedBudget budget;
-  // The budget the request asked for, resolved against the knobs (before ApplyBudget).
+  // The budget the request asked for, resolved against the knobs (before ApplyBudget); for a latency target
+  // its most accurate allowed budget.
   AttentionBudget requested_budget;
+  // Whether the request set a latency target; then the budgets it allows (AllowedBudgets), applied to `tokens`,
+  // most accurate first: the server picks one into `budget` (server/latency_planner.h). Empty otherwise.
+  bool latency_target = false;
+  std::vector<ResolvedBudget> allowed_budgets;
   // ComputeUnits(tokens, budget.budget): the admission cost (server/batcher.h).
   int64_t compute_units = 0;
 };

@@ -97,11 +97,16 @@ enum class AdmissionRejection {
   kTaskOverQueueComputeUnits = 3,
   // The batcher is shutting down (UNAVAILABLE).
   kShuttingDown = 4,
+  // Refused before the batcher by the server's deadline-aware admission (server/model_runner.h): the request's
+  // predicted queue wait plus compute at the least accurate budget it allows passes its deadline
+  // (DEADLINE_EXCEEDED), or its latency target (RESOURCE_EXHAUSTED).
+  kDeadlineUnmeetable = 5,
+  kLatencyTargetUnmeetable = 6,
 };
-inline constexpr int kNumAdmissionRejections = 5;
+inline constexpr int kNumAdmissionRejections = 7;
 
 // A short name for metrics labels: "none", "queue_tasks", "queue_compute_units",
-// "task_over_queue_compute_units", "shutting_down".
+// "task_over_queue_compute_units", "shutting_down", "deadline_unmeetable", "latency_target_unmeetable".
 inline const char* AdmissionRejectionName(AdmissionRejection reason) {
   switch (reason) {
     case AdmissionRejection::kNone:
@@ -114,6 +119,10 @@ inline const char* AdmissionRejectionName(AdmissionRejection reason) {
       return "task_over_queue_compute_units";
     case AdmissionRejection::kShuttingDown:
       return "shutting_down";
+    case AdmissionRejection::kDeadlineUnmeetable:
+      return "deadline_unmeetable";
+    case AdmissionRejection::kLatencyTargetUnmeetable:
+      return "latency_target_unmeetable";
   }
   return "none";
 }

@@ -74,9 +74,16 @@ absl::StatusOr<std::unique_ptr<InferenceEngine>> InferenceEngine::Create(const M
     if (model_metrics == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("metrics were not built for model '", package->name, "'"));
     }
+    PlanningOptions planning;
+    planning.deadline_admission = engine->options_.deadline_admission;
+    if (auto profile = engine->options_.cost_profiles.find(package->name);
+        profile != engine->options_.cost_profiles.end()) {
+      planning.cost_profile = profile->second;
+    }
     ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner,
                      ModelRunner::Create(package->classifier.get(), model_metrics, engine->options_.batching,
-                                         clock, engine.get(), engine->options_.long_document_tokens));
+                                         clock, engine.get(), engine->options_.long_document_tokens,
+                                         std::move(planning)));
     engine->runners_.emplace(package->name, std::move(runner));
   }
   const int threads = engine->options_.preparation_threads > 0
@@ -106,6 +113,12 @@ absl::StatusOr<const models::ClassifierDescription*> InferenceEngine::FindModel(
   absl::Status status = registry_->Lookup(name).status();
   if (status.ok()) status = absl::InternalError(absl::StrCat("model '", name, "' is registered but not served"));
   return status;
+}
+
+absl::StatusOr<CostSummary> InferenceEngine::CostSummaryOf(const std::string& name) const {
+  auto it = runners_.find(name);
+  if (it == runners_.end()) return FindModel(name).status();
+  return it->second->cost_summary();
 }
 
 std::vector<const models::ClassifierDescription*> InferenceEngine::models() const {

@@ -59,6 +59,11 @@ struct EngineOptions {
   // of them; 0: one lane.
   int64_t long_document_tokens = 8192;
   std::string preparation_memory_bytes_source = "flag --preparation_memory_bytes";
+  // Each model's cost profile by name (server/cost_calibration.h); a model without one uses the prior.
+  std::map<std::string, CostProfile> cost_profiles;
+  // Answer at once a request predicted to miss its deadline even at its least accurate allowed budget
+  // (PlanningOptions::deadline_admission, mita-server --deadline_admission).
+  bool deadline_admission = true;
 };
 
 // A submitted request, for its caller: Cancel() says the caller stopped waiting. Thread-safe.
@@ -92,6 +97,9 @@ class InferenceEngine final : private RequestCompleter {
   absl::StatusOr<const models::ClassifierDescription*> FindModel(const std::string& name) const;
   // Every hosted model, sorted by name.
   std::vector<const models::ClassifierDescription*> models() const;
+
+  // The cost figures of model `name` (GetModel). Errors: FindModel's.
+  absl::StatusOr<CostSummary> CostSummaryOf(const std::string& name) const;
   // The limits an input meets (images: max_encoded_image_bytes; documents: max_tokens, the smaller of the
   // model's and max_batch_tokens, applied in Prepare).
   const models::InputLimits& input_limits() const { return input_limits_; }

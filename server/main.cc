@@ -70,10 +70,12 @@
 #include <climits>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
 #include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -84,6 +86,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -98,6 +101,7 @@
 #include "server/listen_address.h"
 #include "server/metrics.h"
 #include "server/metrics_http_server.h"
+#include "server/cost_calibration.h"
 #include "server/model_registry.h"
 #include "server/placement.h"
 #include "server/security.h"
@@ -145,6 +149,16 @@ ABSL_FLAG(int64_t, max_receive_message_bytes, mita::server::MessageSizeLimits::k
           "Largest request message, bytes (4 MiB); larger gets RESOURCE_EXHAUSTED naming this flag.");
 ABSL_FLAG(int64_t, max_send_message_bytes, mita::server::MessageSizeLimits::kDefaultBytes,
           "Largest response message, bytes (4 MiB); larger gets RESOURCE_EXHAUSTED naming this flag.");
+ABSL_FLAG(int32_t, cost_calibration_ms, 2000,
+          "Most time per model for the start-up sweep that calibrates its cost model (batch compute "
+          "prediction for latency targets and deadline-aware admission), ms; 0: no sweep (prior coefficients, "
+          "corrected online).");
+ABSL_FLAG(std::string, cost_profile, "",
+          "Cost profiles saved by --save_cost_profile: load them instead of calibrating.");
+ABSL_FLAG(std::string, save_cost_profile, "", "Write the models' cost profiles to this file after calibration.");
+ABSL_FLAG(bool, deadline_admission, true,
+          "Answer DEADLINE_EXCEEDED at once for a request predicted to miss its deadline even at the least "
+          "accurate budget it allows, instead of running it late.");
 ABSL_FLAG(int32_t, drain_timeout_s, 20, "On SIGTERM/SIGINT, seconds admitted requests may take to finish.");
 ABSL_FLAG(std::string, tls_cert_file, "", "PEM certificate chain of the gRPC port; with --tls_key_file enables TLS.");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
@@ -278,6 +292,7 @@ int main(int argc, char** argv) {
         CheckFlagRange("max_batch_tokens", absl::GetFlag(FLAGS_max_batch_tokens), int64_t{1}, int64_t{1} << 40),
         CheckFlagRange("max_queue_delay_ms", delay_ms, 0, 60000),
         CheckFlagRange("drain_timeout_s", drain_timeout_s, 0, 86400),
+        CheckFlagRange("cost_calibration_ms", absl::GetFlag(FLAGS_cost_calibration_ms), 0, 600000),
         CheckFlagRange("torch_threads", torch_threads, 0, 1024),
         CheckFlagRange("preparation_threads", preparation_threads, 0, 1024),
         CheckFlagRange("preparation_queue_capacity", preparation_queue_capacity, int64_t{1}, int64_t{1} << 30),
@@ -369,6 +384,47 @@ int main(int argc, char** argv) {
   }
   Log(absl::StrCat("loaded ", model_lines.size(), " model(s) from ", repository, " in ",
                    absl::FormatDuration(absl::Now() - load_start), ": ", absl::StrJoin(model_lines, "; ")));
+
+  // Each model's cost model: loaded, or calibrated by a bounded sweep (server/cost_calibration.h).
+  options.deadline_admission = absl::GetFlag(FLAGS_deadline_admission);
+  const std::string cost_profile_file = absl::GetFlag(FLAGS_cost_profile);
+  std::string cost_profile_text;
+  if (!cost_profile_file.empty()) {
+    std::ifstream file(cost_profile_file, std::ios::binary);
+    std::ostringstream text;
+    text << file.rdbuf();
+    if (!file) return Fail(absl::StrCat("flag --cost_profile: cannot read ", cost_profile_file));
+    cost_profile_text = text.str();
+  }
+  std::map<std::string, const mita::models::ClassifierDescription*> descriptions;
+  for (const mita::models::ModelPackage* package : (*registry)->packages()) {
+    const mita::models::ClassifierDescription& model = package->classifier->description();
+    descriptions[package->name] = &model;
+    absl::StatusOr<mita::server::CostProfile> profile =
+        cost_profile_file.empty()
+            ? mita::server::CalibrateCostModel(*package->classifier,
+                                               absl::Milliseconds(absl::GetFlag(FLAGS_cost_calibration_ms)),
+                                               options.batching.max_batch_size, options.batching.max_batch_tokens)
+            : mita::server::FindCostProfile(cost_profile_text, cost_profile_file, model);
+    if (!profile.ok()) {
+      return Fail(absl::StrCat(cost_profile_file.empty() ? "cost calibration of model '" + package->name + "': "
+                                                         : "flag --cost_profile: ",
+                               profile.status().message()));
+    }
+    Log(absl::StrCat("cost model of '", package->name, "': ", profile->source,
+                     profile->source == "calibrated"
+                         ? absl::StrCat(" from ", profile->calibration_batches, " batches in ",
+                                        absl::FormatDuration(profile->calibration_time), ", median fit error ",
+                                        absl::StrFormat("%.1f%%", 100 * profile->fit_error))
+                         : std::string()));
+    options.cost_profiles[package->name] = *std::move(profile);
+  }
+  if (const std::string save = absl::GetFlag(FLAGS_save_cost_profile); !save.empty()) {
+    std::ofstream file(save, std::ios::binary | std::ios::trunc);
+    file << mita::server::CostProfilesToJson(options.cost_profiles, descriptions);
+    if (!file) return Fail(absl::StrCat("flag --save_cost_profile: cannot write ", save));
+    Log(absl::StrCat("cost profiles saved to ", save));
+  }
 
   mita::server::ServerMetrics metrics(mita::server::MetricsModelInfos(**registry));
   front_end.message_size = std::make_shared<mita::server::MessageSizeGuard>(message_limits, metrics.registry().get());

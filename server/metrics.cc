@@ -152,8 +152,21 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
   auto& rejected = prometheus::BuildCounter()
                        .Name("mita_rejected_requests_total")
                        .Help("Classify requests refused at admission, by reason (queue_tasks, queue_compute_units, "
-                             "task_over_queue_compute_units, shutting_down).")
+                             "task_over_queue_compute_units, shutting_down, deadline_unmeetable, "
+                             "latency_target_unmeetable).")
                        .Register(*registry_);
+  auto& budget_choices =
+      prometheus::BuildCounter()
+          .Name("mita_budget_choices_total")
+          .Help("Budgets chosen for admitted requests, by reason: requested (the request named it), most_accurate "
+                "and lowered_at_admission (latency targets), lowered_at_batch_start (lowered again when the "
+                "batch started).")
+          .Register(*registry_);
+  auto& prediction_ratio = prometheus::BuildHistogram()
+                               .Name("mita_compute_prediction_ratio")
+                               .Help("Measured / predicted compute of each batch run to the end (the cost model's "
+                                     "error; 1 = exact).")
+                               .Register(*registry_);
   auto& request_tokens = prometheus::BuildHistogram()
                              .Name("mita_request_tokens")
                              .Help("Tokens of each admitted request (documents: after truncation).")
@@ -265,6 +278,12 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
     model->applied_expert_count_ = &applied_expert_count.Add(labels, count_buckets);
     model->applied_expert_width_ = &applied_expert_width.Add(labels, width_buckets);
     model->full_attention_ = &full_attention.Add(labels);
+    for (int reason = 0; reason < 4; ++reason) {
+      model->budget_choices_[static_cast<size_t>(reason)] = &budget_choices.Add(
+          {{"model", info.name}, {"reason", BudgetReasonName(static_cast<BudgetReason>(reason))}});
+    }
+    model->prediction_ratio_ = &prediction_ratio.Add(
+        labels, Histogram::BucketBoundaries{0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0});
     model->executed_after_cancel_ = &executed_after_cancel.Add(labels);
     model->compute_after_caller_left_ = &compute_after_caller_left.Add(labels);
     for (int64_t layer = 0; layer < info.layers; ++layer) {

@@ -85,6 +85,7 @@
 #include "prometheus/registry.h"
 #include "models/budget.h"
 #include "server/batcher.h"
+#include "server/inference_request.h"
 
 namespace mita::server {
 
@@ -151,6 +152,11 @@ class ModelMetrics {
   void ObserveRequestTokens(int64_t tokens) { request_tokens_->Observe(static_cast<double>(tokens)); }
   // One request refused at admission for `reason` (kNone is ignored).
   void CountRejection(AdmissionRejection reason);
+  // One admitted request's budget choice, by why it was chosen (requests lowered again at their batch's start
+  // count once more, as lowered_at_batch_start).
+  void CountBudgetChoice(BudgetReason reason) { budget_choices_[static_cast<size_t>(reason)]->Increment(); }
+  // measured / predicted compute of one batch (the cost model's error).
+  void ObservePredictionRatio(double ratio) { prediction_ratio_->Observe(ratio); }
   // The budget of one admitted request: as requested (resolved against the model's defaults and presets; full
   // attention, or expert count m and expert width k), and as applied to its input (m and k at most its tokens).
   void ObserveBudget(const models::AttentionBudget& requested, const models::AttentionBudget& applied);
@@ -195,6 +201,8 @@ class ModelMetrics {
   prometheus::Gauge* queue_depth_ = nullptr;
   prometheus::Gauge* queue_compute_units_ = nullptr;
   prometheus::Counter* full_attention_ = nullptr;
+  std::array<prometheus::Counter*, 4> budget_choices_{};  // by BudgetReason
+  prometheus::Histogram* prediction_ratio_ = nullptr;
   prometheus::Counter* executed_after_cancel_ = nullptr;
   prometheus::Counter* compute_after_caller_left_ = nullptr;
   std::vector<Layer> layers_;

@@ -76,6 +76,24 @@ absl::StatusOr<InferenceRequest> ToInferenceRequest(const v1::ClassifyRequest& r
   return neutral;
 }
 
+namespace {
+
+v1::BudgetReason ToBudgetReason(BudgetReason reason) {
+  switch (reason) {
+    case BudgetReason::kRequested:
+      return v1::BUDGET_REASON_REQUESTED;
+    case BudgetReason::kMostAccurate:
+      return v1::BUDGET_REASON_MOST_ACCURATE;
+    case BudgetReason::kLoweredAtAdmission:
+      return v1::BUDGET_REASON_LOWERED_AT_ADMISSION;
+    case BudgetReason::kLoweredAtBatchStart:
+      return v1::BUDGET_REASON_LOWERED_AT_BATCH_START;
+  }
+  return v1::BUDGET_REASON_UNSPECIFIED;
+}
+
+}  // namespace
+
 v1::ClassifyResponse ToClassifyResponse(const InferenceResult& result) {
   v1::ClassifyResponse response;
   const std::vector<std::string>& labels = result.model->labels;
@@ -96,6 +114,8 @@ v1::ClassifyResponse ToClassifyResponse(const InferenceResult& result) {
     budget->set_expert_width(applied.expert_width);
   }
   budget->set_preset(result.budget.preset);
+  budget->set_reason(ToBudgetReason(result.budget_reason));
+  budget->set_predicted_us(absl::ToInt64Microseconds(result.predicted));
   v1::Timing* timing = response.mutable_timing();
   timing->set_queue_delay_us(absl::ToInt64Microseconds(result.queue_delay));
   timing->set_compute_us(absl::ToInt64Microseconds(result.compute));
@@ -116,7 +136,8 @@ v1::ClassifyResponse ToClassifyResponse(const InferenceResult& result) {
   return response;
 }
 
-v1::ModelMetadata ToModelMetadata(const models::ClassifierDescription& model, const models::InputLimits& limits) {
+v1::ModelMetadata ToModelMetadata(const models::ClassifierDescription& model, const models::InputLimits& limits,
+                                  const CostSummary* cost) {
   v1::ModelMetadata metadata;
   metadata.set_name(model.name);
   metadata.set_architecture(model.architecture);
@@ -158,6 +179,30 @@ v1::ModelMetadata ToModelMetadata(const models::ClassifierDescription& model, co
     }
   }
   out->set_full_attention_supported(knobs.full_attention_supported);
+  for (size_t i = 0; i < knobs.accuracy_order.size(); ++i) {
+    const models::DeclaredBudget& declared = knobs.accuracy_order[i];
+    v1::DeclaredBudget* entry = out->add_accuracy_order();
+    entry->set_name(declared.name);
+    if (declared.budget.full_attention) {
+      entry->set_full_attention(true);
+    } else {
+      entry->mutable_budget()->set_expert_count(declared.budget.expert_count);
+      entry->mutable_budget()->set_expert_width(declared.budget.expert_width);
+    }
+    entry->set_accuracy(declared.accuracy);
+    if (cost != nullptr && i < cost->predicted.size()) {
+      entry->set_predicted_ms(absl::ToDoubleMilliseconds(cost->predicted[i]));
+    }
+  }
+  if (cost != nullptr) {
+    v1::CostProfile* profile = metadata.mutable_cost_profile();
+    profile->set_source(cost->profile.source);
+    profile->set_calibration_batches(cost->profile.calibration_batches);
+    profile->set_calibration_ms(absl::ToDoubleMilliseconds(cost->profile.calibration_time));
+    profile->set_reference_tokens(cost->reference_tokens);
+    profile->set_correction(cost->correction);
+    profile->set_batch_overhead_ms(absl::ToDoubleMilliseconds(cost->batch_overhead));
+  }
   metadata.set_layers(static_cast<int32_t>(model.layers));
   metadata.set_heads(static_cast<int32_t>(model.heads));
   metadata.set_embed_dim(static_cast<int32_t>(model.embed_dim));
@@ -261,7 +306,8 @@ grpc::ServerUnaryReactor* MitaV1Service::ListModels(grpc::CallbackServerContext*
       context, request, response, *metrics_, options_, RpcMethod::kListModels, WordForMitaV1,
       [this](const v1::ListModelsRequest&, v1::ListModelsResponse* answer, std::string*) {
         for (const models::ClassifierDescription* model : engine_->models()) {
-          *answer->add_models() = ToModelMetadata(*model, engine_->input_limits());
+          absl::StatusOr<CostSummary> cost = engine_->CostSummaryOf(model->name);
+          *answer->add_models() = ToModelMetadata(*model, engine_->input_limits(), cost.ok() ? &*cost : nullptr);
         }
         return absl::OkStatus();
       });
@@ -275,7 +321,8 @@ grpc::ServerUnaryReactor* MitaV1Service::GetModel(grpc::CallbackServerContext* c
         *model_name = asked.name();
         absl::StatusOr<const models::ClassifierDescription*> model = engine_->FindModel(asked.name());
         if (!model.ok()) return model.status();
-        *answer = ToModelMetadata(**model, engine_->input_limits());
+        absl::StatusOr<CostSummary> cost = engine_->CostSummaryOf((*model)->name);
+        *answer = ToModelMetadata(**model, engine_->input_limits(), cost.ok() ? &*cost : nullptr);
         return absl::OkStatus();
       });
 }

@@ -33,7 +33,9 @@ v1::ClassifyResponse ToClassifyResponse(const InferenceResult& result);
 
 // The metadata GetModel returns: input kind with its limits (documents: max_tokens is the smaller of the model's
 // and limits.max_tokens; images: max_encoded_bytes from limits), labels, knobs, and the model's shape.
-v1::ModelMetadata ToModelMetadata(const models::ClassifierDescription& model, const models::InputLimits& limits);
+// `cost` (optional): the model's cost figures (knobs.accuracy_order[].predicted_ms, cost_profile).
+v1::ModelMetadata ToModelMetadata(const models::ClassifierDescription& model, const models::InputLimits& limits,
+                                  const CostSummary* cost = nullptr);
 
 // The mita.v1 name of a request part, e.g. "budget.experts.expert_width", "document.token_ids.ids[7]".
 std::string MitaV1FieldName(const models::FieldProblem& problem);

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/aten_errors.h"
+#include "server/latency_planner.h"
 
 namespace mita::server {
 
@@ -25,6 +26,44 @@ absl::Status BatchFailure(absl::string_view model, absl::string_view device, int
   return absl::InternalError(absl::StrCat("model '", model, "' failed: ", forward.message()));
 }
 
+void ModelRunner::LowerLateBudgets(absl::Span<BatchTask* const> tasks, absl::Time start) {
+  const bool any_target = std::any_of(tasks.begin(), tasks.end(), [](const BatchTask* task) {
+    return task->item.latency_target && task->item.allowed_budgets.size() > 1;
+  });
+  if (!any_target) return;
+  std::vector<BatchMember> members;
+  std::vector<size_t> first_choice;
+  for (const BatchTask* task : tasks) {
+    BatchMember member;
+    member.tokens = task->item.tokens;
+    const PendingRequest& request = *task->request;
+    absl::Time end = request.request.deadline;
+    if (task->item.latency_target) {
+      for (const models::ResolvedBudget& allowed : task->item.allowed_budgets) member.allowed.push_back(allowed.budget);
+      member.choice = static_cast<size_t>(
+          std::find(member.allowed.begin(), member.allowed.end(), task->item.budget.budget) - member.allowed.begin());
+      if (member.choice >= member.allowed.size()) member.choice = 0;
+      if (request.request.budget.latency_target > absl::ZeroDuration()) {
+        end = std::min(end, request.receipt + request.request.budget.latency_target);
+      }
+    } else {
+      member.allowed.push_back(task->item.budget.budget);
+    }
+    member.time_left = end == absl::InfiniteFuture() ? absl::InfiniteDuration() : end - start;
+    first_choice.push_back(member.choice);
+    members.push_back(std::move(member));
+  }
+  if (LowerToFit(members, [this](absl::Span<const CostItem> items) { return cost_.Predict(items); }) == 0) return;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    if (members[i].choice == first_choice[i]) continue;
+    models::BatchItem& item = tasks[i]->item;
+    item.budget = item.allowed_budgets[members[i].choice];
+    item.compute_units = models::ComputeUnits(item.tokens, item.budget.budget);
+    tasks[i]->budget_reason = BudgetReason::kLoweredAtBatchStart;
+    metrics_->CountBudgetChoice(BudgetReason::kLoweredAtBatchStart);
+  }
+}
+
 absl::Status QueuedDeadlineExceeded(absl::Duration queued) {
   return absl::DeadlineExceededError(
       absl::StrCat("the deadline passed after ", absl::ToInt64Microseconds(queued),
@@ -35,7 +74,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const models::C
                                                                  ModelMetrics* metrics,
                                                                  const BatcherOptions& options, const Clock* clock,
                                                                  RequestCompleter* completer,
-                                                                 int64_t long_input_tokens) {
+                                                                 int64_t long_input_tokens,
+                                                                 PlanningOptions planning) {
   if (classifier == nullptr || metrics == nullptr || clock == nullptr ||
       completer == nullptr) {
     return absl::InvalidArgumentError("classifier, metrics, clock and completer must be set");
@@ -48,7 +88,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const models::C
                                                    model.name, "'"));
   }
   if (long_input_tokens < 0) return absl::InvalidArgumentError("long_input_tokens must be >= 0");
-  std::unique_ptr<ModelRunner> runner(new ModelRunner(classifier, metrics, clock, completer));
+  std::unique_ptr<ModelRunner> runner(new ModelRunner(classifier, metrics, clock, completer, std::move(planning)));
   ModelRunner* self = runner.get();
   // A second lane only where inputs can be long: a document model whose documents may exceed the threshold.
   const bool two_lanes = long_input_tokens > 0 && model.document.has_value() &&
@@ -57,12 +97,14 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const models::C
     BatcherOptions lane_options = options;
     if (lane == 1) lane_options.num_batch_threads = 1;  // long documents one after another, beside the short
     absl::StatusOr<std::unique_ptr<DynamicBatcher<BatchTask>>> batcher = DynamicBatcher<BatchTask>::Create(
-        lane_options, [self](Batch<BatchTask> batch) { self->ProcessBatch(std::move(batch)); }, clock,
+        lane_options, [self, lane](Batch<BatchTask> batch) { self->ProcessBatch(lane, std::move(batch)); }, clock,
         [metrics](const QueueDepthChange& change) {
           metrics->AddQueued(change.tasks_delta, change.compute_units_delta);
         });
     if (!batcher.ok()) return batcher.status();
     runner->lanes_.push_back(*std::move(batcher));
+    absl::MutexLock lock(&runner->load_mu_);
+    runner->load_.push_back(LaneLoad{lane_options});
   }
   runner->long_input_tokens_ = two_lanes ? long_input_tokens : 0;
   return runner;
@@ -70,7 +112,45 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const models::C
 
 std::unique_ptr<BatchTask> ModelRunner::TakeBack(uint64_t ticket) {
   const uint64_t lane = ticket % kLanes;
-  return lane < lanes_.size() ? lanes_[lane]->Cancel(ticket / kLanes) : nullptr;
+  std::unique_ptr<BatchTask> task = lane < lanes_.size() ? lanes_[lane]->Cancel(ticket / kLanes) : nullptr;
+  if (task != nullptr) {
+    absl::MutexLock lock(&load_mu_);
+    load_[lane].queued_compute -= task->queued_compute;
+    --load_[lane].queued_tasks;
+  }
+  return task;
+}
+
+absl::Duration ModelRunner::PredictedCompute(const models::BatchItem& item,
+                                             const models::AttentionBudget& budget) const {
+  const CostItem cost_item{item.tokens, budget};
+  return cost_.Predict(absl::MakeConstSpan(&cost_item, 1));
+}
+
+absl::Duration ModelRunner::PredictedWait(size_t lane, absl::Time now) const {
+  const absl::Duration overhead = cost_.BatchOverhead();
+  absl::MutexLock lock(&load_mu_);
+  const LaneLoad& load = load_[lane];
+  absl::Duration work = load.queued_compute;
+  const int64_t batches = (load.queued_tasks + load.options.max_batch_size - 1) / load.options.max_batch_size;
+  work += overhead * batches;
+  for (const absl::Time end : load.running_ends) work += std::max(end - now, absl::ZeroDuration());
+  return work / std::max(1, load.options.num_batch_threads) + load.options.max_queue_delay;
+}
+
+CostSummary ModelRunner::cost_summary() const {
+  const models::ClassifierDescription& model = classifier_->description();
+  CostSummary summary;
+  summary.profile = planning_.cost_profile;
+  summary.correction = cost_.correction();
+  summary.batch_overhead = cost_.BatchOverhead();
+  summary.reference_tokens =
+      model.tokens_per_input > 0 ? model.tokens_per_input : std::min<int64_t>(16384, model.document->max_tokens);
+  for (const models::DeclaredBudget& declared : model.knobs.accuracy_order) {
+    const CostItem item{summary.reference_tokens, models::ApplyBudget(declared.budget, summary.reference_tokens)};
+    summary.predicted.push_back(cost_.Predict(absl::MakeConstSpan(&item, 1)));
+  }
+  return summary;
 }
 
 void ModelRunner::BeginShutdown() {
@@ -81,14 +161,81 @@ void ModelRunner::Shutdown() {
   for (auto& lane : lanes_) lane->Shutdown();
 }
 
+namespace {
+
+std::string Milliseconds(absl::Duration duration) {
+  return absl::StrCat(absl::ToInt64Milliseconds(duration), " ms");
+}
+
+}  // namespace
+
 absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, uint64_t* ticket) {
-  const models::AttentionBudget requested = (*task)->item.requested_budget;
-  const models::AttentionBudget applied = (*task)->item.budget.budget;
-  const int64_t tokens = (*task)->item.tokens;
-  AdmissionRejection rejection = AdmissionRejection::kNone;
+  BatchTask& admitted = **task;
+  models::BatchItem& item = admitted.item;
+  const PendingRequest& request = *admitted.request;
+  const int64_t tokens = item.tokens;
   const size_t lane = long_input_tokens_ > 0 && tokens > long_input_tokens_ ? 1 : 0;
+  const absl::Time now = clock_->Now();
+  // The time the request may take from now: its latency target's end or its deadline, the earlier.
+  const absl::Duration target = request.request.budget.latency_target;
+  const absl::Time target_end =
+      item.latency_target && target > absl::ZeroDuration() ? request.receipt + target : absl::InfiniteFuture();
+  const absl::Time end = std::min(target_end, request.request.deadline);
+  const bool planned = item.latency_target || (planning_.deadline_admission && end != absl::InfiniteFuture());
+  if (planned) {
+    std::vector<models::AttentionBudget> allowed;
+    if (item.latency_target) {
+      for (const models::ResolvedBudget& choice : item.allowed_budgets) allowed.push_back(choice.budget);
+    } else {
+      allowed.push_back(item.budget.budget);
+    }
+    const absl::Duration wait = PredictedWait(lane, now);
+    const BudgetChoice choice =
+        ChooseBudget(allowed, wait, end - now,
+                     [&](const models::AttentionBudget& budget) { return PredictedCompute(item, budget); });
+    if (!choice.meets && planning_.deadline_admission && end != absl::InfiniteFuture()) {
+      const bool by_target = target_end < request.request.deadline;
+      const AdmissionRejection rejection =
+          by_target ? AdmissionRejection::kLatencyTargetUnmeetable : AdmissionRejection::kDeadlineUnmeetable;
+      metrics_->CountRejection(rejection);
+      const std::string prediction = absl::StrCat(
+          "predicted ", Milliseconds(choice.predicted), " to answer (queue wait ", Milliseconds(wait), " + compute ",
+          Milliseconds(choice.compute), " at ", models::BudgetName(allowed[choice.index]),
+          item.latency_target ? ", the least accurate budget allowed)" : ")");
+      if (by_target) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat(prediction, " but the latency target leaves ", Milliseconds(end - now),
+                         "; it was not run (retry later, or with a larger target or a lower floor)"));
+      }
+      return absl::DeadlineExceededError(
+          absl::StrCat(prediction, " but the deadline is in ", Milliseconds(end - now), "; it was not run"));
+    }
+    if (item.latency_target) {
+      item.budget = item.allowed_budgets[choice.index];
+      item.compute_units = models::ComputeUnits(tokens, item.budget.budget);
+      admitted.budget_reason = choice.index == 0 ? BudgetReason::kMostAccurate : BudgetReason::kLoweredAtAdmission;
+    }
+    admitted.predicted = choice.predicted;
+  }
+  admitted.queued_compute = PredictedCompute(item, item.budget.budget) - cost_.BatchOverhead();
+  const models::AttentionBudget requested = item.requested_budget;
+  const models::AttentionBudget applied = item.budget.budget;
+  const BudgetReason reason = admitted.budget_reason;
+  const absl::Duration queued_compute = admitted.queued_compute;
+  {
+    // Counted before Submit: a batch thread may take the task at once.
+    absl::MutexLock lock(&load_mu_);
+    load_[lane].queued_compute += queued_compute;
+    ++load_[lane].queued_tasks;
+  }
+  AdmissionRejection rejection = AdmissionRejection::kNone;
   uint64_t lane_ticket = 0;
   if (absl::Status status = lanes_[lane]->Submit(task, &rejection, &lane_ticket); !status.ok()) {
+    {
+      absl::MutexLock lock(&load_mu_);
+      load_[lane].queued_compute -= queued_compute;
+      --load_[lane].queued_tasks;
+    }
     metrics_->CountRejection(rejection);
     return status;
   }
@@ -97,11 +244,20 @@ absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, uint64_t* tick
   // `*task` now belongs to the batcher (and may already be running): use only the copies.
   metrics_->ObserveBudget(requested, applied);
   metrics_->ObserveRequestTokens(tokens);
+  metrics_->CountBudgetChoice(reason);
   return absl::OkStatus();
 }
 
-void ModelRunner::ProcessBatch(Batch<BatchTask> batch) {
+void ModelRunner::ProcessBatch(size_t lane, Batch<BatchTask> batch) {
   const absl::Time start = clock_->Now();
+  {
+    // The batch has left the queue.
+    absl::MutexLock lock(&load_mu_);
+    for (const auto& task : batch.tasks) {
+      load_[lane].queued_compute -= task->queued_compute;
+      --load_[lane].queued_tasks;
+    }
+  }
   // Skip what nobody waits for any more, and what is already too late. A request is started only by winning
   // kQueued -> kStarted; one its caller gave up on (kGivenUp) was answered then.
   std::vector<BatchTask*> runnable;
@@ -130,6 +286,7 @@ void ModelRunner::ProcessBatch(Batch<BatchTask> batch) {
     }
   }
   if (runnable.empty()) return;
+  LowerLateBudgets(runnable, start);
 
   const models::ClassifierDescription& model = classifier_->description();
   const int64_t batch_size = static_cast<int64_t>(runnable.size());
@@ -156,6 +313,13 @@ void ModelRunner::ProcessBatch(Batch<BatchTask> batch) {
     return deadline_passed ? absl::DeadlineExceededError("the deadline passed while its batch ran; its work was stopped")
                            : absl::CancelledError("the call was cancelled while its batch ran; its work was stopped");
   };
+  std::vector<CostItem> cost_items;
+  for (const BatchTask* task : runnable) cost_items.push_back(CostItem{task->item.tokens, task->item.budget.budget});
+  const absl::Duration predicted_compute = cost_.Predict(cost_items);
+  {
+    absl::MutexLock lock(&load_mu_);
+    load_[lane].running_ends.push_back(start + predicted_compute);
+  }
   absl::Status failure;
   absl::StatusOr<models::ClassifierOutput> output = absl::UnknownError("not run");
   absl::StatusOr<std::vector<std::vector<models::ClassScore>>> classes = absl::UnknownError("not run");
@@ -175,6 +339,18 @@ void ModelRunner::ProcessBatch(Batch<BatchTask> batch) {
   metrics_->ObserveDeviceMemory();
   const absl::Time end = clock_->Now();
   const absl::Duration compute = end - start;
+  {
+    absl::MutexLock lock(&load_mu_);
+    std::vector<absl::Time>& ends = load_[lane].running_ends;
+    ends.erase(std::find(ends.begin(), ends.end(), start + predicted_compute));
+  }
+  // The cost model learns from batches that ran to the end for every item.
+  const bool ran_whole = failure.ok() && std::all_of(output->stopped.begin(), output->stopped.end(),
+                                                     [](const absl::Status& stopped) { return stopped.ok(); });
+  if (ran_whole) {
+    const double ratio = cost_.Observe(cost_items, compute);
+    if (ratio > 0) metrics_->ObservePredictionRatio(ratio);
+  }
   // Compute spent for callers who had already left: from when each left to when its work stopped (or the batch
   // ended), by its share of the batch's tokens.
   absl::Duration after_caller_left;
@@ -204,6 +380,8 @@ void ModelRunner::ProcessBatch(Batch<BatchTask> batch) {
     result.model = &model;
     result.classes = std::move((*classes)[b]);
     result.budget = task.item.budget;
+    result.budget_reason = task.budget_reason;
+    result.predicted = task.predicted;
     result.queue_delay = start - enqueued[b];
     result.compute = compute;
     result.batch_size = batch_size;

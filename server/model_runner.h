@@ -10,7 +10,11 @@
 #include "absl/status/statusor.h"
 #include "models/classifier.h"
 #include "server/batcher.h"
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "server/clock.h"
+#include "server/cost_calibration.h"
+#include "server/cost_model.h"
 #include "server/metrics.h"
 #include "server/pending_request.h"
 
@@ -21,6 +25,27 @@ class RequestCompleter {
  public:
   virtual ~RequestCompleter() = default;
   virtual void Complete(PendingRequest& request, absl::StatusOr<InferenceResult> result) = 0;
+};
+
+// How a runner predicts and uses compute times (docs/serving.md "Latency targets").
+struct PlanningOptions {
+  // The model's cost profile (server/cost_calibration.h).
+  CostProfile cost_profile;
+  // Answer at once, DEADLINE_EXCEEDED, a request whose predicted queue wait plus compute at the least accurate
+  // budget it allows would pass its deadline (mita-server --deadline_admission).
+  bool deadline_admission = true;
+};
+
+// The cost figures GetModel reports (mita.v1 CostProfile).
+struct CostSummary {
+  CostProfile profile;
+  // The correction now applied, and one batch's fixed cost.
+  double correction = 1;
+  absl::Duration batch_overhead;
+  // Token count of `predicted`, and one such input's predicted compute alone in a batch at each budget of the
+  // model's accuracy order (in that order).
+  int64_t reference_tokens = 0;
+  std::vector<absl::Duration> predicted;
 };
 
 class ModelRunner {
@@ -35,14 +60,21 @@ class ModelRunner {
                                                              ModelMetrics* metrics,
                                                              const BatcherOptions& options, const Clock* clock,
                                                              RequestCompleter* completer,
-                                                             int64_t long_input_tokens = 0);
+                                                             int64_t long_input_tokens = 0,
+                                                             PlanningOptions planning = PlanningOptions());
 
   const models::Classifier& classifier() const { return *classifier_; }
   ModelMetrics* metrics() const { return metrics_; }
 
   // Queues a prepared request (takes `*task` on success; `*ticket` receives its ticket for TakeBack), observing
-  // its budget and tokens; on refusal counts the rejection by reason. Errors: the batcher's
-  // (RESOURCE_EXHAUSTED naming the limit, UNAVAILABLE while draining, INVALID_ARGUMENT).
+  // its budget and tokens; on refusal counts the rejection by reason. A request with a latency target gets the
+  // most accurate budget it allows whose predicted queue wait plus compute meets the target (or its deadline;
+  // ChooseBudget). Errors: the batcher's (RESOURCE_EXHAUSTED naming the limit, UNAVAILABLE while draining,
+  // INVALID_ARGUMENT); with deadline admission, DEADLINE_EXCEEDED when even the least accurate allowed budget is
+  // predicted to pass the deadline, RESOURCE_EXHAUSTED when it would pass the latency target (each naming the
+  // predicted time and the time left).
+  // The cost model's figures now.
+  CostSummary cost_summary() const;
   absl::Status Admit(std::unique_ptr<BatchTask>* task, uint64_t* ticket);
 
   // The task with `ticket`, taken back out of the queue; nullptr when a batch thread already has it.
@@ -58,16 +90,44 @@ class ModelRunner {
 
  private:
   ModelRunner(const models::Classifier* classifier, ModelMetrics* metrics, const Clock* clock,
-              RequestCompleter* completer)
-      : classifier_(classifier), metrics_(metrics), clock_(clock), completer_(completer) {}
+              RequestCompleter* completer, PlanningOptions planning)
+      : classifier_(classifier),
+        metrics_(metrics),
+        clock_(clock),
+        completer_(completer),
+        planning_(std::move(planning)),
+        cost_(CostShapeOf(classifier->description()), planning_.cost_profile.coefficients,
+              planning_.cost_profile.correction) {}
 
-  // Runs one batch on a batch thread and answers every request in it.
-  void ProcessBatch(Batch<BatchTask> batch);
+  // Runs one batch of lane `lane` on a batch thread and answers every request in it.
+  void ProcessBatch(size_t lane, Batch<BatchTask> batch);
+  // Degradation at batch start: lowers the budgets of latency-target requests of the batch that `start` finds
+  // behind their plan, so that the batch's predicted compute fits their (and the others') time left (LowerToFit).
+  void LowerLateBudgets(absl::Span<BatchTask* const> tasks, absl::Time start);
+
+  // Predicted wait of a request admitted now to `lane` before its batch starts: the running batches' predicted
+  // remainder, the queued tasks' predicted compute and their batches' fixed cost, shared by the lane's batch
+  // threads, plus the batcher's max_queue_delay.
+  absl::Duration PredictedWait(size_t lane, absl::Time now) const;
+  // Predicted compute of `item` alone in a batch at `budget`, and its share of a batch without the fixed cost.
+  absl::Duration PredictedCompute(const models::BatchItem& item, const models::AttentionBudget& budget) const;
+
+  // What the runner knows of each lane's queued and running work, for PredictedWait.
+  struct LaneLoad {
+    BatcherOptions options;
+    absl::Duration queued_compute;  // predicted, without batches' fixed costs
+    int64_t queued_tasks = 0;
+    std::vector<absl::Time> running_ends;  // predicted end of each running batch
+  };
 
   const models::Classifier* const classifier_;
   ModelMetrics* const metrics_;
   const Clock* const clock_;
   RequestCompleter* const completer_;
+  const PlanningOptions planning_;
+  CostModel cost_;
+  mutable absl::Mutex load_mu_;
+  std::vector<LaneLoad> load_ ABSL_GUARDED_BY(load_mu_);
   static constexpr uint64_t kLanes = 2;
   // lanes_[0]: every input, or those of at most long_input_tokens_ tokens; lanes_[1]: the longer ones.
   std::vector<std::unique_ptr<DynamicBatcher<BatchTask>>> lanes_;

@@ -94,6 +94,11 @@ struct PendingRequest {
 struct BatchTask {
   models::BatchItem item;
   std::shared_ptr<PendingRequest> request;
+  // Set at admission (ModelRunner::Admit): why item.budget was chosen, the queue wait plus compute predicted for
+  // it, and its predicted share of a batch's compute (for the lane's predicted wait).
+  BudgetReason budget_reason = BudgetReason::kRequested;
+  absl::Duration predicted = absl::ZeroDuration();
+  absl::Duration queued_compute = absl::ZeroDuration();
 
   // Batcher units (server/batcher.h).
   int64_t tokens() const { return item.tokens; }

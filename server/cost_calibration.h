@@ -1,0 +1,52 @@
+// Where a model's cost model comes from (server/cost_model.h): a warm-up sweep at start-up that times batches of
+// synthetic inputs at the model's declared budgets (bounded by --cost_calibration_ms), a profile saved by an
+// earlier server (--save_cost_profile / --cost_profile), or the prior coefficients.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "models/classifier.h"
+#include "server/cost_model.h"
+
+namespace mita::server {
+
+// One model's cost profile: what a CostModel is built from, and where it came from.
+struct CostProfile {
+  CostFeatures coefficients = PriorCostCoefficients();
+  double correction = 1.0;
+  // "calibrated", "loaded" or "prior" (mita.v1 CostProfile.source).
+  std::string source = "prior";
+  int calibration_batches = 0;
+  absl::Duration calibration_time = absl::ZeroDuration();
+  // Median over the timed batches of |predicted / measured - 1| after the fit (0 when not calibrated).
+  double fit_error = 0;
+};
+
+// The cost model's view of `model`: embed_dim and layers.
+CostShape CostShapeOf(const models::ClassifierDescription& model);
+
+// Times batches of synthetic inputs (random images or token ids) through `classifier`: each budget of its
+// accuracy order at a few token counts (documents: 128 up to the longest it takes, at most `max_batch_tokens`)
+// and batch sizes (1, and up to `max_batch_size`), cheapest first, skipping a batch whose estimated time would
+// pass `limit`; then fits the coefficients (FitCostCoefficients). Fewer timed batches than features: the prior
+// coefficients scaled by the measured / predicted ratio. `limit` zero: the prior, not timed.
+// Errors: the classifier's Run errors (RESOURCE_EXHAUSTED, INTERNAL).
+absl::StatusOr<CostProfile> CalibrateCostModel(const models::Classifier& classifier, absl::Duration limit,
+                                               int64_t max_batch_size, int64_t max_batch_tokens);
+
+// A file of saved profiles (JSON): for each model its device, weights dtype, shape, coefficients and
+// correction. `profiles` by model name, `models` the same names' descriptions.
+std::string CostProfilesToJson(const std::map<std::string, CostProfile>& profiles,
+                               const std::map<std::string, const models::ClassifierDescription*>& models);
+
+// The profile of `model` in the JSON text of a profile file (`file` names it in errors), with source "loaded".
+// Errors: INVALID_ARGUMENT for text that is not such a file, no profile of the model, or one saved for another
+// device, dtype or shape ("saved for cpu float32 d=96 L=4, the model runs on cuda:0 ...").
+absl::StatusOr<CostProfile> FindCostProfile(absl::string_view json_text, absl::string_view file,
+                                            const models::ClassifierDescription& model);
+
+}  // namespace mita::server

@@ -1,0 +1,57 @@
+// Budget choice for latency targets and deadlines (docs/serving.md "Latency targets"): pure functions over
+// predicted times, so that the policy is tested without a model or a clock. ModelRunner (model_runner.h) calls
+// them at admission (ChooseBudget) and when a batch starts (LowerToFit), with times from its CostModel.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "models/budget.h"
+#include "server/cost_model.h"
+
+namespace mita::server {
+
+// The outcome of ChooseBudget.
+struct BudgetChoice {
+  // Index into the allowed budgets.
+  size_t index = 0;
+  // Predicted queue wait plus compute at that budget.
+  absl::Duration predicted = absl::ZeroDuration();
+  absl::Duration compute = absl::ZeroDuration();
+  // predicted <= time_left.
+  bool meets = true;
+};
+
+// Predicted compute of one request at `budget` (applied) in its batch.
+using ComputeAtBudget = std::function<absl::Duration(const models::AttentionBudget& budget)>;
+
+// The most accurate budget of `allowed` (most accurate first, at least one) whose `wait` + `compute(budget)` is at
+// most `time_left`; when none is, the last one (the floor) with meets = false. `time_left` may be infinite.
+BudgetChoice ChooseBudget(absl::Span<const models::AttentionBudget> allowed, absl::Duration wait,
+                          absl::Duration time_left, const ComputeAtBudget& compute);
+
+// One request of a batch about to start, as LowerToFit sees it.
+struct BatchMember {
+  int64_t tokens = 0;
+  // Budgets it may run with (applied), most accurate first: one for a fixed budget.
+  std::vector<models::AttentionBudget> allowed;
+  // Index into `allowed` of the budget it would run with now; LowerToFit may raise it (a less accurate one).
+  size_t choice = 0;
+  // Until its target or deadline; infinite when it has neither.
+  absl::Duration time_left = absl::InfiniteDuration();
+};
+
+// Predicted compute of a batch of `items`.
+using PredictBatch = std::function<absl::Duration(absl::Span<const CostItem> items)>;
+
+// Degradation when a batch starts: while the batch's predicted compute is over the time left of a member that it
+// can still serve in time, lowers one member a step (choice + 1), the one whose step saves the most predicted
+// compute (ties: the first). A member that would miss even with every member at its floor does not hold the
+// others down. Returns the steps taken (0 when the batch fits as it is).
+int LowerToFit(std::vector<BatchMember>& members, const PredictBatch& predict);
+
+}  // namespace mita::server

@@ -1,0 +1,493 @@
+// Latency targets and deadline-aware admission (server/latency_planner.h, server/model_runner.h): the cost model's
+// fit, budget choice at the boundary, floors, degradation at batch start and its order, mixed-budget batches, and
+// that no request runs with a budget it did not allow. The engine runs on a ManualClock with a scripted
+// classifier whose batches take the time the test says, so every prediction is known exactly: the cost profile's
+// only non-zero coefficients are 2^-6 s per batch and 2^-16 s per token x (m + k) (and per token^2 for full
+// attention), for a model of one layer and embed_dim 1.
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/tensor.h>
+
+#include <cmath>
+#include <deque>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "models/budget.h"
+#include "models/classifier.h"
+#include "server/clock.h"
+#include "server/cost_calibration.h"
+#include "server/cost_model.h"
+#include "server/inference_engine.h"
+#include "server/latency_planner.h"
+#include "server/model_registry.h"
+#include "tests/server_test_util.h"
+#include "tests/test_util.h"
+
+namespace mita {
+namespace {
+
+using models::AttentionBudget;
+using server::BudgetReason;
+using test_util::ExpectStatus;
+using test_util::MetricValue;
+
+constexpr char kModel[] = "scripted-doc";
+constexpr double kBatchSeconds = 1.0 / 64;           // 15.625 ms
+constexpr double kUnitSeconds = 1.0 / (1 << 16);     // per token x (m + k)
+
+AttentionBudget Experts(int64_t m, int64_t k) { return AttentionBudget{false, m, k}; }
+
+// The test's own arithmetic of a batch's time (the reference the server's predictions are checked against).
+absl::Duration ReferenceCompute(const std::vector<std::pair<int64_t, AttentionBudget>>& items) {
+  double seconds = kBatchSeconds;
+  for (const auto& [tokens, budget] : items) {
+    const AttentionBudget applied = models::ApplyBudget(budget, tokens);
+    seconds += kUnitSeconds * static_cast<double>(tokens) *
+               static_cast<double>(applied.full_attention ? tokens : applied.expert_count + applied.expert_width);
+  }
+  return absl::Seconds(seconds);
+}
+
+// Predictions equal the reference up to rounding (durations have quarter-nanosecond steps).
+void ExpectMicroseconds(absl::Duration actual, absl::Duration expected) {
+  EXPECT_NEAR(absl::ToDoubleMicroseconds(actual), absl::ToDoubleMicroseconds(expected), 0.01);
+}
+
+server::CostProfile ScriptedProfile() {
+  server::CostProfile profile;
+  profile.coefficients = server::CostFeatures{kBatchSeconds, 0, 0, kUnitSeconds, 0, kUnitSeconds};
+  profile.source = "loaded";
+  return profile;
+}
+
+// A document classifier whose batches take scripted time on a ManualClock: the next scripted duration, else the
+// reference time. It records each batch's applied budgets, and can hold batches until released.
+class ScriptedClassifier : public models::Classifier {
+ public:
+  explicit ScriptedClassifier(server::ManualClock* clock) : clock_(clock) {
+    description_.name = kModel;
+    description_.architecture = "scripted";
+    description_.input_kind = models::InputKind::kDocument;
+    description_.document = models::DocumentInputDescription{4096, 1000, "bytes"};
+    description_.labels = {"a", "b"};
+    description_.layers = 1;
+    description_.heads = 1;
+    description_.embed_dim = 1;
+    models::BudgetKnobs& knobs = description_.knobs;
+    knobs.min_expert_count = 1;
+    knobs.max_expert_count = 64;
+    knobs.min_expert_width = 1;
+    knobs.max_expert_width = 128;
+    knobs.default_budget = Experts(32, 64);
+    knobs.accuracy_order = {{"32x64", Experts(32, 64), 0.9}, {"16x32", Experts(16, 32), 0.8},
+                            {"8x16", Experts(8, 16), 0.7}};
+  }
+
+  const models::ClassifierDescription& description() const override { return description_; }
+
+  absl::StatusOr<models::ClassifierOutput> Run(absl::Span<const models::BatchItem* const> items, bool,
+                                               const models::ItemCheck&) const override {
+    std::vector<std::pair<int64_t, AttentionBudget>> batch;
+    for (const models::BatchItem* item : items) batch.emplace_back(item->tokens, item->budget.budget);
+    absl::Duration duration;
+    {
+      absl::MutexLock lock(&mu_);
+      batches_.push_back(batch);
+      mu_.Await(absl::Condition(+[](bool* hold) { return !*hold; }, &hold_));
+      duration = scripted_.empty() ? ReferenceCompute(batch) : scripted_.front();
+      if (!scripted_.empty()) scripted_.pop_front();
+    }
+    clock_->Advance(duration);
+    models::ClassifierOutput output;
+    output.logits = at::zeros({static_cast<int64_t>(items.size()), 2});
+    output.statistics.resize(items.size());
+    output.stopped.resize(items.size());
+    return output;
+  }
+
+  void Hold(bool hold) {
+    absl::MutexLock lock(&mu_);
+    hold_ = hold;
+  }
+  void Script(absl::Duration duration) {
+    absl::MutexLock lock(&mu_);
+    scripted_.push_back(duration);
+  }
+  // Waits (real time, bounded) until `count` batches have entered Run.
+  bool WaitForBatches(size_t count) {
+    absl::MutexLock lock(&mu_);
+    struct Args {
+      const std::vector<std::vector<std::pair<int64_t, AttentionBudget>>>* batches;
+      size_t count;
+    } args{&batches_, count};
+    return mu_.AwaitWithTimeout(absl::Condition(+[](Args* a) { return a->batches->size() >= a->count; }, &args),
+                                absl::Seconds(20));
+  }
+  std::vector<std::vector<std::pair<int64_t, AttentionBudget>>> batches() const {
+    absl::MutexLock lock(&mu_);
+    return batches_;
+  }
+
+ protected:
+  absl::StatusOr<PreparedInput> PrepareInput(const models::ClassifierInput& input, const models::InputLimits&,
+                                             const models::StopCheck&) const override {
+    PreparedInput prepared;
+    std::vector<int64_t> ids(input.token_ids.begin(), input.token_ids.end());
+    prepared.input = at::tensor(ids, at::kLong);
+    prepared.tokens = static_cast<int64_t>(ids.size());
+    prepared.input_tokens = prepared.tokens;
+    return prepared;
+  }
+  absl::StatusOr<int64_t> InputPreparationBytes(const models::ClassifierInput&,
+                                                const models::InputLimits&) const override {
+    return 0;
+  }
+
+ private:
+  server::ManualClock* const clock_;
+  models::ClassifierDescription description_;
+  mutable absl::Mutex mu_;
+  mutable bool hold_ ABSL_GUARDED_BY(mu_) = false;
+  mutable std::deque<absl::Duration> scripted_ ABSL_GUARDED_BY(mu_);
+  mutable std::vector<std::vector<std::pair<int64_t, AttentionBudget>>> batches_ ABSL_GUARDED_BY(mu_);
+};
+
+// One request's outcome.
+struct Outcome {
+  absl::Notification done;
+  absl::StatusOr<server::InferenceResult> result = absl::UnknownError("not answered");
+};
+
+class LatencyTargetTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto classifier = std::make_unique<ScriptedClassifier>(&clock_);
+    classifier_ = classifier.get();
+    std::vector<models::ModelPackage> packages;
+    packages.push_back(models::ModelPackage{kModel, std::move(classifier)});
+    absl::StatusOr<std::unique_ptr<server::ModelRegistry>> registry =
+        server::ModelRegistry::FromPackages(std::move(packages));
+    ASSERT_TRUE(registry.ok()) << registry.status();
+    registry_ = *std::move(registry);
+    metrics_ = std::make_unique<server::ServerMetrics>(server::MetricsModelInfos(*registry_));
+    server::EngineOptions options;
+    options.batching.max_queue_delay = absl::ZeroDuration();
+    options.batching.max_batch_size = 16;
+    options.preparation_threads = 1;
+    options.long_document_tokens = 0;
+    options.cost_profiles[kModel] = ScriptedProfile();
+    absl::StatusOr<std::unique_ptr<server::InferenceEngine>> engine =
+        server::InferenceEngine::Create(registry_.get(), metrics_.get(), options, &clock_);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    engine_ = *std::move(engine);
+  }
+
+  void TearDown() override {
+    if (classifier_ != nullptr) classifier_->Hold(false);
+    engine_.reset();
+  }
+
+  // Submits a document of `tokens` tokens with `budget`, answering into the returned outcome.
+  std::shared_ptr<Outcome> Submit(int64_t tokens, models::BudgetRequest budget,
+                                  absl::Duration deadline = absl::InfiniteDuration()) {
+    auto outcome = std::make_shared<Outcome>();
+    auto ids = std::make_shared<std::vector<int64_t>>(tokens, 7);
+    server::InferenceRequest request;
+    request.model = kModel;
+    request.input.kind = models::ClassifierInput::Kind::kTokenIds;
+    request.input.token_ids = *ids;
+    request.budget = std::move(budget);
+    request.deadline = deadline == absl::InfiniteDuration() ? absl::InfiniteFuture() : clock_.Now() + deadline;
+    calls_.push_back(engine_->Submit(std::move(request), [outcome, ids](absl::StatusOr<server::InferenceResult> r) {
+      outcome->result = std::move(r);
+      outcome->done.Notify();
+    }));
+    return outcome;
+  }
+
+  // Waits (real time, bounded) until `tasks` requests are queued in the model's batcher.
+  bool WaitForQueued(double tasks) {
+    const absl::Time give_up = absl::Now() + absl::Seconds(20);
+    while (absl::Now() < give_up) {
+      if (MetricValue(*metrics_->registry(), "mita_queue_depth", {{"model", kModel}}) == tasks) return true;
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    return false;
+  }
+
+  static models::BudgetRequest Target(absl::Duration target, std::string floor = "") {
+    models::BudgetRequest budget;
+    budget.choice = models::BudgetRequest::Choice::kLatencyTarget;
+    budget.latency_target = target;
+    budget.floor = std::move(floor);
+    return budget;
+  }
+  static models::BudgetRequest Fixed(int64_t m, int64_t k) {
+    models::BudgetRequest budget;
+    budget.choice = models::BudgetRequest::Choice::kExperts;
+    budget.expert_count = m;
+    budget.expert_width = k;
+    return budget;
+  }
+
+  server::ManualClock clock_{absl::FromUnixSeconds(1000)};
+  ScriptedClassifier* classifier_ = nullptr;
+  std::unique_ptr<server::ModelRegistry> registry_;
+  std::unique_ptr<server::ServerMetrics> metrics_;
+  std::unique_ptr<server::InferenceEngine> engine_;
+  std::vector<std::unique_ptr<server::InferenceCall>> calls_;
+};
+
+// With nothing queued, a target equal to (or above) the most accurate budget's predicted compute gets it; 1 ms
+// less gets the next one. 64 tokens: 32x64 predicts 15.625 + 93.75 = 109.375 ms, 16x32 62.5 ms, 8x16 39.0625 ms.
+TEST_F(LatencyTargetTest, ChoosesTheMostAccurateBudgetThatMeetsTheTargetAtTheBoundary) {
+  struct Case {
+    int64_t target_ms;
+    AttentionBudget expected;
+    BudgetReason reason;
+  };
+  for (const Case& c : {Case{110, Experts(32, 64), BudgetReason::kMostAccurate},
+                        Case{109, Experts(16, 32), BudgetReason::kLoweredAtAdmission},
+                        Case{63, Experts(16, 32), BudgetReason::kLoweredAtAdmission},
+                        Case{62, Experts(8, 16), BudgetReason::kLoweredAtAdmission}}) {
+    std::shared_ptr<Outcome> outcome = Submit(64, Target(absl::Milliseconds(c.target_ms)));
+    ASSERT_TRUE(outcome->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+    ASSERT_TRUE(outcome->result.ok()) << c.target_ms << ": " << outcome->result.status();
+    EXPECT_EQ(outcome->result->budget.budget, c.expected) << "target " << c.target_ms << " ms";
+    EXPECT_EQ(outcome->result->budget_reason, c.reason) << "target " << c.target_ms << " ms";
+    ExpectMicroseconds(outcome->result->predicted, ReferenceCompute({{64, c.expected}}));
+  }
+  // Below the floor's own compute: answered at once, never run below the floor.
+  std::shared_ptr<Outcome> impossible = Submit(64, Target(absl::Milliseconds(39)));
+  ASSERT_TRUE(impossible->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ExpectStatus(impossible->result.status(), absl::StatusCode::kResourceExhausted,
+               "predicted 39 ms to answer (queue wait 0 ms + compute 39 ms at MiTA m=8 k=16, the least accurate "
+               "budget allowed) but the latency target leaves 39 ms; it was not run");
+  EXPECT_EQ(classifier_->batches().size(), 4u) << "the refused request never ran";
+  EXPECT_EQ(MetricValue(*metrics_->registry(), "mita_rejected_requests_total",
+                        {{"model", kModel}, {"reason", "latency_target_unmeetable"}}),
+            1);
+  EXPECT_EQ(MetricValue(*metrics_->registry(), "mita_budget_choices_total",
+                        {{"model", kModel}, {"reason", "lowered_at_admission"}}),
+            3);
+}
+
+// A request running (held) makes the queue wait known: 128 tokens at 32x64 predict 203.125 ms.
+TEST_F(LatencyTargetTest, QueueWaitLowersToTheFloorAndRefusesWhatCannotBeMet) {
+  classifier_->Hold(true);
+  std::shared_ptr<Outcome> running = Submit(128, Fixed(32, 64));
+  ASSERT_TRUE(classifier_->WaitForBatches(1));
+  // A fixed budget with a 300 ms deadline: 203 ms wait + 203 ms compute is too late.
+  std::shared_ptr<Outcome> late = Submit(128, Fixed(32, 64), absl::Milliseconds(300));
+  ASSERT_TRUE(late->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ExpectStatus(late->result.status(), absl::StatusCode::kDeadlineExceeded,
+               "predicted 406 ms to answer (queue wait 203 ms + compute 203 ms at MiTA m=32 k=64) but the deadline "
+               "is in 300 ms; it was not run");
+  // A 300 ms target with floor 16x32: 203.125 + 15.625 + 93.75 = 312.5 ms at the floor: refused.
+  std::shared_ptr<Outcome> floored = Submit(128, Target(absl::Milliseconds(300), "16x32"));
+  ASSERT_TRUE(floored->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ExpectStatus(floored->result.status(), absl::StatusCode::kResourceExhausted,
+               "predicted 312 ms to answer (queue wait 203 ms + compute 109 ms at MiTA m=16 k=32, the least "
+               "accurate budget allowed) but the latency target leaves 300 ms");
+  // The same without a floor: 8x16 fits (265.625 ms).
+  std::shared_ptr<Outcome> lowered = Submit(128, Target(absl::Milliseconds(300)));
+  ASSERT_TRUE(WaitForQueued(1));
+  // The call's deadline as the target (target 0): 265.625 ms wait (the running batch, the queued 8x16 request
+  // and its batch's fixed cost) + 203.125 ms at 32x64 = 468.75 ms <= 500 ms.
+  std::shared_ptr<Outcome> by_deadline = Submit(128, Target(absl::ZeroDuration()), absl::Milliseconds(500));
+  ASSERT_TRUE(WaitForQueued(2));
+  classifier_->Hold(false);
+  for (const auto& outcome : {running, lowered, by_deadline}) {
+    ASSERT_TRUE(outcome->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  }
+  ASSERT_TRUE(lowered->result.ok()) << lowered->result.status();
+  EXPECT_EQ(lowered->result->budget.budget, Experts(8, 16));
+  EXPECT_EQ(lowered->result->budget_reason, BudgetReason::kLoweredAtAdmission);
+  ExpectMicroseconds(lowered->result->predicted, absl::Milliseconds(265.625));
+  ASSERT_TRUE(by_deadline->result.ok()) << by_deadline->result.status();
+  EXPECT_EQ(by_deadline->result->budget.budget, Experts(32, 64));
+  EXPECT_EQ(by_deadline->result->budget_reason, BudgetReason::kMostAccurate);
+  ExpectMicroseconds(by_deadline->result->predicted, absl::Milliseconds(468.75));
+  EXPECT_EQ(MetricValue(*metrics_->registry(), "mita_rejected_requests_total",
+                        {{"model", kModel}, {"reason", "deadline_unmeetable"}}),
+            1);
+}
+
+// Degradation at batch start: two target requests admitted at 32x64 behind a batch predicted at 203 ms that takes
+// 600 ms. At their batch's start (t = 600 ms, 400 ms left of their 1000 ms targets) the batch predicts 484 ms
+// (x the online correction the slow batch caused); lowering the 256-token request one step saves the most and
+// is enough (about 297 ms), so it runs at 16x32 beside the 64-token one at 32x64, in one mixed-budget batch.
+TEST_F(LatencyTargetTest, LowersTheCostliestRequestFirstWhenItsBatchStartsLate) {
+  classifier_->Hold(true);
+  classifier_->Script(absl::Milliseconds(600));
+  std::shared_ptr<Outcome> running = Submit(128, Fixed(32, 64));
+  ASSERT_TRUE(classifier_->WaitForBatches(1));
+  std::shared_ptr<Outcome> long_one = Submit(256, Target(absl::Milliseconds(1000)));
+  ASSERT_TRUE(WaitForQueued(1));
+  std::shared_ptr<Outcome> short_one = Submit(64, Target(absl::Milliseconds(1000)));
+  ASSERT_TRUE(WaitForQueued(2));
+  classifier_->Hold(false);
+  for (const auto& outcome : {running, long_one, short_one}) {
+    ASSERT_TRUE(outcome->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+    ASSERT_TRUE(outcome->result.ok()) << outcome->result.status();
+  }
+  EXPECT_EQ(long_one->result->budget.budget, Experts(16, 32));
+  EXPECT_EQ(long_one->result->budget_reason, BudgetReason::kLoweredAtBatchStart);
+  EXPECT_EQ(short_one->result->budget.budget, Experts(32, 64));
+  EXPECT_EQ(short_one->result->budget_reason, BudgetReason::kMostAccurate);
+  const auto batches = classifier_->batches();
+  ASSERT_EQ(batches.size(), 2u);
+  EXPECT_THAT(batches[1], ::testing::ElementsAre(std::make_pair(int64_t{256}, Experts(16, 32)),
+                                                 std::make_pair(int64_t{64}, Experts(32, 64))));
+  EXPECT_LE(long_one->result->total, absl::Milliseconds(1000)) << "the lowered batch finished within the target";
+  EXPECT_EQ(MetricValue(*metrics_->registry(), "mita_budget_choices_total",
+                        {{"model", kModel}, {"reason", "lowered_at_batch_start"}}),
+            1);
+  EXPECT_EQ(MetricValue(*metrics_->registry(), "mita_compute_prediction_ratio", {{"model", kModel}}), 2)
+      << "both batches observed";
+}
+
+// Random targets, floors, deadlines and batch times: every answered request ran with a budget its floor allows,
+// with a reason that matches it, and every refusal is DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED.
+TEST_F(LatencyTargetTest, NoRequestRunsWithABudgetItDidNotAllow) {
+  const std::vector<std::string> names = {"32x64", "16x32", "8x16"};
+  const std::vector<AttentionBudget> order = {Experts(32, 64), Experts(16, 32), Experts(8, 16)};
+  std::mt19937 random(5);
+  struct Sent {
+    std::shared_ptr<Outcome> outcome;
+    size_t floor;
+    bool target;
+  };
+  std::vector<Sent> sent;
+  for (int round = 0; round < 8; ++round) {
+    classifier_->Hold(true);
+    classifier_->Script(absl::Milliseconds(std::uniform_int_distribution<int>(10, 800)(random)));
+    const size_t batches_before = classifier_->batches().size();
+    sent.push_back({Submit(128, Fixed(32, 64)), 0, false});
+    ASSERT_TRUE(classifier_->WaitForBatches(batches_before + 1));
+    for (int i = 0; i < 6; ++i) {
+      const size_t floor = std::uniform_int_distribution<size_t>(0, 2)(random);
+      const int64_t tokens = std::uniform_int_distribution<int64_t>(64, 512)(random);
+      const absl::Duration target = absl::Milliseconds(std::uniform_int_distribution<int>(0, 1500)(random));
+      const absl::Duration deadline = absl::Milliseconds(std::uniform_int_distribution<int>(100, 3000)(random));
+      sent.push_back({Submit(tokens, Target(target, floor == 2 ? "" : names[floor]), deadline), floor, true});
+    }
+    classifier_->Hold(false);
+    for (const Sent& s : sent) ASSERT_TRUE(s.outcome->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  }
+  int answered = 0, refused = 0;
+  for (const Sent& s : sent) {
+    if (!s.outcome->result.ok()) {
+      const absl::StatusCode code = s.outcome->result.status().code();
+      EXPECT_TRUE(code == absl::StatusCode::kDeadlineExceeded || code == absl::StatusCode::kResourceExhausted)
+          << s.outcome->result.status();
+      ++refused;
+      continue;
+    }
+    ++answered;
+    const server::InferenceResult& result = *s.outcome->result;
+    const auto it = std::find(order.begin(), order.end(), result.budget.budget);
+    ASSERT_NE(it, order.end()) << models::BudgetName(result.budget.budget);
+    const size_t index = static_cast<size_t>(it - order.begin());
+    EXPECT_LE(index, s.floor) << "ran below its floor";
+    if (!s.target) {
+      EXPECT_EQ(result.budget_reason, BudgetReason::kRequested);
+    } else if (result.budget_reason == BudgetReason::kMostAccurate) {
+      EXPECT_EQ(index, 0u);
+    } else {
+      EXPECT_GT(index, 0u) << server::BudgetReasonName(result.budget_reason);
+    }
+  }
+  EXPECT_GT(answered, 0);
+  std::cout << "random rounds: " << answered << " answered, " << refused << " refused\n";
+}
+
+TEST(CostModelTest, FitRecoversTheCoefficientsOfExactSamples) {
+  const server::CostShape shape{64, 2};
+  const server::CostFeatures truth{2e-3, 5e-5, 1e-9, 3e-9, 0, 2e-9};
+  std::vector<server::CostSample> samples;
+  for (int64_t tokens : {128, 512, 2048, 8192}) {
+    for (int64_t batch : {1, 4}) {
+      for (const AttentionBudget& budget : {Experts(8, 32), Experts(16, 64), AttentionBudget{true, 0, 0}}) {
+        std::vector<server::CostItem> items(static_cast<size_t>(batch), server::CostItem{tokens, budget});
+        server::CostSample sample;
+        sample.features = server::BatchCostFeatures(shape, items);
+        for (int i = 0; i < server::kNumCostFeatures; ++i) sample.seconds += truth[i] * sample.features[i];
+        samples.push_back(sample);
+      }
+    }
+  }
+  absl::StatusOr<server::CostFeatures> fitted = server::FitCostCoefficients(samples);
+  ASSERT_TRUE(fitted.ok()) << fitted.status();
+  for (const server::CostSample& sample : samples) {
+    double predicted = 0;
+    for (int i = 0; i < server::kNumCostFeatures; ++i) predicted += (*fitted)[i] * sample.features[i];
+    EXPECT_NEAR(predicted / sample.seconds, 1.0, 0.02);
+  }
+  ExpectStatus(server::FitCostCoefficients({}).status(), absl::StatusCode::kInvalidArgument, "no timed batches");
+}
+
+TEST(CostModelTest, OnlineCorrectionMovesTowardTheMeasuredRatio) {
+  server::CostModel model(server::CostShape{1, 1}, server::CostFeatures{1e-3, 0, 0, 0, 0, 0});
+  const std::vector<server::CostItem> items = {server::CostItem{10, Experts(1, 1)}};
+  EXPECT_EQ(model.Predict(items), absl::Milliseconds(1));
+  EXPECT_DOUBLE_EQ(model.Observe(items, absl::Milliseconds(2)), 2.0);
+  EXPECT_NEAR(model.correction(), std::exp(0.1 * std::log(2.0)), 1e-12);
+  for (int i = 0; i < 200; ++i) model.Observe(items, absl::Milliseconds(2));
+  EXPECT_NEAR(model.correction(), 2.0, 1e-6);
+}
+
+TEST(LatencyPlannerTest, LowerToFitSkipsMembersItCannotServe) {
+  const server::PredictBatch predict = [](absl::Span<const server::CostItem> items) {
+    absl::Duration total = absl::Milliseconds(10);
+    for (const server::CostItem& item : items) total += absl::Milliseconds(item.budget.expert_count);
+    return total;
+  };
+  // A fixed member with 5 ms left cannot be served (the batch takes >= 10 ms); the target member has 100 ms
+  // and the batch already fits it, so nothing is lowered for the hopeless one.
+  std::vector<server::BatchMember> members(2);
+  members[0] = {1, {Experts(30, 1)}, 0, absl::Milliseconds(5)};
+  members[1] = {1, {Experts(50, 1), Experts(20, 1)}, 0, absl::Milliseconds(100)};
+  EXPECT_EQ(server::LowerToFit(members, predict), 0);
+  EXPECT_EQ(members[1].choice, 0u);
+  members[1].time_left = absl::Milliseconds(80);
+  EXPECT_EQ(server::LowerToFit(members, predict), 1);
+  EXPECT_EQ(members[1].choice, 1u);
+}
+
+TEST(CostProfileFileTest, RoundTripsAndRefusesAnotherShape) {
+  models::ClassifierDescription model;
+  model.name = "m";
+  model.embed_dim = 96;
+  model.layers = 4;
+  server::CostProfile profile;
+  profile.coefficients = server::CostFeatures{1e-3, 2e-5, 3e-9, 4e-9, 5e-9, 6e-9};
+  profile.correction = 1.25;
+  const std::string json = server::CostProfilesToJson({{"m", profile}}, {{"m", &model}});
+  absl::StatusOr<server::CostProfile> loaded = server::FindCostProfile(json, "p.json", model);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->coefficients, profile.coefficients);
+  EXPECT_EQ(loaded->correction, 1.25);
+  EXPECT_EQ(loaded->source, "loaded");
+  models::ClassifierDescription other = model;
+  other.embed_dim = 64;
+  ExpectStatus(server::FindCostProfile(json, "p.json", other).status(), absl::StatusCode::kInvalidArgument,
+               "p.json: the profile of model 'm' was saved for cpu float32 d=96 L=4; the model runs as cpu float32 "
+               "d=64 L=4");
+  other.name = "n";
+  ExpectStatus(server::FindCostProfile(json, "p.json", other).status(), absl::StatusCode::kInvalidArgument,
+               "p.json: no profile of model 'n'");
+  ExpectStatus(server::FindCostProfile("{", "p.json", model).status(), absl::StatusCode::kInvalidArgument,
+               "p.json: not a cost profile file");
+}
+
+}  // namespace
+}  // namespace mita
