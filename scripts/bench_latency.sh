@@ -2,7 +2,8 @@
 # Latency targets under load (issue 18): goodput, deadline misses, rejections and the applied budget of three
 # policies at 0.5x, 1x, 2x and 4x the measured capacity, for images (fashion-mnist-vit) and documents
 # (DOCUMENT_MODEL, default linux-doc-mita). Per kind:
-#   1. mita-server with --deadline_admission=false; the idle p50 (closed loop, concurrency 1) and the capacity
+#   1. mita-server serving that kind's model alone, with --deadline_admission=false (its cost model calibrated
+#      at start-up and saved; the second server loads the same profile); the idle p50 (closed loop, concurrency 1) and the capacity
 #      (closed loop, concurrency CAPACITY_CONCURRENCY, answers/s) at the default budget; the deadline of every
 #      later call is DEADLINE_FACTOR x that idle p50 (rounded up to a ms);
 #   2. open loop, Poisson arrivals at each load x capacity for SECONDS_EACH s, each call with that deadline:
@@ -17,8 +18,8 @@
 # Images: the first 64 Fashion-MNIST test images (mita-export-images). Documents: Linux kernel documentation
 # (linux-doc-6.1, as scripts/bench_short_beside_long.sh) re-encoded with the document model's tokenizer and cut
 # into DOCUMENTS documents of DOCUMENT_TOKENS tokens each (needs spm_encode/spm_decode).
-# A server without --deadline_admission (before the planner) is started without it: the three policies then
-# differ only in the budget they send.
+# A server without --deadline_admission or --cost_profile (before the planner) is started without them: the
+# three policies then differ only in the budget they send.
 # Usage: scripts/bench_latency.sh [BUILD_DIR]   (default build/). Environment: SECONDS_EACH (measured seconds
 # per run, default 15), LOADS (default "0.5 1 2 4"), KINDS (default "images documents"), DEADLINE_FACTOR
 # (default 4), CAPACITY_SECONDS (default 8), CAPACITY_CONCURRENCY (default 32), DOCUMENT_MODEL, DOCUMENTS
@@ -78,17 +79,28 @@ for kind in $KINDS; do
   esac
 done
 
-admission_flag=1
+admission_flag=1 profile_flag=1
 "$BUILD/server/mita-server" --help 2>&1 | grep -q -- '--deadline_admission' || admission_flag=0
+"$BUILD/server/mita-server" --help 2>&1 | grep -q -- '--cost_profile' || profile_flag=0
 echo "machine: $(nproc) cores; load average $(cut -d' ' -f1-3 /proc/loadavg); $(git log -1 --format='%h %s' | cut -c1-80)"
 [ "$admission_flag" = 1 ] || echo "note: this mita-server has no --deadline_admission; every policy runs without it"
 
-start_server() {  # ADMISSION(true|false)
-  local flags=()
-  [ "$admission_flag" = 1 ] && flags+=("--deadline_admission=$1")
+start_server() {  # MODEL ADMISSION(true|false): a server of MODEL alone
+  local model="$1" flags=()
+  mkdir -p "$work/repository-$model"
+  ln -sfn "$PWD/models/repository/$model" "$work/repository-$model/$model"
+  if [ "$admission_flag" = 1 ]; then flags+=("--deadline_admission=$2"); fi
+  if [ "$profile_flag" = 1 ]; then
+    # Calibrated once per model, loaded by its later servers: every policy plans with the same cost model.
+    if [ -f "$work/cost-$model" ]; then
+      flags+=("--cost_profile=$work/cost-$model")
+    else
+      flags+=("--save_cost_profile=$work/cost-$model")
+    fi
+  fi
   # shellcheck disable=SC2086
-  "$BUILD/server/mita-server" --model_repository=models/repository --listen="127.0.0.1:$PORT" --metrics_listen= \
-    "${flags[@]}" $SERVER_FLAGS 2> "$work/server.log" &
+  "$BUILD/server/mita-server" --model_repository="$work/repository-$model" --listen="127.0.0.1:$PORT" \
+    --metrics_listen= "${flags[@]}" $SERVER_FLAGS 2> "$work/server.log" &
   server_pid=$!
   port="$(wait_for_server_port "$work/server.log")"
   [ -n "$port" ] || { cat "$work/server.log"; exit 1; }
@@ -123,10 +135,16 @@ run() {  # POLICY LOAD: one open-loop run of $kind at LOAD x $capacity, each cal
 for kind in $KINDS; do
   if [ -n "$LOCK_FILE" ]; then
     exec 9> "$LOCK_FILE"
+    lock_start=$SECONDS
     flock -x 9
+    echo "($LOCK_FILE held after $((SECONDS - lock_start)) s of waiting)"
   fi
+  kind_start=$SECONDS
   manifest="$work/$kind.csv"
-  start_server false
+  model=$IMAGE_MODEL
+  if [ "$kind" = documents ]; then model=$DOCUMENT_MODEL; fi
+  start_server "$model" false
+  calibration="$(sed -n "s/.*\(cost model of .*\)/\1/p" "$work/server.log" | head -1)"
   bench "$kind-idle" --manifest="$manifest" --mode=closed --concurrency=1 --requests=0 --duration_s=3 \
     --warmup_requests=10 --deadlines_ms=60000
   idle_p50="$(result "$kind-idle" p50_ms)"
@@ -138,15 +156,17 @@ for kind in $KINDS; do
   echo "### $kind: capacity $capacity answers/s at the default budget (closed loop, concurrency" \
     "$CAPACITY_CONCURRENCY, $CAPACITY_SECONDS s); idle p50 $idle_p50 ms; deadline $DEADLINE_FACTOR x idle p50 =" \
     "$deadline_ms ms; $SECONDS_EACH s per run"
+  if [ -n "$calibration" ]; then echo "$model: $calibration"; fi
   for load in $LOADS; do run fixed "$load"; done
   stop_server
-  start_server true
+  start_server "$model" true
   for load in $LOADS; do
     run admission "$load"
     run adaptive "$load"
   done
   stop_server
   if [ -n "$LOCK_FILE" ]; then flock -u 9; fi
+  echo "($kind: $((SECONDS - kind_start)) s; load average $(cut -d' ' -f1-3 /proc/loadavg))"
   echo
   echo "| load | offered /s | policy | goodput /s | miss % | rejected % | mean m | mean k | full % | goodput / fixed |"
   echo "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"
@@ -172,4 +192,4 @@ for kind in $KINDS; do
   done
 done
 echo
-echo "load average at the end $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "load average at the end $(cut -d' ' -f1-3 /proc/loadavg); $SECONDS s in all"

@@ -354,9 +354,9 @@ TEST_F(OpenInferenceTest, DefaultBudgetPresetAndFullAttentionAreEchoed) {
   }
 }
 
-// A latency target through the server: the applied budget is one of the model's accuracy order (the first, the
-// most accurate, for a target of a minute on an idle server) and equals mita.v1's for the same target; a fixed
-// budget's reason is "requested". An unknown floor is the engine's error in this protocol's names.
+// A latency target through the server: for a target of a minute on an idle server the applied budget is the
+// first of the model's accuracy order (reason "most_accurate", with the time predicted for it), as over mita.v1
+// for the same target; a fixed budget's reason is "requested". An unknown floor is the engine's error in this protocol's names.
 TEST_F(OpenInferenceTest, LatencyTargetsAndTheBudgetReasonAreEchoed) {
   absl::StatusOr<const models::ModelPackage*> package = registry_->Lookup(kModel);
   ASSERT_TRUE(package.ok()) << package.status();
@@ -382,11 +382,14 @@ TEST_F(OpenInferenceTest, LatencyTargetsAndTheBudgetReasonAreEchoed) {
     EXPECT_EQ(parameters.at("mita_expert_count").int64_param(), first.expert_count);
     EXPECT_EQ(parameters.at("mita_expert_width").int64_param(), first.expert_width);
   }
-  EXPECT_EQ(parameters.count("mita_budget_reason"), 1u);
+  EXPECT_EQ(parameters.at("mita_budget_reason").string_param(), "most_accurate");
+  EXPECT_GT(parameters.at("mita_predicted_us").int64_param(), 0) << "a latency target is planned with a prediction";
+  EXPECT_LE(parameters.at("mita_predicted_us").int64_param(), 60000 * 1000);
   v1::Budget budget;
   budget.mutable_latency_target()->set_target_ms(60000);
   const v1::ClassifyResponse reference = Classify(images_[3], budget);
   EXPECT_EQ(parameters.at("mita_attention").string_param(), reference.budget().full_attention() ? "full" : "mita");
+  EXPECT_EQ(reference.budget().reason(), v1::BUDGET_REASON_MOST_ACCURATE);
   const auto* scores = FindOutput(response, "scores");
   ASSERT_NE(scores, nullptr);
   for (const v1::ClassScore& score : reference.classes()) {
