@@ -18,7 +18,8 @@
 // within their call's deadline per second of the measured window), the deadline-miss rate (DEADLINE_EXCEEDED
 // answers and OK answers later than their deadline, over the measured calls sent) and the rejection rate
 // (RESOURCE_EXHAUSTED and UNAVAILABLE, over the same); the mean applied budget of OK answers (expert count and
-// width over those that ran MiTA, the fraction that ran full attention) and their count by budget reason; with
+// width over those that ran MiTA, the fraction that ran full attention) and their count by budget reason, and
+// the p50 client latency of the DEADLINE_EXCEEDED answers (refused at admission, or out of time); with
 // --server_pid, the server's resident memory (VmRSS from /proc/PID/status) after the warm-up, at the end, its
 // maximum, and the growth. The last line is "RESULT key=value ..." for scripts (new keys are appended: scripts
 // read some by position). Exit status 0 when the run completed (errors are counted, not
@@ -231,10 +232,16 @@ struct DeadlineTally {
   double expert_count_sum = 0;
   double expert_width_sum = 0;
   std::map<int, int64_t> reasons;  // OK answers by v1::BudgetReason
+  // Client latency of the DEADLINE_EXCEEDED answers: near 0 when the server refused at admission, near the
+  // deadline when the call ran out of time.
+  std::vector<double> deadline_exceeded_ms;
 
   void Add(const Call& call, double latency_ms) {
     const grpc::StatusCode code = call.status.error_code();
-    if (code == grpc::StatusCode::DEADLINE_EXCEEDED) ++deadline_exceeded;
+    if (code == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      ++deadline_exceeded;
+      deadline_exceeded_ms.push_back(latency_ms);
+    }
     if (code == grpc::StatusCode::RESOURCE_EXHAUSTED || code == grpc::StatusCode::UNAVAILABLE) ++rejected;
     if (!call.status.ok()) return;
     if (call.deadline_ms > 0 && latency_ms > static_cast<double>(call.deadline_ms)) {
@@ -467,9 +474,10 @@ int main(int argc, char** argv) {
   const double full_fraction =
       ok_count > 0 ? static_cast<double>(tally.full_answers) / static_cast<double>(ok_count) : 0;
   std::cout << absl::StrFormat(
-      "deadlines: goodput %.1f OK answers within their deadline/s; missed %.2f%% (DEADLINE_EXCEEDED %d, OK but late "
-      "%d), rejected %.2f%% (RESOURCE_EXHAUSTED or UNAVAILABLE %d) of %d calls sent\n",
-      goodput, 100 * miss_rate, tally.deadline_exceeded, tally.ok_late, 100 * reject_rate, tally.rejected, answered);
+      "deadlines: goodput %.1f OK answers within their deadline/s; missed %.2f%% (DEADLINE_EXCEEDED %d, answered "
+      "after p50 %.2f ms; OK but late %d), rejected %.2f%% (RESOURCE_EXHAUSTED or UNAVAILABLE %d) of %d calls sent\n",
+      goodput, 100 * miss_rate, tally.deadline_exceeded, Percentile(tally.deadline_exceeded_ms, 50), tally.ok_late,
+      100 * reject_rate, tally.rejected, answered);
   std::string reason_text, reason_keys;
   for (int reason = v1::BudgetReason_MIN; reason <= v1::BudgetReason_MAX; ++reason) {
     if (!v1::BudgetReason_IsValid(reason)) continue;
@@ -493,9 +501,9 @@ int main(int argc, char** argv) {
   std::cout << absl::StrFormat(
       "RESULT label=%s answered=%d ok=%d seconds=%.3f throughput=%.2f ok_throughput=%.2f "
       "p50_ms=%.3f p95_ms=%.3f p99_ms=%.3f mean_batch=%.3f%s goodput=%.2f miss_rate=%.5f reject_rate=%.5f "
-      "mean_m=%.3f mean_k=%.3f full_fraction=%.5f%s\n",
+      "mean_m=%.3f mean_k=%.3f full_fraction=%.5f%s deadline_exceeded_p50_ms=%.3f\n",
       label.empty() ? "-" : label, answered, ok_count, seconds, static_cast<double>(answered) / seconds,
       static_cast<double>(ok_count) / seconds, p50, p95, p99, mean_batch, rss_text, goodput, miss_rate, reject_rate,
-      mean_m, mean_k, full_fraction, reason_keys);
+      mean_m, mean_k, full_fraction, reason_keys, Percentile(tally.deadline_exceeded_ms, 50));
   return 0;
 }

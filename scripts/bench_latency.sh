@@ -24,7 +24,8 @@
 # per run, default 15), LOADS (default "0.5 1 2 4"), KINDS (default "images documents"), DEADLINE_FACTOR
 # (default 4), CAPACITY_SECONDS (default 8), CAPACITY_CONCURRENCY (default 32), DOCUMENT_MODEL, DOCUMENTS
 # (default 16), DOCUMENT_TOKENS (default 1000), PORT (gRPC port, default 0: any free one), SERVER_FLAGS (more
-# mita-server flags), LOCK_FILE (when set, each kind's runs hold `flock -x` on it). About 10 minutes with the
+# mita-server flags), LOCK_FILE (when set, each kind's runs hold `flock -x` on it), LOGS (a folder to keep
+# every mita-bench report and server log in). About 10 minutes with the
 # defaults.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,18 +43,28 @@ DOCUMENT_TOKENS="${DOCUMENT_TOKENS:-1000}"
 PORT="${PORT:-0}"
 SERVER_FLAGS="${SERVER_FLAGS:-}"
 LOCK_FILE="${LOCK_FILE:-}"
+LOGS="${LOGS:-}"
 IMAGE_MODEL=fashion-mnist-vit
 export OMP_WAIT_POLICY=passive
 work="$(mktemp -d)"
 server_pid=""
-stop_server() {
+stop_server() {  # and keeps its log as server-N.log
   if [ -n "$server_pid" ]; then
     kill -TERM "$server_pid" 2>/dev/null || true
     wait "$server_pid" 2>/dev/null || true
     server_pid=""
+    cp "$work/server.log" "$work/server-$servers.log"
   fi
 }
-trap 'stop_server; rm -rf "$work"' EXIT
+finish() {
+  stop_server
+  if [ -n "$LOGS" ]; then
+    mkdir -p "$LOGS"
+    cp "$work"/*.log "$LOGS"/ 2>/dev/null || true
+  fi
+  rm -rf "$work"
+}
+trap finish EXIT
 
 # Inputs.
 for kind in $KINDS; do
@@ -80,15 +91,19 @@ for kind in $KINDS; do
 done
 
 admission_flag=1 profile_flag=1
-"$BUILD/server/mita-server" --help 2>&1 | grep -q -- '--deadline_admission' || admission_flag=0
-"$BUILD/server/mita-server" --help 2>&1 | grep -q -- '--cost_profile' || profile_flag=0
+server_help="$("$BUILD/server/mita-server" --help 2>&1 || true)"
+grep -q -- '--deadline_admission' <<< "$server_help" || admission_flag=0
+grep -q -- '--cost_profile' <<< "$server_help" || profile_flag=0
 echo "machine: $(nproc) cores; load average $(cut -d' ' -f1-3 /proc/loadavg); $(git log -1 --format='%h %s' | cut -c1-80)"
 [ "$admission_flag" = 1 ] || echo "note: this mita-server has no --deadline_admission; every policy runs without it"
 
 start_server() {  # MODEL ADMISSION(true|false): a server of MODEL alone
   local model="$1" flags=()
-  mkdir -p "$work/repository-$model"
-  ln -sfn "$PWD/models/repository/$model" "$work/repository-$model/$model"
+  # A copy (the server reads no package through a link out of its repository).
+  if [ ! -d "$work/repository-$model" ]; then
+    mkdir -p "$work/repository-$model"
+    cp -r "models/repository/$model" "$work/repository-$model/"
+  fi
   if [ "$admission_flag" = 1 ]; then flags+=("--deadline_admission=$2"); fi
   if [ "$profile_flag" = 1 ]; then
     # Calibrated once per model, loaded by its later servers: every policy plans with the same cost model.
@@ -101,6 +116,7 @@ start_server() {  # MODEL ADMISSION(true|false): a server of MODEL alone
   # shellcheck disable=SC2086
   "$BUILD/server/mita-server" --model_repository="$work/repository-$model" --listen="127.0.0.1:$PORT" \
     --metrics_listen= "${flags[@]}" $SERVER_FLAGS 2> "$work/server.log" &
+  servers=$((${servers:-0} + 1))
   server_pid=$!
   port="$(wait_for_server_port "$work/server.log")"
   [ -n "$port" ] || { cat "$work/server.log"; exit 1; }
