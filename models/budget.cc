@@ -122,15 +122,15 @@ absl::StatusOr<std::vector<ResolvedBudget>> AllowedBudgets(const BudgetKnobs& kn
 
 std::vector<DeclaredBudget> DefaultAccuracyOrder(const BudgetKnobs& knobs, int64_t tokens) {
   std::vector<DeclaredBudget> order;
-  auto add = [&](const std::string& name, const AttentionBudget& budget) {
+  auto add = [&](const AttentionBudget& budget) {
     for (const DeclaredBudget& existing : order) {
       if (existing.budget == budget) return;
     }
-    order.push_back(DeclaredBudget{name, budget, -1});
+    order.push_back(DeclaredBudget{DeclaredBudgetName(knobs, budget), budget, -1});
   };
-  if (knobs.full_attention_supported) add("full", AttentionBudget{true, 0, 0});
-  add("default", knobs.default_budget);
-  for (const auto& [name, budget] : knobs.presets) add(name, budget);
+  if (knobs.full_attention_supported) add(AttentionBudget{true, 0, 0});
+  add(knobs.default_budget);
+  for (const auto& [name, budget] : knobs.presets) add(budget);
   std::stable_sort(order.begin(), order.end(), [tokens](const DeclaredBudget& a, const DeclaredBudget& b) {
     return ComputeUnits(tokens, ApplyBudget(a.budget, tokens)) > ComputeUnits(tokens, ApplyBudget(b.budget, tokens));
   });
@@ -168,6 +168,19 @@ absl::StatusOr<AttentionBudget> ParseBudget(absl::string_view text) {
 std::string BudgetName(const AttentionBudget& budget) {
   if (budget.full_attention) return "full attention";
   return absl::StrCat("MiTA m=", budget.expert_count, " k=", budget.expert_width);
+}
+
+std::string BudgetText(const AttentionBudget& budget) {
+  if (budget.full_attention) return "full";
+  return absl::StrCat(budget.expert_count, "x", budget.expert_width);
+}
+
+std::string DeclaredBudgetName(const BudgetKnobs& knobs, const AttentionBudget& budget) {
+  if (budget == knobs.default_budget) return "default";
+  for (const auto& [name, preset] : knobs.presets) {
+    if (preset == budget) return name;
+  }
+  return BudgetText(budget);
 }
 
 }  // namespace mita::models

@@ -89,7 +89,7 @@ absl::StatusOr<std::vector<ResolvedBudget>> AllowedBudgets(const BudgetKnobs& kn
 
 // The accuracy order of a package that declares none: the default budget, the presets and (when supported) full
 // attention, ranked by ComputeUnits at `tokens` tokens, most first (more compute taken as more accurate), equal
-// budgets once, accuracy -1. Names as DeclaredBudget::name.
+// budgets once, accuracy -1, each named by DeclaredBudgetName.
 std::vector<DeclaredBudget> DefaultAccuracyOrder(const BudgetKnobs& knobs, int64_t tokens);
 
 // The problems of `budget` against `knobs` (none for full attention): expert_count not allowed ("10 is not
@@ -122,5 +122,12 @@ absl::StatusOr<AttentionBudget> ParseBudget(absl::string_view text);
 
 // A budget's name in tables and logs: "MiTA m=9 k=16" or "full attention".
 std::string BudgetName(const AttentionBudget& budget);
+
+// A budget as ParseBudget reads it: "9x16" (expert_count x expert_width) or "full".
+std::string BudgetText(const AttentionBudget& budget);
+
+// The DeclaredBudget::name of `budget` in `knobs`: "default" when it is the default budget, else the name of
+// the first preset (in map order) equal to it, else BudgetText ("9x16", "full").
+std::string DeclaredBudgetName(const BudgetKnobs& knobs, const AttentionBudget& budget);
 
 }  // namespace mita::models

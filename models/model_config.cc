@@ -156,6 +156,58 @@ absl::Status ReadDefaultBudgetAndPresets(const Json& attention, const BudgetKnob
   return absl::OkStatus();
 }
 
+// Reads attention.accuracy_order (optional) into config.accuracy_order: a non-empty array, most accurate first,
+// of {"budget": "9x16" | "full", "accuracy": a in [0, 1]}, accuracies non-increasing. `knobs` holds the parsed
+// default budget and presets: each budget is checked against it (CheckBudget, full attention only where
+// supported) and named by DeclaredBudgetName. Errors: INVALID_ARGUMENT naming the entry, e.g.
+// "config.json: attention.accuracy_order[2].budget \"10x16\": expert_count 10 is not allowed: use one of 1, 4, 9".
+absl::Status ReadAccuracyOrder(const Json& attention, const BudgetKnobs& knobs, EncoderConfig& config) {
+  const Json* values = Find(attention, "accuracy_order");
+  if (values == nullptr) return absl::OkStatus();
+  if (!values->is_array()) {
+    return Invalid(absl::StrCat("attention.accuracy_order must be an array of {\"budget\", \"accuracy\"} objects, "
+                                "found ", values->dump()));
+  }
+  if (values->empty()) {
+    return Invalid("attention.accuracy_order is empty: list at least one budget, or leave the field out");
+  }
+  for (size_t i = 0; i < values->size(); ++i) {
+    const std::string entry = absl::StrCat("attention.accuracy_order[", i, "]");
+    const Json& value = (*values)[i];
+    if (!value.is_object()) return Invalid(absl::StrCat(entry, " must be an object, found ", value.dump()));
+    ASSIGN_OR_RETURN(const std::string text, ReadString(value, entry, "budget"));
+    const std::string field = absl::StrCat(entry, ".budget \"", text, "\"");
+    absl::StatusOr<AttentionBudget> budget = ParseBudget(text);
+    if (!budget.ok()) {
+      return Invalid(absl::StrCat(field, " is not expert_count x expert_width (e.g. \"9x16\") or \"full\""));
+    }
+    if (budget->full_attention && !knobs.full_attention_supported) {
+      return Invalid(absl::StrCat(field, ": this model does not run full attention"));
+    }
+    if (const std::vector<FieldProblem> problems = FieldProblems(CheckBudget(knobs, *budget)); !problems.empty()) {
+      return Invalid(absl::StrCat(field, ": ", RequestFieldName(problems.front().field), " ", problems.front().detail));
+    }
+    for (size_t j = 0; j < config.accuracy_order.size(); ++j) {
+      if (config.accuracy_order[j].budget == *budget) {
+        return Invalid(absl::StrCat(field, " repeats attention.accuracy_order[", j, "]"));
+      }
+    }
+    const std::string accuracy_field = absl::StrCat(entry, ".accuracy");
+    const Json* accuracy_value = Find(value, "accuracy");
+    if (accuracy_value == nullptr) return Invalid(absl::StrCat("missing required field ", accuracy_field));
+    ASSIGN_OR_RETURN(const double accuracy, ReadNumber(*accuracy_value, accuracy_field));
+    if (accuracy < 0 || accuracy > 1) {
+      return Invalid(absl::StrCat(accuracy_field, " ", accuracy, " is out of range [0, 1]"));
+    }
+    if (i > 0 && accuracy > config.accuracy_order.back().accuracy) {
+      return Invalid(absl::StrCat(accuracy_field, " ", accuracy, " is above attention.accuracy_order[", i - 1,
+                                  "]'s ", config.accuracy_order.back().accuracy, ": list the most accurate first"));
+    }
+    config.accuracy_order.push_back(DeclaredBudget{DeclaredBudgetName(knobs, *budget), *budget, accuracy});
+  }
+  return absl::OkStatus();
+}
+
 // Reads the fields both architectures share, except the budgets (they need the kind's knobs): architecture
 // (must be `architecture`), task (optional, must be `task`), embed_dim, depth, num_heads (divides embed_dim),
 // mlp_hidden_dim, layer_norm_eps (optional), num_classes, and attention.type ("mita"). Returns the attention
@@ -222,6 +274,7 @@ absl::StatusOr<VitConfig> ParseValidated(const Json& root) {
     config.depthwise_conv = dwc->get<bool>();
   }
   RETURN_IF_ERROR(ReadDefaultBudgetAndPresets(*attention, ImageKnobs(config), config));
+  RETURN_IF_ERROR(ReadAccuracyOrder(*attention, ImageKnobs(config), config));  // the knobs now have the presets
 
   if (Find(root, "max_image_side") != nullptr) {
     ASSIGN_OR_RETURN(config.max_image_side, ReadInteger(root, "", "max_image_side", 1, 1 << 16));
@@ -259,6 +312,7 @@ absl::StatusOr<DocumentConfig> ParseValidatedDocument(const Json& root) {
   ASSIGN_OR_RETURN(config.max_expert_width,
                    ReadInteger(*attention, "attention", "max_expert_width", 1, config.max_tokens));
   RETURN_IF_ERROR(ReadDefaultBudgetAndPresets(*attention, DocumentKnobs(config), config));
+  RETURN_IF_ERROR(ReadAccuracyOrder(*attention, DocumentKnobs(config), config));  // the knobs now have the presets
   return config;
 }
 

@@ -24,7 +24,11 @@ struct EncoderConfig {
   int64_t num_classes = 0;
   AttentionBudget default_budget;
   std::map<std::string, AttentionBudget> presets;
-  // attention.accuracy_order (optional): declared budgets, most accurate first; empty when absent.
+  // attention.accuracy_order (optional): declared budgets, most accurate first; empty when absent. In config.json
+  // an array of {"budget": "9x16" | "full", "accuracy": held-out accuracy in [0, 1]}, written by
+  // `mita-eval --write_accuracy_order` / `mita-eval-documents --write_accuracy_order`, e.g.
+  //   "accuracy_order": [{"budget": "16x32", "accuracy": 0.8828}, {"budget": "9x16", "accuracy": 0.8823}]
+  // Each budget is named as DeclaredBudgetName names it ("default", a preset's name, else the text).
   std::vector<DeclaredBudget> accuracy_order;
 
   int64_t head_dim() const { return embed_dim / num_heads; }
@@ -57,14 +61,17 @@ struct VitConfig : EncoderConfig {
 // image_size), in_channels (1 or 3), embed_dim, depth, num_heads (divides embed_dim), mlp_hidden_dim,
 // num_classes, normalization.mean and .std (in_channels numbers each, std > 0), attention.type ("mita"),
 // attention.default_budget. Optional: task ("image_classification"), layer_norm_eps (> 0, default 1e-6),
-// attention.depthwise_conv (default false), attention.presets (name -> budget), max_image_side (default 4096).
+// attention.depthwise_conv (default false), attention.presets (name -> budget), attention.accuracy_order
+// (EncoderConfig::accuracy_order), max_image_side (default 4096).
 // Integers must be JSON integers (28.0 is rejected). A budget object is {"expert_count": m, "expert_width": k}
 // or {"full_attention": true}. Unknown fields are ignored (forward compatibility).
 // Errors: INVALID_ARGUMENT, prefixed "config.json: ", naming the field that is missing, of the wrong type or out
 // of range (e.g. "config.json: patch_size 5 does not divide image_size 28"); the default budget and the presets
 // are checked against the allowed ranges (expert count a perfect square P*P with 1 <= P <= grid side, expert
 // width in [1, tokens]), e.g. "config.json: attention.presets.fast.expert_count 10 is not allowed: use one of
-// 1, 4, 9, 16, 25, 36, 49".
+// 1, 4, 9, 16, 25, 36, 49". attention.accuracy_order must be non-empty, with accuracies in [0, 1] that never
+// rise down the list, no budget twice, each budget within the ranges (e.g. "config.json:
+// attention.accuracy_order[2].budget \"10x16\": expert_count 10 is not allowed: use one of ...").
 absl::StatusOr<VitConfig> ParseVitConfig(std::string_view json_text);
 
 // The budget knobs of an image model: expert counts P*P for P in 1 .. grid side (a P x P landmark grid), expert
@@ -94,9 +101,10 @@ struct DocumentConfig : EncoderConfig {
 // [1, 2^24]), tokenizer ("bytes", which needs vocab_size >= 256, or "sentencepiece"),
 // position_encoding.type ("convolution") and .kernel_size (odd, in [1, 255]), attention.type ("mita"),
 // attention.default_budget, attention.max_expert_count and attention.max_expert_width (each in [1, max_tokens]).
-// Optional: task ("document_classification"), layer_norm_eps (> 0, default 1e-6), attention.presets. The
-// default budget and presets must lie within the max_expert_* ranges. Integers must be JSON integers; unknown
-// fields are ignored. Errors: INVALID_ARGUMENT prefixed "config.json: " naming the field, e.g.
+// Optional: task ("document_classification"), layer_norm_eps (> 0, default 1e-6), attention.presets,
+// attention.accuracy_order (as for ParseVitConfig). The default budget, presets and accuracy order must lie within
+// the max_expert_* ranges. Integers must be JSON integers; unknown fields are ignored. Errors: INVALID_ARGUMENT
+// prefixed "config.json: " naming the field, e.g.
 // "config.json: attention.presets.fast.expert_width 5000 is out of range: allowed [1, 1024]".
 absl::StatusOr<DocumentConfig> ParseDocumentConfig(std::string_view json_text);
 

@@ -135,7 +135,7 @@ absl::Duration ModelRunner::PredictedWait(size_t lane, absl::Time now) const {
   const int64_t batches = (load.queued_tasks + load.options.max_batch_size - 1) / load.options.max_batch_size;
   work += overhead * batches;
   for (const absl::Time end : load.running_ends) work += std::max(end - now, absl::ZeroDuration());
-  return work / std::max(1, load.options.num_batch_threads) + load.options.max_queue_delay;
+  return work / std::max(1, load.options.num_batch_threads);
 }
 
 CostSummary ModelRunner::cost_summary() const {

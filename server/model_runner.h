@@ -107,7 +107,8 @@ class ModelRunner {
 
   // Predicted wait of a request admitted now to `lane` before its batch starts: the running batches' predicted
   // remainder, the queued tasks' predicted compute and their batches' fixed cost, shared by the lane's batch
-  // threads, plus the batcher's max_queue_delay.
+  // threads. The batcher's max_queue_delay is not counted: later arrivals may fill the batch sooner, and a batch
+  // that starts late is caught by LowerLateBudgets.
   absl::Duration PredictedWait(size_t lane, absl::Time now) const;
   // Predicted compute of `item` alone in a batch at `budget`, and its share of a batch without the fixed cost.
   absl::Duration PredictedCompute(const models::BatchItem& item, const models::AttentionBudget& budget) const;

@@ -136,6 +136,29 @@ TEST(DocumentConfigTest, BadValuesAreNamedWithTheirRange) {
   ExpectStatus(ParseDocumentConfig("{").status(), absl::StatusCode::kInvalidArgument, "config.json: invalid JSON");
 }
 
+// A document package's accuracy order: named as for images, checked against the max_expert_* ranges.
+TEST(DocumentConfigTest, AccuracyOrderIsNamedAndCheckedAgainstTheRanges) {
+  Json json = ValidDocumentConfigJson();
+  json["attention"]["accuracy_order"] = Json::parse(R"([
+      {"budget": "32x128", "accuracy": 0.8}, {"budget": "16x64", "accuracy": 0.8},
+      {"budget": "full", "accuracy": 0.75}, {"budget": "8x32", "accuracy": 0.7}])");
+  absl::StatusOr<DocumentConfig> config = ParseDocumentConfig(json.dump());
+  ASSERT_TRUE(config.ok()) << config.status();
+  std::vector<std::string> names;
+  for (const DeclaredBudget& declared : DocumentKnobs(*config).accuracy_order) names.push_back(declared.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"32x128", "default", "exact", "fast"}));
+  EXPECT_EQ(config->accuracy_order[0].budget, (AttentionBudget{false, 32, 128}));
+  EXPECT_DOUBLE_EQ(config->accuracy_order[3].accuracy, 0.7);
+  json["attention"]["accuracy_order"][1]["budget"] = "16x2000";
+  ExpectStatus(ParseDocumentConfig(json.dump()).status(), absl::StatusCode::kInvalidArgument,
+               "config.json: attention.accuracy_order[1].budget \"16x2000\": expert_width 2000 is out of range: "
+               "allowed [1, 1024]");
+  json["attention"]["accuracy_order"][1]["budget"] = "300x64";
+  ExpectStatus(ParseDocumentConfig(json.dump()).status(), absl::StatusCode::kInvalidArgument,
+               "config.json: attention.accuracy_order[1].budget \"300x64\": expert_count 300 is out of range: "
+               "allowed [1, 256]");
+}
+
 TEST(DocumentBudgetTest, CheckNamesTheKnobAndRange) {
   const BudgetKnobs knobs = DocumentKnobs(*ParseDocumentConfig(ValidDocumentConfigJson().dump()));
   EXPECT_TRUE(CheckBudget(knobs, {true, 0, 0}).ok());

@@ -22,6 +22,7 @@
 #include "absl/time/clock.h"
 #include "models/budget.h"
 #include "models/classifier.h"
+#include "models/model_package.h"
 #include "server/clock.h"
 #include "server/cost_calibration.h"
 #include "server/cost_model.h"
@@ -461,6 +462,35 @@ TEST(LatencyPlannerTest, LowerToFitSkipsMembersItCannotServe) {
   members[1].time_left = absl::Milliseconds(80);
   EXPECT_EQ(server::LowerToFit(members, predict), 1);
   EXPECT_EQ(members[1].choice, 1u);
+}
+
+// The start-up sweep on the embedded image model: bounded by its limit, and enough batches for the fit.
+TEST(CostCalibrationTest, SweepIsBoundedByItsLimit) {
+  absl::StatusOr<models::ModelPackage> package =
+      models::LoadModelPackage(test_util::SourceDirectory() + "/models/repository/fashion-mnist-vit");
+  ASSERT_TRUE(package.ok()) << package.status();
+  absl::StatusOr<server::CostProfile> none = server::CalibrateCostModel(*package->classifier, absl::ZeroDuration(), 16,
+                                                                        1 << 17);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->source, "prior");
+  EXPECT_EQ(none->calibration_batches, 0);
+  EXPECT_EQ(none->coefficients, server::PriorCostCoefficients());
+  // 1 ms is less than two runs of the cheapest batch by the prior: nothing is timed.
+  absl::StatusOr<server::CostProfile> tiny =
+      server::CalibrateCostModel(*package->classifier, absl::Milliseconds(1), 16, 1 << 17);
+  ASSERT_TRUE(tiny.ok()) << tiny.status();
+  EXPECT_EQ(tiny->calibration_batches, 0);
+  EXPECT_EQ(tiny->source, "prior");
+  const absl::Duration limit = absl::Seconds(5);
+  absl::StatusOr<server::CostProfile> swept = server::CalibrateCostModel(*package->classifier, limit, 16, 1 << 17);
+  ASSERT_TRUE(swept.ok()) << swept.status();
+  EXPECT_EQ(swept->source, "calibrated");
+  EXPECT_GE(swept->calibration_batches, server::kNumCostFeatures);
+  EXPECT_LE(swept->calibration_time, limit + absl::Seconds(1));
+  EXPECT_GT(swept->coefficients[0] + swept->coefficients[1] + swept->coefficients[2], 0)
+      << "the fit gives the image model a cost";
+  std::cout << "fashion-mnist-vit sweep: " << swept->calibration_batches << " batches in "
+            << absl::FormatDuration(swept->calibration_time) << ", median fit error " << swept->fit_error << "\n";
 }
 
 TEST(CostProfileFileTest, RoundTripsAndRefusesAnotherShape) {

@@ -30,6 +30,7 @@
 #include "models/vit_classifier.h"
 #include "nlohmann/json.hpp"
 #include "tests/test_util.h"
+#include "tools/accuracy_order.h"
 #include "tools/fashion_mnist.h"
 #include "tools/fashion_mnist_inputs.h"
 
@@ -321,6 +322,212 @@ TEST(ModelConfigTest, ResolveBudgetFollowsTheRequest) {
   EXPECT_EQ(FieldProblems(ResolveBudget(full_default, request).status()),
             (Problems{{RequestField::kExperts, -1,
                        "the model's default is full attention, so set both expert_count and expert_width"}}));
+}
+
+// attention.accuracy_order: entries kept in the file's order with their accuracies, each named "default" for
+// the default budget (even where a preset equals it), else the preset equal to it, else its text.
+TEST(ModelConfigTest, AccuracyOrderParsesAndNamesEachBudget) {
+  Json json = ValidConfigJson();
+  json["attention"]["accuracy_order"] = Json::parse(R"([
+      {"budget": "16x32", "accuracy": 0.9}, {"budget": "9x16", "accuracy": 0.89},
+      {"budget": "full", "accuracy": 0.88}, {"budget": "4x8", "accuracy": 0.87},
+      {"budget": "25x50", "accuracy": 0.87, "note": "unknown keys are ignored"}])");
+  absl::StatusOr<VitConfig> config = ParseVitConfig(json.dump());
+  ASSERT_TRUE(config.ok()) << config.status();
+  struct Expected {
+    std::string name;
+    AttentionBudget budget;
+    double accuracy;
+  };
+  const std::vector<Expected> expected = {{"accurate", {false, 16, 32}, 0.9},
+                                          {"default", {false, 9, 16}, 0.89},
+                                          {"exact", {true, 0, 0}, 0.88},
+                                          {"fast", {false, 4, 8}, 0.87},
+                                          {"25x50", {false, 25, 50}, 0.87}};
+  ASSERT_EQ(config->accuracy_order.size(), expected.size());
+  const BudgetKnobs knobs = ImageKnobs(*config);
+  ASSERT_EQ(knobs.accuracy_order.size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    for (const DeclaredBudget& declared : {config->accuracy_order[i], knobs.accuracy_order[i]}) {
+      EXPECT_EQ(declared.name, expected[i].name) << i;
+      EXPECT_EQ(declared.budget, expected[i].budget) << i;
+      EXPECT_DOUBLE_EQ(declared.accuracy, expected[i].accuracy) << i;
+    }
+  }
+  // Without a preset for full attention it is named by its text.
+  json["attention"]["presets"].erase("exact");
+  config = ParseVitConfig(json.dump());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->accuracy_order[2].name, "full");
+}
+
+// Without attention.accuracy_order the knobs rank the default, the presets and full attention by compute units at
+// the model's 50 tokens (50 x 50 full, 50 x (16 + 32), 50 x (9 + 16), 50 x (4 + 8)), with the same names.
+TEST(ModelConfigTest, AbsentAccuracyOrderRanksByComputeWithTheSameNames) {
+  absl::StatusOr<VitConfig> config = ParseVitConfig(ValidConfigJson().dump());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_TRUE(config->accuracy_order.empty());
+  const BudgetKnobs knobs = ImageKnobs(*config);
+  std::vector<std::string> names;
+  for (const DeclaredBudget& declared : knobs.accuracy_order) {
+    names.push_back(declared.name);
+    EXPECT_EQ(declared.accuracy, -1);
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"exact", "accurate", "default", "fast"}));
+}
+
+TEST(ModelConfigTest, AccuracyOrderErrorsNameTheEntry) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"budget": "9x16", "accuracy": 0.9})", "attention.accuracy_order must be an array"},
+      {R"([])", "attention.accuracy_order is empty: list at least one budget, or leave the field out"},
+      {R"([7])", "attention.accuracy_order[0] must be an object, found 7"},
+      {R"([{"accuracy": 0.9}])", "missing required field attention.accuracy_order[0].budget"},
+      {R"([{"budget": 9, "accuracy": 0.9}])", "attention.accuracy_order[0].budget must be a string, found 9"},
+      {R"([{"budget": "9x16", "accuracy": 0.9}, {"budget": "9x", "accuracy": 0.8}])",
+       "attention.accuracy_order[1].budget \"9x\" is not expert_count x expert_width (e.g. \"9x16\") or \"full\""},
+      {R"([{"budget": "9x16", "accuracy": 0.9}, {"budget": "4x8", "accuracy": 0.8},
+           {"budget": "10x16", "accuracy": 0.7}])",
+       "attention.accuracy_order[2].budget \"10x16\": expert_count 10 is not allowed: use one of 1, 4, 9, 16, 25, "
+       "36, 49"},
+      {R"([{"budget": "9x51", "accuracy": 0.9}])",
+       "attention.accuracy_order[0].budget \"9x51\": expert_width 51 is out of range: allowed [1, 50]"},
+      {R"([{"budget": "9x16", "accuracy": 0.9}, {"budget": "4x8", "accuracy": 0.8},
+           {"budget": "9x16", "accuracy": 0.7}])",
+       "attention.accuracy_order[2].budget \"9x16\" repeats attention.accuracy_order[0]"},
+      {R"([{"budget": "full", "accuracy": 0.9}, {"budget": "full", "accuracy": 0.9}])",
+       "attention.accuracy_order[1].budget \"full\" repeats attention.accuracy_order[0]"},
+      {R"([{"budget": "9x16"}])", "missing required field attention.accuracy_order[0].accuracy"},
+      {R"([{"budget": "9x16", "accuracy": "high"}])",
+       "attention.accuracy_order[0].accuracy must be a number, found \"high\""},
+      {R"([{"budget": "9x16", "accuracy": 1.5}])", "attention.accuracy_order[0].accuracy 1.5 is out of range [0, 1]"},
+      {R"([{"budget": "9x16", "accuracy": -0.1}])",
+       "attention.accuracy_order[0].accuracy -0.1 is out of range [0, 1]"},
+      {R"([{"budget": "9x16", "accuracy": 0.8}, {"budget": "4x8", "accuracy": 0.85}])",
+       "attention.accuracy_order[1].accuracy 0.85 is above attention.accuracy_order[0]'s 0.8: list the most "
+       "accurate first"},
+  };
+  for (const auto& [order, message] : cases) {
+    Json config = ValidConfigJson();
+    config["attention"]["accuracy_order"] = Json::parse(order);
+    ExpectStatus(ParseVitConfig(config.dump()).status(), absl::StatusCode::kInvalidArgument,
+                 "config.json: " + message);
+  }
+}
+
+// ----- --write_accuracy_order (tools/accuracy_order.h) -----
+
+// Accuracies rounded to the 4 decimals written; ties go to fewer compute units at the given length (ApplyBudget
+// first: at 20 tokens 16x32 runs as 16x20, 20 x 36 = 720 units against full attention's 20 x 20 = 400).
+TEST(AccuracyOrderTest, SortsByRoundedAccuracyThenTheCheaperBudget) {
+  using tools::MeasuredAccuracy;
+  const std::vector<MeasuredAccuracy> measured = {{{false, 9, 16}, 0.88231},
+                                                  {{true, 0, 0}, 0.9},
+                                                  {{false, 16, 32}, 0.88229},
+                                                  {{false, 4, 8}, 0.8823},
+                                                  {{false, 9, 16}, 0.5}};  // listed twice: the first one counts
+  std::vector<MeasuredAccuracy> sorted = tools::SortByAccuracy(measured, 50);
+  ASSERT_EQ(sorted.size(), 4u);
+  const std::vector<AttentionBudget> expected = {{true, 0, 0}, {false, 4, 8}, {false, 9, 16}, {false, 16, 32}};
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_EQ(sorted[i].budget, expected[i]) << i;
+    EXPECT_EQ(sorted[i].accuracy, i == 0 ? 0.9 : 0.8823) << i;
+  }
+  const std::vector<MeasuredAccuracy> tied = {{{false, 16, 32}, 0.9}, {{true, 0, 0}, 0.9}};
+  EXPECT_TRUE(tools::SortByAccuracy(tied, 20)[0].budget.full_attention);   // 400 < 720 units
+  EXPECT_FALSE(tools::SortByAccuracy(tied, 50)[0].budget.full_attention);  // 50 x 48 = 2400 < 2500
+}
+
+// The rewrite keeps every line of the file (2-space indentation, key order) and adds only the order, which the
+// config parser then reads back; a second write replaces it in place; an order the parser rejects leaves the
+// file as it was.
+TEST(AccuracyOrderTest, WriteKeepsTheFileAndAddsTheOrder) {
+  const std::string directory = MakeTempDirectory("accuracy_order");
+  const std::string path = directory + "/config.json";
+  // As tools/train_image.py writes it (Python json.dump, indent=2).
+  const std::string original =
+      "{\n"
+      "  \"architecture\": \"mita_vit\",\n"
+      "  \"image_size\": 28,\n"
+      "  \"patch_size\": 4,\n"
+      "  \"in_channels\": 1,\n"
+      "  \"embed_dim\": 96,\n"
+      "  \"depth\": 4,\n"
+      "  \"num_heads\": 4,\n"
+      "  \"mlp_hidden_dim\": 192,\n"
+      "  \"layer_norm_eps\": 1e-06,\n"
+      "  \"num_classes\": 10,\n"
+      "  \"normalization\": {\n"
+      "    \"mean\": [\n"
+      "      0.286\n"
+      "    ],\n"
+      "    \"std\": [\n"
+      "      0.353\n"
+      "    ]\n"
+      "  },\n"
+      "  \"attention\": {\n"
+      "    \"type\": \"mita\",\n"
+      "    \"depthwise_conv\": true,\n"
+      "    \"default_budget\": {\n"
+      "      \"expert_count\": 9,\n"
+      "      \"expert_width\": 16\n"
+      "    },\n"
+      "    \"presets\": {\n"
+      "      \"fast\": {\n"
+      "        \"expert_count\": 4,\n"
+      "        \"expert_width\": 8\n"
+      "      },\n"
+      "      \"accurate\": {\n"
+      "        \"expert_count\": 16,\n"
+      "        \"expert_width\": 32\n"
+      "      }\n"
+      "    }\n"
+      "  },\n"
+      "  \"max_image_side\": 4096\n"
+      "}";
+  WriteFile(path, original + "\n");
+  absl::StatusOr<std::vector<DeclaredBudget>> written =
+      tools::WriteAccuracyOrder(directory, {{{false, 16, 32}, 0.9}, {{false, 9, 16}, 0.89}, {{false, 1, 50}, 0.5}});
+  ASSERT_TRUE(written.ok()) << written.status();
+  ASSERT_EQ(written->size(), 3u);
+  EXPECT_EQ((*written)[0].name, "accurate");
+  EXPECT_EQ((*written)[1].name, "default");
+  EXPECT_EQ((*written)[2].name, "1x50");
+  const std::string expected_block =
+      "    },\n"
+      "    \"accuracy_order\": [\n"
+      "      {\n        \"budget\": \"16x32\",\n        \"accuracy\": 0.9\n      },\n"
+      "      {\n        \"budget\": \"9x16\",\n        \"accuracy\": 0.89\n      },\n"
+      "      {\n        \"budget\": \"1x50\",\n        \"accuracy\": 0.5\n      }\n"
+      "    ]\n";
+  // The original with the block after the presets' closing brace (the last key of "attention").
+  std::string expected = original + "\n";
+  const std::string presets_end = "    }\n  },\n  \"max_image_side\"";
+  const size_t at = expected.find(presets_end);
+  ASSERT_NE(at, std::string::npos);
+  expected.replace(at, 6, expected_block);
+  const std::string text = ReadFile(path);
+  EXPECT_EQ(text, expected);
+  absl::StatusOr<VitConfig> config = ParseVitConfig(text);
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_EQ(config->accuracy_order.size(), 3u);
+  EXPECT_EQ(config->accuracy_order[2].budget, (AttentionBudget{false, 1, 50}));
+
+  written = tools::WriteAccuracyOrder(directory, {{{false, 4, 8}, 0.7}});
+  ASSERT_TRUE(written.ok()) << written.status();
+  const std::string rewritten = ReadFile(path);
+  std::string expected_again = expected;
+  const size_t block = expected_again.find(expected_block);
+  expected_again.replace(block, expected_block.size(),
+                         "    },\n    \"accuracy_order\": [\n      {\n        \"budget\": \"4x8\",\n"
+                         "        \"accuracy\": 0.7\n      }\n    ]\n");
+  EXPECT_EQ(rewritten, expected_again);
+
+  ExpectStatus(tools::WriteAccuracyOrder(directory, {{{false, 10, 16}, 0.7}}).status(),
+               absl::StatusCode::kInvalidArgument,
+               "config.json: attention.accuracy_order[0].budget \"10x16\": expert_count 10 is not allowed");
+  EXPECT_EQ(ReadFile(path), rewritten);
+  ExpectStatus(tools::WriteAccuracyOrder(directory + "/missing", {}).status(), absl::StatusCode::kNotFound,
+               "cannot open");
 }
 
 // ----- safetensors -----

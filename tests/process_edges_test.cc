@@ -38,9 +38,11 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
+using test_util::MakeTempDirectory;
 using test_util::ReadFile;
 using test_util::RepositoryPath;
 using test_util::WaitForExit;
+using test_util::WriteFile;
 
 std::string LogPath(const std::string& name) {
   return absl::StrCat(::testing::TempDir(), "/process_edges_", name, "_", getpid(), ".log");
@@ -135,6 +137,8 @@ TEST(ProcessEdgesTest, InvalidListenAddressesAreStartUpErrors) {
       {"--queue_capacity=0", "flag --queue_capacity: 0 is out of range: allowed [1, "},
       {"--max_batch_tokens=0", "flag --max_batch_tokens: 0 is out of range: allowed [1, "},
       {"--cuda_memory_fraction=1.5", "flag --cuda_memory_fraction: 1.5 is out of range: allowed (0, 1]"},
+      {"--cost_calibration_ms=-1", "flag --cost_calibration_ms: -1 is out of range: allowed [0, 600000]"},
+      {"--cost_profile=/nonexistent/profile.json", "flag --cost_profile: cannot read /nonexistent/profile.json"},
   };
   for (const auto& [flag, expected] : flags) {
     SCOPED_TRACE(flag);
@@ -145,6 +149,41 @@ TEST(ProcessEdgesTest, InvalidListenAddressesAreStartUpErrors) {
     EXPECT_EQ(WEXITSTATUS(status), 1);
     EXPECT_THAT(ReadFile(log), HasSubstr(expected));
   }
+}
+
+// A saved cost profile is loaded by the next start instead of a calibration sweep; a profile of another model
+// shape is refused at start-up.
+TEST(ProcessEdgesTest, SavedCostProfileSkipsCalibration) {
+  const std::string profile = absl::StrCat(MakeTempDirectory("cost_profile"), "/profile.json");
+  {
+    const std::string log = LogPath("save_profile");
+    const pid_t pid = StartServer({"--listen=127.0.0.1:0", "--cost_calibration_ms=300",
+                                   absl::StrCat("--save_cost_profile=", profile)}, log);
+    ASSERT_GT(WaitForPort(log), 0) << ReadFile(log);
+    StopAndExpectZero(pid, log);
+    EXPECT_THAT(ReadFile(log), HasSubstr("cost model of 'fashion-mnist-vit': calibrated from "));
+    EXPECT_THAT(ReadFile(log), HasSubstr(absl::StrCat("cost profiles saved to ", profile)));
+  }
+  {
+    const std::string log = LogPath("load_profile");
+    const pid_t pid = StartServer({"--listen=127.0.0.1:0", absl::StrCat("--cost_profile=", profile)}, log);
+    ASSERT_GT(WaitForPort(log), 0) << ReadFile(log);
+    StopAndExpectZero(pid, log);
+    EXPECT_THAT(ReadFile(log), HasSubstr("cost model of 'fashion-mnist-vit': loaded\n"));
+  }
+  std::string text = ReadFile(profile);
+  const std::string layers = "\"layers\": 4";
+  ASSERT_NE(text.find(layers), std::string::npos) << text;
+  text.replace(text.find(layers), layers.size(), "\"layers\": 5");
+  WriteFile(profile, text);
+  const std::string log = LogPath("wrong_profile");
+  const pid_t pid = StartServer({"--listen=127.0.0.1:0", absl::StrCat("--cost_profile=", profile)}, log);
+  const int status = WaitForExit(pid, absl::Seconds(60));
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 1);
+  EXPECT_THAT(ReadFile(log), HasSubstr("flag --cost_profile: " + profile +
+                                       ": the profile of model 'fashion-mnist-vit' was saved for cpu float32 d=96 "
+                                       "L=5; the model runs as cpu float32 d=96 L=4"));
 }
 
 // SIGTERM while the server starts (before 2026-12-02, during the first second it killed the process: the

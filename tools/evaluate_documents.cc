@@ -12,7 +12,10 @@
 // document in each bucket; with --first_tokens=N also the same model on each document's first N tokens only
 // (full attention), the truncation baseline; then the majority-class baseline (the training split's most
 // frequent class, predicted for every document). --full_attention_max_tokens leaves full attention out on
-// longer documents (its time grows as N^2): their cells then count only the documents it ran on.
+// longer documents (its time grows as N^2): their cells then count only the documents it ran on;
+// --full_attention=false leaves it out altogether. --write_accuracy_order then rewrites the package's config.json
+// with attention.accuracy_order: the budgets by their measured accuracy over every evaluated document, most
+// accurate first; full attention only when it ran on every one of them.
 #include <ATen/Parallel.h>
 #include <ATen/ops/tensor.h>
 
@@ -33,17 +36,25 @@
 #include "absl/strings/str_split.h"
 #include "kernels/runtime_environment.h"
 #include "models/model_package.h"
+#include "tools/accuracy_order.h"
 #include "tools/document_corpus.h"
 
 ABSL_FLAG(std::string, model, "models/repository/texlive-doc-mita", "document model package folder");
 ABSL_FLAG(std::string, corpus, "build/texlive-doc-corpus", "corpus folder (tools/build_document_corpus.py)");
 ABSL_FLAG(std::string, split, "heldout", "corpus split to evaluate");
 ABSL_FLAG(std::string, budgets, "8x32,16x64,32x128",
-          "comma-separated expert_count x expert_width budgets; full attention is always added");
+          "comma-separated expert_count x expert_width budgets (full attention: --full_attention)");
 ABSL_FLAG(int64_t, batch_tokens, 65536,
           "largest packed batch, tokens (a longer document runs alone; 0: one document per forward)");
 ABSL_FLAG(int64_t, first_tokens, 0, "also classify each document's first N tokens with full attention (0: no)");
+ABSL_FLAG(bool, full_attention, true, "also evaluate full attention on the same weights");
 ABSL_FLAG(int64_t, full_attention_max_tokens, 0, "full attention only on documents of at most N tokens (0: all)");
+ABSL_FLAG(bool, write_accuracy_order, false,
+          "after the evaluation, write attention.accuracy_order into the package's config.json: every evaluated "
+          "budget by its accuracy over all evaluated documents (4 decimals), most accurate first, the cheaper budget "
+          "(compute at max_tokens) first at equal accuracy; the other keys are kept. Full attention is written only "
+          "when it ran on every document (--full_attention_max_tokens 0 or above the longest): an accuracy over "
+          "the shorter documents alone does not compare with the others', so it is left out (and said so)");
 ABSL_FLAG(int64_t, limit, 0, "evaluate only the first N documents (0 = all)");
 ABSL_FLAG(int, threads, 2, "LibTorch intra-op threads");
 
@@ -97,7 +108,7 @@ int main(int argc, char** argv) {
   for (absl::string_view entry : absl::StrSplit(absl::GetFlag(FLAGS_budgets), ',', absl::SkipEmpty())) {
     absl::StatusOr<mita::models::AttentionBudget> budget = mita::models::ParseBudget(entry);
     if (!budget.ok() || budget->full_attention) {
-      std::fprintf(stderr, "--budgets: '%s' is not expert_count x expert_width (full attention is always added)\n",
+      std::fprintf(stderr, "--budgets: '%s' is not expert_count x expert_width (full attention: --full_attention)\n",
                    std::string(entry).c_str());
       return 1;
     }
@@ -108,8 +119,10 @@ int main(int argc, char** argv) {
     budgets.push_back(*budget);
     names.push_back(mita::models::BudgetName(*budget));
   }
-  budgets.push_back({true, 0, 0});
-  names.push_back(mita::models::BudgetName(budgets.back()));
+  if (absl::GetFlag(FLAGS_full_attention)) {
+    budgets.push_back({true, 0, 0});
+    names.push_back(mita::models::BudgetName(budgets.back()));
+  }
 
   // Tokenize (validate UTF-8 first, as the server does) and cut to max_tokens.
   std::vector<Tokenized> inputs;
@@ -191,6 +204,8 @@ int main(int argc, char** argv) {
   for (size_t b = 0; b <= buckets.size() + 1; ++b) std::printf("---|");
   std::printf("\n");
   const int64_t batch_tokens = absl::GetFlag(FLAGS_batch_tokens);
+  std::vector<mita::tools::MeasuredAccuracy> measured;  // whole documents, every one classified
+  std::vector<std::string> left_out;                    // why a budget is not in `measured`
   for (const Run& run : runs) {
     std::vector<int64_t> correct(buckets.size()), seen(buckets.size());
     std::vector<double> seconds(buckets.size());
@@ -252,21 +267,53 @@ int main(int argc, char** argv) {
                 all_seen == 0 ? 0.0 : static_cast<double>(all_correct) / static_cast<double>(all_seen),
                 static_cast<long long>(all_correct), static_cast<long long>(all_seen), times.c_str());
     std::fflush(stdout);
-  }
-  std::printf("| majority class (%s, from the training split) |", model.description().labels[majority].c_str());
-  std::vector<int64_t> majority_bucket(buckets.size());
-  for (const auto& input : inputs) {
-    majority_bucket[bucket_of(static_cast<int64_t>(input.ids.size()))] += input.label == majority;
-  }
-  for (size_t b = 0; b < buckets.size(); ++b) {
-    if (bucket_counts[b] == 0) {
-      std::printf(" - |");
+    if (run.first_tokens > 0 || count == 0) continue;
+    if (all_seen == count) {
+      measured.push_back({run.budget, static_cast<double>(all_correct) / static_cast<double>(all_seen)});
     } else {
-      std::printf(" %.3f (%lld/%lld) |", static_cast<double>(majority_bucket[b]) / static_cast<double>(bucket_counts[b]),
-                  static_cast<long long>(majority_bucket[b]), static_cast<long long>(bucket_counts[b]));
+      left_out.push_back(absl::StrFormat("%s: it ran on %lld of the %lld documents (--full_attention_max_tokens=%lld)",
+                                         run.name, static_cast<long long>(all_seen), static_cast<long long>(count),
+                                         static_cast<long long>(run.max_tokens)));
     }
   }
-  std::printf(" %.3f (%lld/%lld) | - |\n", static_cast<double>(majority_correct) / static_cast<double>(count),
-              static_cast<long long>(majority_correct), static_cast<long long>(count));
+  if (training->empty()) {
+    std::printf("(no majority-class row: the corpus has no training documents)\n");
+  } else {
+    std::printf("| majority class (%s, from the training split) |", model.description().labels[majority].c_str());
+    std::vector<int64_t> majority_bucket(buckets.size());
+    for (const auto& input : inputs) {
+      majority_bucket[bucket_of(static_cast<int64_t>(input.ids.size()))] += input.label == majority;
+    }
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      if (bucket_counts[b] == 0) {
+        std::printf(" - |");
+      } else {
+        std::printf(" %.3f (%lld/%lld) |",
+                    static_cast<double>(majority_bucket[b]) / static_cast<double>(bucket_counts[b]),
+                    static_cast<long long>(majority_bucket[b]), static_cast<long long>(bucket_counts[b]));
+      }
+    }
+    std::printf(" %.3f (%lld/%lld) | - |\n", static_cast<double>(majority_correct) / static_cast<double>(count),
+                static_cast<long long>(majority_correct), static_cast<long long>(count));
+  }
+  if (absl::GetFlag(FLAGS_write_accuracy_order)) {
+    auto written = mita::tools::WriteAccuracyOrder(absl::GetFlag(FLAGS_model),
+                                                   mita::tools::SortByAccuracy(measured, config.max_tokens));
+    if (!written.ok()) {
+      std::fprintf(stderr, "--write_accuracy_order: %s\n", written.status().ToString().c_str());
+      return 1;
+    }
+    std::printf("wrote attention.accuracy_order to %s/config.json (accuracy over the %lld %s documents), most "
+                "accurate first:\n", absl::GetFlag(FLAGS_model).c_str(), static_cast<long long>(count),
+                absl::GetFlag(FLAGS_split).c_str());
+    for (const mita::models::DeclaredBudget& declared : *written) {
+      const std::string text = mita::models::BudgetText(declared.budget);
+      std::printf("  %s%s: %.4f\n", declared.name.c_str(),
+                  declared.name == text ? "" : absl::StrCat(" (", text, ")").c_str(), declared.accuracy);
+    }
+    for (const std::string& reason : left_out) {
+      std::printf("  left out %s; an accuracy over a subset does not compare with the others'\n", reason.c_str());
+    }
+  }
   return 0;
 }
