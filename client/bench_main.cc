@@ -14,9 +14,15 @@
 //   path,label_index       the manifest mita-export-images writes (images; the label is ignored)
 //
 // Report (stdout): throughput (answers/s and OK/s), client latency p50/p95/p99 of OK calls (and of all
-// calls), mean server batch size, counts per gRPC status code; with --server_pid, the server's resident
-// memory (VmRSS from /proc/PID/status) after the warm-up, at the end, its maximum, and the growth. The last
-// line is "RESULT key=value ..." for scripts. Exit status 0 when the run completed (errors are counted, not
+// calls), mean server batch size, counts per gRPC status code; against the deadlines: goodput (OK answers
+// within their call's deadline per second of the measured window), the deadline-miss rate (DEADLINE_EXCEEDED
+// answers and OK answers later than their deadline, over the measured calls sent) and the rejection rate
+// (RESOURCE_EXHAUSTED and UNAVAILABLE, over the same); the mean applied budget of OK answers (expert count and
+// width over those that ran MiTA, the fraction that ran full attention) and their count by budget reason, and
+// the p50 client latency of the DEADLINE_EXCEEDED answers (refused at admission, or out of time); with
+// --server_pid, the server's resident memory (VmRSS from /proc/PID/status) after the warm-up, at the end, its
+// maximum, and the growth. The last line is "RESULT key=value ..." for scripts (new keys are appended: scripts
+// read some by position). Exit status 0 when the run completed (errors are counted, not
 // fatal), 2 for bad flags or inputs.
 //
 // One thread drives everything through a gRPC CompletionQueue (the async API), so the tool itself uses
@@ -66,8 +72,10 @@ ABSL_FLAG(int64_t, requests, 2000, "Measured calls (after the warm-up); 0: use -
 ABSL_FLAG(double, duration_s, 0, "Measured time, seconds, when --requests=0.");
 ABSL_FLAG(int64_t, warmup_requests, 100, "Calls before measuring (same load, not counted).");
 ABSL_FLAG(std::string, budgets, "default",
-          "Comma list the budget of each call is drawn from: default, full, a preset name, or MxK (expert count "
-          "x expert width, e.g. 9x16). Repeat an entry to weight it.");
+          "Comma list the budget of each call is drawn from: default, full, a preset name, MxK (expert count x "
+          "expert width, e.g. 9x16), target:MS[:FLOOR] (a latency target of MS ms, never below the budget FLOOR "
+          "of the model's accuracy order) or auto[:FLOOR] (a latency target of the call's deadline). Repeat an "
+          "entry to weight it.");
 ABSL_FLAG(std::string, deadlines_ms, "10000", "Comma list the deadline of each call is drawn from, ms (0: none).");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the input, budget, deadline and arrival draws.");
 ABSL_FLAG(int32_t, server_pid, 0, "Server process id: report its resident memory (VmRSS) over the run.");
@@ -138,7 +146,22 @@ absl::StatusOr<std::vector<v1::Budget>> ParseBudgets(const std::string& list) {
     v1::Budget budget;
     std::vector<std::string> parts = absl::StrSplit(entry, 'x');
     int64_t count = 0, width = 0;
-    if (entry == "default") {
+    const std::vector<std::string> target = absl::StrSplit(entry, ':');
+    if (target[0] == "target" || target[0] == "auto") {
+      // target:MS[:FLOOR] or auto[:FLOOR] (target 0: the call's deadline).
+      const bool automatic = target[0] == "auto";
+      const size_t floor_at = automatic ? 1 : 2;
+      int64_t ms = 0;
+      if (target.size() > floor_at + 1 || (!automatic && (target.size() < 2 || !absl::SimpleAtoi(target[1], &ms) ||
+                                                           ms < 0))) {
+        return absl::InvalidArgumentError(absl::StrCat("--budgets: '", entry,
+                                                       "' is not target:MS[:FLOOR] (MS an integer >= 0) or "
+                                                       "auto[:FLOOR]"));
+      }
+      v1::LatencyTarget* latency_target = budget.mutable_latency_target();
+      latency_target->set_target_ms(ms);
+      if (target.size() == floor_at + 1) latency_target->set_floor(target[floor_at]);
+    } else if (entry == "default") {
       // unset
     } else if (entry == "full") {
       budget.mutable_full_attention();
@@ -194,8 +217,56 @@ struct Call {
   grpc::Status status;
   std::unique_ptr<grpc::ClientAsyncResponseReader<v1::ClassifyResponse>> reader;
   absl::Time start;
+  int64_t deadline_ms = 0;  // 0: none
   bool measured = false;
 };
+
+// What the measured answers came to against their deadlines, and the budgets the OK ones ran with.
+struct DeadlineTally {
+  int64_t ok_in_time = 0;       // OK within the call's deadline (or without one)
+  int64_t ok_late = 0;          // OK, but later than the call's deadline
+  int64_t deadline_exceeded = 0;
+  int64_t rejected = 0;         // RESOURCE_EXHAUSTED or UNAVAILABLE
+  int64_t mita_answers = 0;     // OK answers that ran MiTA (their knobs are summed below)
+  int64_t full_answers = 0;     // OK answers that ran full attention
+  double expert_count_sum = 0;
+  double expert_width_sum = 0;
+  std::map<int, int64_t> reasons;  // OK answers by v1::BudgetReason
+  // Client latency of the DEADLINE_EXCEEDED answers: near 0 when the server refused at admission, near the
+  // deadline when the call ran out of time.
+  std::vector<double> deadline_exceeded_ms;
+
+  void Add(const Call& call, double latency_ms) {
+    const grpc::StatusCode code = call.status.error_code();
+    if (code == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      ++deadline_exceeded;
+      deadline_exceeded_ms.push_back(latency_ms);
+    }
+    if (code == grpc::StatusCode::RESOURCE_EXHAUSTED || code == grpc::StatusCode::UNAVAILABLE) ++rejected;
+    if (!call.status.ok()) return;
+    if (call.deadline_ms > 0 && latency_ms > static_cast<double>(call.deadline_ms)) {
+      ++ok_late;
+    } else {
+      ++ok_in_time;
+    }
+    const v1::AppliedBudget& budget = call.response.budget();
+    if (budget.full_attention()) {
+      ++full_answers;
+    } else {
+      ++mita_answers;
+      expert_count_sum += static_cast<double>(budget.expert_count());
+      expert_width_sum += static_cast<double>(budget.expert_width());
+    }
+    ++reasons[budget.reason()];
+  }
+};
+
+// "most_accurate" for BUDGET_REASON_MOST_ACCURATE (the server's metric label of the reason).
+std::string ReasonName(int reason) {
+  std::string name = v1::BudgetReason_Name(static_cast<v1::BudgetReason>(reason));
+  if (name.empty()) name = absl::StrCat("BUDGET_REASON_", reason);
+  return absl::AsciiStrToLower(absl::StripPrefix(name, "BUDGET_REASON_"));
+}
 
 }  // namespace
 
@@ -280,6 +351,7 @@ int main(int argc, char** argv) {
   std::map<grpc::StatusCode, int64_t> codes;
   std::vector<double> ok_latencies_ms, all_latencies_ms;
   double batch_size_sum = 0;
+  DeadlineTally tally;
   int64_t rss_start = -1, rss_max = -1, rss_end = -1;
   absl::Time next_rss = absl::InfinitePast();
   absl::Time next_arrival = absl::Now();
@@ -297,6 +369,7 @@ int main(int argc, char** argv) {
     }
     mita::client::AddBearerToken(connection->bearer_token, &call->context);
     call->measured = measuring;
+    call->deadline_ms = deadline_ms;
     call->start = absl::Now();
     call->reader = stub->AsyncClassify(&call->context, request_for(input, budget), &queue);
     call->reader->Finish(&call->response, &call->status, call);
@@ -341,6 +414,7 @@ int main(int argc, char** argv) {
         const double latency_ms = absl::ToDoubleMilliseconds(absl::Now() - call->start);
         ++codes[call->status.error_code()];
         all_latencies_ms.push_back(latency_ms);
+        tally.Add(*call, latency_ms);
         if (call->status.ok()) {
           ok_latencies_ms.push_back(latency_ms);
           batch_size_sum += call->response.timing().batch_size();
@@ -388,6 +462,33 @@ int main(int argc, char** argv) {
   }
   if (not_sent > 0) absl::StrAppend(&code_text, ", not sent (over --max_in_flight) ", not_sent);
   std::cout << "status codes: " << (code_text.empty() ? "none" : code_text) << "\n";
+  // Rates over the measured calls sent (all answered: the run waits for every call in flight).
+  const double sent = std::max<double>(1, static_cast<double>(answered));
+  const double goodput = static_cast<double>(tally.ok_in_time) / seconds;
+  const double miss_rate = static_cast<double>(tally.deadline_exceeded + tally.ok_late) / sent;
+  const double reject_rate = static_cast<double>(tally.rejected) / sent;
+  const double mean_m =
+      tally.mita_answers > 0 ? tally.expert_count_sum / static_cast<double>(tally.mita_answers) : 0;
+  const double mean_k =
+      tally.mita_answers > 0 ? tally.expert_width_sum / static_cast<double>(tally.mita_answers) : 0;
+  const double full_fraction =
+      ok_count > 0 ? static_cast<double>(tally.full_answers) / static_cast<double>(ok_count) : 0;
+  std::cout << absl::StrFormat(
+      "deadlines: goodput %.1f OK answers within their deadline/s; missed %.2f%% (DEADLINE_EXCEEDED %d, answered "
+      "after p50 %.2f ms; OK but late %d), rejected %.2f%% (RESOURCE_EXHAUSTED or UNAVAILABLE %d) of %d calls sent\n",
+      goodput, 100 * miss_rate, tally.deadline_exceeded, Percentile(tally.deadline_exceeded_ms, 50), tally.ok_late,
+      100 * reject_rate, tally.rejected, answered);
+  std::string reason_text, reason_keys;
+  for (int reason = v1::BudgetReason_MIN; reason <= v1::BudgetReason_MAX; ++reason) {
+    if (!v1::BudgetReason_IsValid(reason)) continue;
+    const int64_t count = tally.reasons.count(reason) > 0 ? tally.reasons.at(reason) : 0;
+    absl::StrAppend(&reason_text, reason_text.empty() ? "" : ", ", ReasonName(reason), " ", count);
+    absl::StrAppend(&reason_keys, " reason_", ReasonName(reason), "=", count);
+  }
+  std::cout << absl::StrFormat(
+      "applied budget of OK answers: mean expert_count %.2f, mean expert_width %.2f (of %d MiTA answers), full "
+      "attention %.2f%%; by reason: %s\n",
+      mean_m, mean_k, tally.mita_answers, 100 * full_fraction, reason_text);
   std::string rss_text;
   if (server_pid > 0 && rss_start >= 0) {
     std::cout << absl::StrFormat(
@@ -399,8 +500,10 @@ int main(int argc, char** argv) {
   }
   std::cout << absl::StrFormat(
       "RESULT label=%s answered=%d ok=%d seconds=%.3f throughput=%.2f ok_throughput=%.2f "
-      "p50_ms=%.3f p95_ms=%.3f p99_ms=%.3f mean_batch=%.3f%s\n",
+      "p50_ms=%.3f p95_ms=%.3f p99_ms=%.3f mean_batch=%.3f%s goodput=%.2f miss_rate=%.5f reject_rate=%.5f "
+      "mean_m=%.3f mean_k=%.3f full_fraction=%.5f%s deadline_exceeded_p50_ms=%.3f\n",
       label.empty() ? "-" : label, answered, ok_count, seconds, static_cast<double>(answered) / seconds,
-      static_cast<double>(ok_count) / seconds, p50, p95, p99, mean_batch, rss_text);
+      static_cast<double>(ok_count) / seconds, p50, p95, p99, mean_batch, rss_text, goodput, miss_rate, reject_rate,
+      mean_m, mean_k, full_fraction, reason_keys, Percentile(tally.deadline_exceeded_ms, 50));
   return 0;
 }

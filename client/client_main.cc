@@ -12,7 +12,9 @@
 // image model and UTF-8 text documents for a document model. For each document the client prints the token
 // count the server attended over, the budget applied (expert count and width after clamping to the
 // document's length), and the timings (queue delay, compute, server total, client round trip).
-// Budget flags (at most one form): --expert_count/--expert_width, --preset, --full_attention.
+// Budget flags (at most one form): --expert_count/--expert_width, --preset, --full_attention, or
+// --latency_target_ms (with --budget_floor). Each answer's line names the applied budget, why the server applied
+// it (requested, most_accurate, lowered_at_admission, lowered_at_batch_start) and the time it predicted for it.
 // Manifest: CSV lines "path,label_index"; relative paths are relative to the manifest's folder; empty lines
 // and lines starting with '#' are skipped, and so is a first line whose label is not a number (a header).
 // Exit status: 0 when every RPC succeeded; 1 when any RPC failed (its gRPC code and message are printed) or
@@ -33,6 +35,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/flags/usage_config.h"
 #include "absl/flags/usage.h"
@@ -54,6 +57,12 @@ ABSL_FLAG(int64_t, expert_count, 0, "Expert count m of an explicit MiTA budget (
 ABSL_FLAG(int64_t, expert_width, 0, "Expert width k of an explicit MiTA budget (0: not set).");
 ABSL_FLAG(std::string, preset, "", "Named budget preset of the model, e.g. fast.");
 ABSL_FLAG(bool, full_attention, false, "Run full attention instead of MiTA.");
+ABSL_FLAG(std::optional<int64_t>, latency_target_ms, std::nullopt,
+          "Latency target, ms: the server applies the most accurate budget of the model's accuracy order (see "
+          "--list) predicted to answer within it (0: within --deadline_ms). Unset: no target.");
+ABSL_FLAG(std::string, budget_floor, "",
+          "With --latency_target_ms: the least accurate budget the server may apply, a name of the accuracy order "
+          "(empty: its last).");
 ABSL_FLAG(int32_t, top_n, 0, "Classes to return (0: server default, 5).");
 ABSL_FLAG(int64_t, deadline_ms, 10000,
           "Deadline of each Classify call, milliseconds (0: none); --input=auto's model lookup takes at least 10 s.");
@@ -121,6 +130,20 @@ std::string BudgetText(const v1::AppliedBudget& budget) {
   return text;
 }
 
+// "most_accurate" for BUDGET_REASON_MOST_ACCURATE: the server's metric label of the reason.
+std::string ReasonText(v1::BudgetReason reason) {
+  return absl::AsciiStrToLower(absl::StripPrefix(v1::BudgetReason_Name(reason), "BUDGET_REASON_"));
+}
+
+// Why the budget applied and the queue wait plus compute the server predicted for it (when it predicted one).
+std::string BudgetReasonText(const v1::AppliedBudget& budget) {
+  std::string text = absl::StrCat("budget reason ", ReasonText(budget.reason()));
+  if (budget.predicted_us() > 0) {
+    absl::StrAppend(&text, absl::StrFormat(", predicted %.2f ms", static_cast<double>(budget.predicted_us()) / 1000));
+  }
+  return text;
+}
+
 std::string TimingText(const v1::Timing& timing, absl::Duration client_latency) {
   return absl::StrFormat("queue_delay=%dus compute=%dus server_total=%dus batch_size=%d client=%.2fms",
                          timing.queue_delay_us(), timing.compute_us(), timing.total_us(), timing.batch_size(),
@@ -131,7 +154,7 @@ std::string TimingText(const v1::Timing& timing, absl::Duration client_latency) 
 void PrintDetailed(const std::string& path, const Outcome& outcome) {
   const v1::ClassifyResponse& response = outcome.response;
   std::cout << path << ": model " << response.model() << ", " << BudgetText(response.budget()) << ", "
-            << response.token_count() << " tokens";
+            << BudgetReasonText(response.budget()) << ", " << response.token_count() << " tokens";
   if (response.input_token_count() > response.token_count()) {
     std::cout << " (truncated from " << response.input_token_count() << ")";
   }
@@ -209,6 +232,24 @@ int ListModels(const MitaClient& client, absl::Duration deadline) {
       }
       std::cout << "  preset " << preset.name() << ": expert_count=" << preset.budget().expert_count()
                 << " expert_width=" << preset.budget().expert_width() << "\n";
+    }
+    // The budgets a latency target chooses from (--budget_floor takes their names), most accurate first.
+    if (knobs.accuracy_order_size() > 0) std::cout << "  accuracy order (latency targets, most accurate first):\n";
+    for (const v1::DeclaredBudget& declared : knobs.accuracy_order()) {
+      std::cout << "    " << declared.name() << ": "
+                << (declared.full_attention() ? std::string("full attention")
+                                              : absl::StrCat("expert_count=", declared.budget().expert_count(),
+                                                             " expert_width=", declared.budget().expert_width()));
+      if (declared.accuracy() >= 0) {
+        std::cout << absl::StrFormat(", held-out accuracy %.4f", declared.accuracy());
+      } else {
+        std::cout << ", ranked by compute (no declared accuracy)";
+      }
+      if (declared.predicted_ms() > 0) {
+        std::cout << absl::StrFormat(", predicted %.3f ms for %d tokens", declared.predicted_ms(),
+                                     model.cost_profile().reference_tokens());
+      }
+      std::cout << "\n";
     }
   }
   return 0;
@@ -289,6 +330,13 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_expert_width) != 0) options.expert_width = absl::GetFlag(FLAGS_expert_width);
   options.preset = absl::GetFlag(FLAGS_preset);
   options.full_attention = absl::GetFlag(FLAGS_full_attention);
+  options.latency_target_ms = absl::GetFlag(FLAGS_latency_target_ms);
+  options.budget_floor = absl::GetFlag(FLAGS_budget_floor);
+  if (options.latency_target_ms.has_value() && *options.latency_target_ms < 0) {
+    std::cerr << "flag --latency_target_ms: " << *options.latency_target_ms
+              << " is out of range: allowed >= 0 (0 means --deadline_ms)\n";
+    return 2;
+  }
   options.top_n = absl::GetFlag(FLAGS_top_n);
   options.deadline = deadline_ms == 0 ? absl::InfiniteDuration() : absl::Milliseconds(deadline_ms);
   options.return_statistics = absl::GetFlag(FLAGS_statistics);

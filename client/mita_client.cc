@@ -88,10 +88,15 @@ namespace {
 // one budget form is set.
 absl::StatusOr<v1::ClassifyRequest> BuildRequestWithoutInput(const ClassifyOptions& options) {
   const bool explicit_budget = options.expert_count.has_value() || options.expert_width.has_value();
-  const int forms = int{explicit_budget} + int{!options.preset.empty()} + int{options.full_attention};
+  const bool latency_target = options.latency_target_ms.has_value();
+  const int forms =
+      int{explicit_budget} + int{!options.preset.empty()} + int{options.full_attention} + int{latency_target};
   if (forms > 1) {
     return absl::InvalidArgumentError(
-        "set at most one budget form: expert_count/expert_width, preset or full_attention");
+        "set at most one budget form: expert_count/expert_width, preset, full_attention or latency_target_ms");
+  }
+  if (!options.budget_floor.empty() && !latency_target) {
+    return absl::InvalidArgumentError("budget_floor needs latency_target_ms (it bounds the budget the server chooses)");
   }
   v1::ClassifyRequest request;
   request.set_model(options.model);
@@ -103,6 +108,10 @@ absl::StatusOr<v1::ClassifyRequest> BuildRequestWithoutInput(const ClassifyOptio
     request.mutable_budget()->set_preset(options.preset);
   } else if (options.full_attention) {
     request.mutable_budget()->mutable_full_attention();
+  } else if (latency_target) {
+    v1::LatencyTarget* target = request.mutable_budget()->mutable_latency_target();
+    target->set_target_ms(*options.latency_target_ms);
+    target->set_floor(options.budget_floor);
   }
   request.set_top_n(options.top_n);
   request.set_return_statistics(options.return_statistics);

@@ -20,7 +20,7 @@
 namespace mita::client {
 
 // Options of one Classify call. At most one budget form may be set: an explicit budget (expert_count and/or
-// expert_width set), a preset, or full attention; none means the model's default budget.
+// expert_width set), a preset, full attention, or a latency target; none means the model's default budget.
 struct ClassifyOptions {
   // Model name, as listed by ListModels.
   std::string model;
@@ -32,6 +32,11 @@ struct ClassifyOptions {
   std::string preset;
   // Full (quadratic) attention with the same weights.
   bool full_attention = false;
+  // Latency target (Budget.latency_target): the server chooses the most accurate budget of the model's accuracy
+  // order predicted to answer within this many ms (0: within the call's deadline), never below `budget_floor`
+  // (a name of that order; "": its last budget). A floor without a target is an error.
+  std::optional<int64_t> latency_target_ms;
+  std::string budget_floor;
   // Number of best classes to return; 0 means the server default (5, capped at the number of classes).
   int32_t top_n = 0;
   // Time allowed for the call (sent as the gRPC deadline); absl::InfiniteDuration() for none.
@@ -78,7 +83,7 @@ absl::StatusOr<std::string> ReadBearerToken(const std::string& path);
 void AddBearerToken(const std::string& token, grpc::ClientContext* context);
 
 // Builds the request for `image` (encoded PNG or JPEG bytes) and `options`.
-// Errors: INVALID_ARGUMENT when more than one budget form is set.
+// Errors: INVALID_ARGUMENT when more than one budget form is set, or a budget floor without a latency target.
 absl::StatusOr<v1::ClassifyRequest> BuildClassifyRequest(std::string image, const ClassifyOptions& options);
 
 // Builds the request for a document given as UTF-8 text (sent as bytes; the server validates it).

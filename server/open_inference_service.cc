@@ -39,6 +39,9 @@ constexpr char kTopN[] = "mita_top_n";
 constexpr char kTruncate[] = "mita_truncate";
 constexpr char kLatencyTargetMs[] = "mita_latency_target_ms";
 constexpr char kBudgetFloor[] = "mita_budget_floor";
+// Response-only parameters: why the applied budget ran, and the queue wait plus compute predicted for it.
+constexpr char kBudgetReason[] = "mita_budget_reason";
+constexpr char kPredictedUs[] = "mita_predicted_us";
 
 const char* ParameterKind(const inference::InferParameter& parameter) {
   switch (parameter.parameter_choice_case()) {
@@ -265,12 +268,25 @@ absl::Status TranslateParameters(const inference::ModelInferRequest& request,
   std::optional<int64_t> expert_width;
   std::optional<std::string> preset;
   bool full_attention = false;
+  bool attention_set = false;  // mita_attention given at all ("mita" too): it names the budget's kind
+  std::optional<int64_t> latency_target_ms;
+  std::optional<std::string> floor;
   // Non-positive expert knobs, reported together after the loop (count first, as over mita.v1).
   std::vector<models::FieldProblem> knob_problems;
   for (const auto& [name, parameter] : request.parameters()) {
     if (!absl::StartsWith(name, kParameterPrefix)) continue;  // other clients' parameters
-    if (name == kExpertCount || name == kExpertWidth || name == kTopN) {
+    if (name == kExpertCount || name == kExpertWidth || name == kTopN || name == kLatencyTargetMs) {
       ASSIGN_OR_RETURN(const int64_t value, IntegerParameter(name, parameter));
+      if (name == kLatencyTargetMs) {
+        if (value < 0) {
+          // mita.v1's wording for budget.latency_target.target_ms.
+          return models::InvalidRequest(models::RequestField::kLatencyTarget,
+                                        absl::StrCat(value, " is out of range: allowed >= 0 (0 means the call's "
+                                                            "deadline)"));
+        }
+        latency_target_ms = value;
+        continue;
+      }
       if (name == kTopN) {
         // All classes are computed (top_n below); mita_top_n only cuts the labels output.
         RETURN_IF_ERROR(ResolveTopN(value, static_cast<int64_t>(model.labels.size())).status());
@@ -285,11 +301,18 @@ absl::Status TranslateParameters(const inference::ModelInferRequest& request,
         continue;
       }
       (name == kExpertCount ? expert_count : expert_width) = value;
-    } else if (name == kPreset || name == kAttention) {
+    } else if (name == kPreset || name == kAttention || name == kBudgetFloor) {
       ASSIGN_OR_RETURN(const std::string value, StringParameter(name, parameter));
+      if (name == kBudgetFloor) {
+        floor = value;
+        continue;
+      }
       if (name == kPreset) {
         preset = value;
-      } else if (value == "full") {
+        continue;
+      }
+      attention_set = true;
+      if (value == "full") {
         full_attention = true;
       } else if (value != "mita") {
         return absl::InvalidArgumentError(
@@ -303,8 +326,9 @@ absl::Status TranslateParameters(const inference::ModelInferRequest& request,
       translated->request.input.truncate = parameter.bool_param();
     } else {
       return absl::InvalidArgumentError(absl::StrCat("parameter ", name.substr(0, 64), " is not known; available: ",
-                                                     absl::StrJoin({kAttention, kExpertCount, kExpertWidth, kPreset,
-                                                                    kTopN, kTruncate},
+                                                     absl::StrJoin({kAttention, kBudgetFloor, kExpertCount,
+                                                                    kExpertWidth, kLatencyTargetMs, kPreset, kTopN,
+                                                                    kTruncate},
                                                                    ", ")));
     }
   }
@@ -314,6 +338,30 @@ absl::Status TranslateParameters(const inference::ModelInferRequest& request,
     return models::InvalidRequest(std::move(knob_problems));
   }
   const bool experts = expert_count.has_value() || expert_width.has_value();
+  if (floor.has_value() && !latency_target_ms.has_value()) {
+    return models::InvalidRequest(models::RequestField::kBudgetFloor,
+                                  absl::StrCat("needs ", kLatencyTargetMs, " (a floor bounds the budget the server ",
+                                               "chooses for a latency target)"));
+  }
+  if (latency_target_ms.has_value()) {
+    // The server chooses the budget: any parameter naming one conflicts, whatever its value.
+    std::vector<const char*> conflicting;
+    if (expert_count.has_value()) conflicting.push_back(kExpertCount);
+    if (expert_width.has_value()) conflicting.push_back(kExpertWidth);
+    if (preset.has_value()) conflicting.push_back(kPreset);
+    if (attention_set) conflicting.push_back(kAttention);
+    if (!conflicting.empty()) {
+      return models::InvalidRequest(
+          models::RequestField::kLatencyTarget,
+          absl::StrCat("the server chooses the budget for a latency target: leave out ",
+                       absl::StrJoin(conflicting, ", "), " (or ", kBudgetFloor, " to bound its choice)"));
+    }
+    models::BudgetRequest& budget = translated->request.budget;
+    budget.choice = models::BudgetRequest::Choice::kLatencyTarget;
+    budget.latency_target = absl::Milliseconds(*latency_target_ms);
+    budget.floor = floor.value_or("");
+    return absl::OkStatus();
+  }
   if (static_cast<int>(experts) + static_cast<int>(preset.has_value()) + static_cast<int>(full_attention) > 1) {
     return absl::InvalidArgumentError(
         "parameters: set one budget: mita_expert_count and/or mita_expert_width, or mita_preset, or "
@@ -422,6 +470,8 @@ absl::StatusOr<inference::ModelInferResponse> ToModelInferResponse(const inferen
     SetInt(parameters, kExpertWidth, budget.expert_width);
   }
   if (!result.budget.preset.empty()) parameters[kPreset].set_string_param(result.budget.preset);
+  parameters[kBudgetReason].set_string_param(BudgetReasonName(result.budget_reason));
+  SetInt(parameters, kPredictedUs, absl::ToInt64Microseconds(result.predicted));
   SetInt(parameters, kTopN, resolved_top_n);
   SetInt(parameters, "mita_queue_delay_us", absl::ToInt64Microseconds(result.queue_delay));
   SetInt(parameters, "mita_compute_us", absl::ToInt64Microseconds(result.compute));
@@ -498,6 +548,23 @@ std::string KnobsJson(const models::ClassifierDescription& model) {
     }
   }
   json[kPreset] = {{"datatype", "BYTES"}, {"allowed", preset_names}, {"budgets", presets}};
+  // The budgets a latency target chooses from, most accurate first, each with its held-out accuracy (-1 when
+  // the package declares none and they are ranked by compute): the names mita_budget_floor takes.
+  nlohmann::json order = nlohmann::json::array();
+  std::vector<std::string> order_names;
+  for (const models::DeclaredBudget& declared : knobs.accuracy_order) {
+    order_names.push_back(declared.name);
+    nlohmann::json entry = {{"name", declared.name}, {"accuracy", declared.accuracy}};
+    if (declared.budget.full_attention) {
+      entry[kAttention] = "full";
+    } else {
+      entry[kExpertCount] = declared.budget.expert_count;
+      entry[kExpertWidth] = declared.budget.expert_width;
+    }
+    order.push_back(std::move(entry));
+  }
+  json[kLatencyTargetMs] = {{"datatype", "INT64"}, {"min", 0}};
+  json[kBudgetFloor] = {{"datatype", "BYTES"}, {"allowed", order_names}, {"accuracy_order", order}};
   std::vector<std::string> attention = {"mita"};
   if (knobs.full_attention_supported) attention.push_back("full");
   json[kAttention] = {{"datatype", "BYTES"}, {"allowed", attention}, {"default", "mita"}};

@@ -18,14 +18,22 @@
 //     mita_attention     string  "full" | "mita" (default)
 //     mita_top_n         int64   labels returned (0 or unset: min(5, classes))
 //     mita_truncate      bool    cut a document longer than the model's maximum
+//     mita_latency_target_ms  int64   let the server choose the budget: the most accurate of the model's
+//                                     accuracy order predicted to answer within this many ms of receipt (>= 0;
+//                                     0: the call's deadline); excludes the four budget parameters above
+//     mita_budget_floor  string  with mita_latency_target_ms: the least accurate budget it may apply (a name of
+//                                the accuracy order; unset: its last)
 //   outputs (all unless the request names some; an unknown name is INVALID_ARGUMENT):
 //     scores  FP32  [C]  softmax probability of every class, by class index
 //     labels  BYTES [N]  the N = top-N best class labels, best first
 //   Outputs come as raw_output_contents when the request sent raw_input_contents (Triton's clients always do,
 //   and read FP32 outputs only from there), as typed contents otherwise.
 //   response parameters: the budget applied (mita_attention, mita_expert_count, mita_expert_width,
-//   mita_preset when one applied: "default" or the preset's name), mita_top_n, and timing (mita_queue_delay_us,
-//   mita_compute_us, mita_total_us in microseconds, mita_batch_size in requests, mita_token_count in tokens).
+//   mita_preset when one applied: "default" or the preset's name), why it applied (mita_budget_reason:
+//   "requested", "most_accurate", "lowered_at_admission" or "lowered_at_batch_start") and the queue wait plus
+//   compute predicted for it (mita_predicted_us, 0 when none was predicted), mita_top_n, and timing
+//   (mita_queue_delay_us, mita_compute_us, mita_total_us in microseconds, mita_batch_size in requests,
+//   mita_token_count in tokens).
 //   Errors: the engine's codes, each field problem worded with this protocol's names (e.g. "parameter
 //   mita_expert_count: 10 is not allowed: use one of 1, 4, 9, 16, 25, 36, 49", "input 'text': invalid UTF-8 at
 //   byte offset 3"); a tensor that does not fit this mapping is INVALID_ARGUMENT naming the input and the
@@ -113,6 +121,10 @@ inference::ModelConfigResponse ToModelConfigResponse(const models::ClassifierDes
 //  "mita_preset":{"datatype":"BYTES","allowed":["fast"],"budgets":{"fast":{"mita_expert_count":4,...}}},
 //  "mita_attention":{"datatype":"BYTES","allowed":["mita","full"],"default":"mita"},
 //  "mita_top_n":{"datatype":"INT64","min":0,"max":10,"default":5}, "mita_truncate":{...},
+//  "mita_latency_target_ms":{"datatype":"INT64","min":0},
+//  "mita_budget_floor":{"datatype":"BYTES","allowed":["full","accurate",...],"accuracy_order":[{"name":"full",
+//    "mita_attention":"full","accuracy":-1},{"name":"accurate","mita_expert_count":16,...},...]} (the budgets a
+//  latency target chooses from, most accurate first; accuracy -1 when the package declares none),
 //  "device":"cuda:0","weights_dtype":"bfloat16"}: the last two say where the model runs (not parameters).
 std::string KnobsJson(const models::ClassifierDescription& model);
 

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <map>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -352,6 +354,59 @@ TEST_F(OpenInferenceTest, DefaultBudgetPresetAndFullAttentionAreEchoed) {
   }
 }
 
+// A latency target through the server: for a target of a minute on an idle server the applied budget is the
+// first of the model's accuracy order (reason "most_accurate", with the time predicted for it), as over mita.v1
+// for the same target; a fixed budget's reason is "requested". An unknown floor is the engine's error in this protocol's names.
+TEST_F(OpenInferenceTest, LatencyTargetsAndTheBudgetReasonAreEchoed) {
+  absl::StatusOr<const models::ModelPackage*> package = registry_->Lookup(kModel);
+  ASSERT_TRUE(package.ok()) << package.status();
+  const std::vector<models::DeclaredBudget>& order = (*package)->classifier->description().knobs.accuracy_order;
+  ASSERT_FALSE(order.empty());
+
+  inference::ModelInferRequest fixed = ImageRequest(images_[2]);
+  SetString(fixed, "mita_preset", "fast");
+  inference::ModelInferResponse response;
+  grpc::Status status = Infer(fixed, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.parameters().at("mita_budget_reason").string_param(), "requested");
+  EXPECT_GE(response.parameters().at("mita_predicted_us").int64_param(), 0);
+
+  inference::ModelInferRequest target = ImageRequest(images_[3]);
+  SetInt(target, "mita_latency_target_ms", 60000);
+  status = Infer(target, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  const auto& parameters = response.parameters();
+  const models::AttentionBudget& first = order.front().budget;
+  EXPECT_EQ(parameters.at("mita_attention").string_param(), first.full_attention ? "full" : "mita");
+  if (!first.full_attention) {
+    EXPECT_EQ(parameters.at("mita_expert_count").int64_param(), first.expert_count);
+    EXPECT_EQ(parameters.at("mita_expert_width").int64_param(), first.expert_width);
+  }
+  EXPECT_EQ(parameters.at("mita_budget_reason").string_param(), "most_accurate");
+  EXPECT_GT(parameters.at("mita_predicted_us").int64_param(), 0) << "a latency target is planned with a prediction";
+  EXPECT_LE(parameters.at("mita_predicted_us").int64_param(), 60000 * 1000);
+  v1::Budget budget;
+  budget.mutable_latency_target()->set_target_ms(60000);
+  const v1::ClassifyResponse reference = Classify(images_[3], budget);
+  EXPECT_EQ(parameters.at("mita_attention").string_param(), reference.budget().full_attention() ? "full" : "mita");
+  EXPECT_EQ(reference.budget().reason(), v1::BUDGET_REASON_MOST_ACCURATE);
+  const auto* scores = FindOutput(response, "scores");
+  ASSERT_NE(scores, nullptr);
+  for (const v1::ClassScore& score : reference.classes()) {
+    EXPECT_NEAR(scores->contents().fp32_contents(score.index()), score.score(), 1e-5);
+  }
+
+  std::vector<std::string> names;
+  for (const models::DeclaredBudget& declared : order) names.push_back(declared.name);
+  inference::ModelInferRequest bad_floor = ImageRequest(images_[3]);
+  SetInt(bad_floor, "mita_latency_target_ms", 0);
+  SetString(bad_floor, "mita_budget_floor", "turbo");
+  ExpectError(bad_floor, grpc::StatusCode::INVALID_ARGUMENT,
+              absl::StrCat("parameter mita_budget_floor: unknown budget 'turbo'; the model's budgets, most accurate "
+                           "first: ",
+                           absl::StrJoin(names, ", ")));
+}
+
 // raw_input_contents (what Triton's client sends): a 4-byte little-endian length, then the bytes. The answer
 // comes in raw_output_contents (FP32 little-endian; BYTES length-prefixed, as Triton's clients read them) and
 // equals the typed form; a requested output limits the outputs.
@@ -502,6 +557,12 @@ TEST_F(OpenInferenceTest, BadRequestsGetTheMitaV1CodesWithProtocolNames) {
     SetString(request, "mita_preset", "fast");
     SetInt(request, "mita_expert_count", 4);
     ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT, "parameters: set one budget");
+  }
+  {
+    inference::ModelInferRequest request = ImageRequest(image);
+    SetInt(request, "mita_latency_target_ms", -5);
+    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT,
+                "parameter mita_latency_target_ms: -5 is out of range: allowed >= 0 (0 means the call's deadline)");
   }
   {
     inference::ModelInferRequest request = ImageRequest(image);
@@ -732,6 +793,26 @@ TEST_F(OpenInferenceTest, HealthAndMetadata) {
   EXPECT_EQ(knobs["mita_attention"]["allowed"].get<std::vector<std::string>>(),
             (std::vector<std::string>{"mita", "full"}));
   EXPECT_EQ(knobs["mita_top_n"]["max"].get<int64_t>(), 10);
+  // The accuracy order, as the model declares it (names, budgets, accuracy), and the latency target's range.
+  absl::StatusOr<const models::ModelPackage*> package = registry_->Lookup(kModel);
+  ASSERT_TRUE(package.ok()) << package.status();
+  const std::vector<models::DeclaredBudget>& order = (*package)->classifier->description().knobs.accuracy_order;
+  const nlohmann::json& declared = knobs["mita_budget_floor"]["accuracy_order"];
+  ASSERT_EQ(declared.size(), order.size());
+  ASSERT_FALSE(order.empty());
+  for (size_t i = 0; i < order.size(); ++i) {
+    EXPECT_EQ(declared[i]["name"].get<std::string>(), order[i].name) << i;
+    EXPECT_EQ(knobs["mita_budget_floor"]["allowed"][i].get<std::string>(), order[i].name) << i;
+    EXPECT_DOUBLE_EQ(declared[i]["accuracy"].get<double>(), order[i].accuracy) << i;
+    if (order[i].budget.full_attention) {
+      EXPECT_EQ(declared[i]["mita_attention"].get<std::string>(), "full") << i;
+      EXPECT_FALSE(declared[i].contains("mita_expert_count")) << i;
+    } else {
+      EXPECT_EQ(declared[i]["mita_expert_count"].get<int64_t>(), order[i].budget.expert_count) << i;
+      EXPECT_EQ(declared[i]["mita_expert_width"].get<int64_t>(), order[i].budget.expert_width) << i;
+    }
+  }
+  EXPECT_EQ(knobs["mita_latency_target_ms"]["min"].get<int64_t>(), 0);
   // Where the model runs, as GetModel says.
   EXPECT_EQ(knobs["device"].get<std::string>(), v1_metadata.device());
   EXPECT_EQ(knobs["device"].get<std::string>(), "cpu");
@@ -841,6 +922,122 @@ TEST(OpenInferenceTranslationTest, DocumentsBecomeTextOrTokenIds) {
   EXPECT_TRUE(config.config().input(1).optional());
   EXPECT_EQ(config.config().input(1).data_type(), inference::TYPE_INT64);
   EXPECT_THAT(config.config().input(1).dims(), ElementsAre(-1));
+}
+
+// The latency-target parameters: a target (0: the call's deadline) with an optional floor becomes a
+// kLatencyTarget budget request; a floor alone, a negative target, or a target beside a parameter that names a
+// budget is INVALID_ARGUMENT, worded as at the server's edge (WordForOpenInference).
+TEST(OpenInferenceTranslationTest, LatencyTargetParameters) {
+  models::ClassifierDescription model;
+  model.name = "images";
+  model.input_kind = models::InputKind::kImage;
+  for (int i = 0; i < 3; ++i) model.labels.push_back(absl::StrCat("class", i));
+  auto request_with = [](std::function<void(inference::ModelInferRequest&)> set) {
+    inference::ModelInferRequest request;
+    request.set_model_name("images");
+    auto* input = request.add_inputs();
+    input->set_name("image");
+    input->set_datatype("BYTES");
+    input->add_shape(1);
+    input->mutable_contents()->add_bytes_contents("png bytes");
+    set(request);
+    return request;
+  };
+  {
+    TranslatedInferRequest translated;
+    const absl::Status status = ToInferenceRequest(request_with([](inference::ModelInferRequest& r) {
+                                                     SetInt(r, "mita_latency_target_ms", 250);
+                                                     SetString(r, "mita_budget_floor", "fast");
+                                                   }),
+                                                   model, &translated);
+    ASSERT_TRUE(status.ok()) << status;
+    const models::BudgetRequest& budget = translated.request.budget;
+    EXPECT_EQ(budget.choice, models::BudgetRequest::Choice::kLatencyTarget);
+    EXPECT_EQ(budget.latency_target, absl::Milliseconds(250));
+    EXPECT_EQ(budget.floor, "fast");
+  }
+  {
+    // 0: the call's deadline; no floor: the accuracy order's last budget. A uint64_param is taken too.
+    TranslatedInferRequest translated;
+    const absl::Status status = ToInferenceRequest(
+        request_with([](inference::ModelInferRequest& r) {
+          (*r.mutable_parameters())["mita_latency_target_ms"].set_uint64_param(0);
+          SetInt(r, "mita_top_n", 2);
+        }),
+        model, &translated);
+    ASSERT_TRUE(status.ok()) << status;
+    EXPECT_EQ(translated.request.budget.choice, models::BudgetRequest::Choice::kLatencyTarget);
+    EXPECT_EQ(translated.request.budget.latency_target, absl::ZeroDuration());
+    EXPECT_EQ(translated.request.budget.floor, "");
+  }
+  const std::vector<std::pair<std::function<void(inference::ModelInferRequest&)>, std::string>> errors = {
+      {[](inference::ModelInferRequest& r) { SetString(r, "mita_budget_floor", "fast"); },
+       "parameter mita_budget_floor: needs mita_latency_target_ms (a floor bounds the budget the server chooses for "
+       "a latency target)"},
+      {[](inference::ModelInferRequest& r) { SetInt(r, "mita_latency_target_ms", -1); },
+       "parameter mita_latency_target_ms: -1 is out of range: allowed >= 0 (0 means the call's deadline)"},
+      {[](inference::ModelInferRequest& r) {
+         SetInt(r, "mita_latency_target_ms", 100);
+         SetString(r, "mita_preset", "fast");
+       },
+       "parameter mita_latency_target_ms: the server chooses the budget for a latency target: leave out "
+       "mita_preset (or mita_budget_floor to bound its choice)"},
+      {[](inference::ModelInferRequest& r) {
+         SetInt(r, "mita_latency_target_ms", 100);
+         SetInt(r, "mita_expert_width", 8);
+         SetInt(r, "mita_expert_count", 4);
+         SetString(r, "mita_attention", "mita");
+       },
+       "parameter mita_latency_target_ms: the server chooses the budget for a latency target: leave out "
+       "mita_expert_count, mita_expert_width, mita_attention (or mita_budget_floor to bound its choice)"},
+      {[](inference::ModelInferRequest& r) {
+         SetInt(r, "mita_latency_target_ms", 100);
+         SetString(r, "mita_attention", "full");
+       },
+       "parameter mita_latency_target_ms: the server chooses the budget for a latency target: leave out "
+       "mita_attention (or mita_budget_floor to bound its choice)"},
+      {[](inference::ModelInferRequest& r) { SetString(r, "mita_latency_target_ms", "100"); },
+       "parameter mita_latency_target_ms: must be an int64_param, got string_param"},
+      {[](inference::ModelInferRequest& r) {
+         SetInt(r, "mita_latency_target_ms", 100);
+         SetInt(r, "mita_budget_floor", 3);
+       },
+       "parameter mita_budget_floor: must be a string_param, got int64_param"},
+  };
+  for (size_t i = 0; i < errors.size(); ++i) {
+    TranslatedInferRequest translated;
+    const absl::Status status = WordForOpenInference(ToInferenceRequest(request_with(errors[i].first), model, &translated));
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << i;
+    EXPECT_EQ(status.message(), errors[i].second) << i;
+  }
+}
+
+// The response echoes why its budget ran and the time predicted for it, as the engine set them.
+TEST(OpenInferenceTranslationTest, TheBudgetReasonAndPredictedTimeAreEchoed) {
+  models::ClassifierDescription model;
+  model.name = "images";
+  model.input_kind = models::InputKind::kImage;
+  for (int i = 0; i < 3; ++i) model.labels.push_back(absl::StrCat("class", i));
+  inference::ModelInferRequest request;
+  request.set_model_name("images");
+  const std::vector<std::pair<BudgetReason, std::string>> reasons = {
+      {BudgetReason::kRequested, "requested"},
+      {BudgetReason::kMostAccurate, "most_accurate"},
+      {BudgetReason::kLoweredAtAdmission, "lowered_at_admission"},
+      {BudgetReason::kLoweredAtBatchStart, "lowered_at_batch_start"}};
+  for (size_t i = 0; i < reasons.size(); ++i) {
+    InferenceResult result;
+    result.model = &model;
+    result.classes = {{1, 0.7f}, {0, 0.2f}, {2, 0.1f}};
+    result.budget = models::ResolvedBudget{models::AttentionBudget{false, 4, 8}, ""};
+    result.budget_reason = reasons[i].first;
+    result.predicted = absl::Microseconds(1234 + 1000 * static_cast<int64_t>(i));
+    absl::StatusOr<inference::ModelInferResponse> response = ToModelInferResponse(request, result);
+    ASSERT_TRUE(response.ok()) << response.status();
+    EXPECT_EQ(response->parameters().at("mita_budget_reason").string_param(), reasons[i].second) << i;
+    EXPECT_EQ(response->parameters().at("mita_predicted_us").int64_param(), 1234 + 1000 * static_cast<int64_t>(i));
+    EXPECT_EQ(response->parameters().at("mita_expert_count").int64_param(), 4);
+  }
 }
 
 // One structured error, worded by each front end in its own vocabulary; statuses without field problems pass
