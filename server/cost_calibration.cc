@@ -100,15 +100,17 @@ absl::StatusOr<CostProfile> CalibrateCostModel(const models::Classifier& classif
   const CostShape shape = CostShapeOf(model);
   const absl::Time start = absl::Now();
   std::vector<CostSample> samples;
-  // measured / prior over the batches so far: the estimate that decides whether the next batch fits the limit.
+  // measured / prior over the batches so far: the largest decides whether the next batch fits the limit, the
+  // median scales the prior when too few batches were timed for a fit.
   double prior_ratio = 1;
+  double largest_ratio = 1;
   c10::InferenceMode inference_mode;
   bool warmed_up = false;
   for (const SweepBatch& batch : SweepPlan(model, max_batch_size, max_batch_tokens)) {
     const double prior = PredictedSeconds(PriorCostCoefficients(), shape, batch);
     const absl::Duration left = limit - (absl::Now() - start);
     // Two runs of each batch (the first warms caches and the allocator), the faster one kept.
-    if (absl::Seconds(2 * prior * prior_ratio) > left) continue;
+    if (absl::Seconds(2 * prior * largest_ratio) > left) continue;
     std::vector<models::BatchItem> inputs;
     for (int64_t i = 0; i < batch.batch_size; ++i) inputs.push_back(SyntheticItem(model, batch.tokens, batch.budget));
     std::vector<const models::BatchItem*> items;
@@ -136,6 +138,7 @@ absl::StatusOr<CostProfile> CalibrateCostModel(const models::Classifier& classif
     }
     std::sort(ratios.begin(), ratios.end());
     prior_ratio = ratios[ratios.size() / 2];
+    largest_ratio = ratios.back();
   }
   profile.calibration_batches = static_cast<int>(samples.size());
   profile.calibration_time = absl::Now() - start;

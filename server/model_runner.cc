@@ -138,6 +138,14 @@ absl::Duration ModelRunner::PredictedWait(size_t lane, absl::Time now) const {
   return work / std::max(1, load.options.num_batch_threads);
 }
 
+absl::Duration ModelRunner::PredictedBatchFill(size_t lane) const {
+  absl::MutexLock lock(&load_mu_);
+  const LaneLoad& load = load_[lane];
+  const int64_t batch = std::min<int64_t>(load.options.max_batch_size, std::llround(load.recent_batch_size));
+  const int64_t ahead_in_batch = load.queued_tasks % load.options.max_batch_size;
+  return load.recent_task_compute * std::max<int64_t>(0, batch - 1 - ahead_in_batch);
+}
+
 CostSummary ModelRunner::cost_summary() const {
   const models::ClassifierDescription& model = classifier_->description();
   CostSummary summary;
@@ -190,9 +198,10 @@ absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, uint64_t* tick
       allowed.push_back(item.budget.budget);
     }
     const absl::Duration wait = PredictedWait(lane, now);
+    const absl::Duration fill = PredictedBatchFill(lane);
     const BudgetChoice choice =
         ChooseBudget(allowed, wait, end - now,
-                     [&](const models::AttentionBudget& budget) { return PredictedCompute(item, budget); });
+                     [&](const models::AttentionBudget& budget) { return PredictedCompute(item, budget) + fill; });
     if (!choice.meets && planning_.deadline_admission && end != absl::InfiniteFuture()) {
       const bool by_target = target_end < request.request.deadline;
       const AdmissionRejection rejection =
@@ -318,7 +327,12 @@ void ModelRunner::ProcessBatch(size_t lane, Batch<BatchTask> batch) {
   const absl::Duration predicted_compute = cost_.Predict(cost_items);
   {
     absl::MutexLock lock(&load_mu_);
-    load_[lane].running_ends.push_back(start + predicted_compute);
+    LaneLoad& load = load_[lane];
+    load.running_ends.push_back(start + predicted_compute);
+    constexpr double kWeight = 0.2;
+    load.recent_batch_size = (1 - kWeight) * load.recent_batch_size + kWeight * static_cast<double>(batch_size);
+    load.recent_task_compute = (1 - kWeight) * load.recent_task_compute +
+                               kWeight * (predicted_compute - cost_.BatchOverhead()) / batch_size;
   }
   absl::Status failure;
   absl::StatusOr<models::ClassifierOutput> output = absl::UnknownError("not run");

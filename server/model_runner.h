@@ -110,6 +110,10 @@ class ModelRunner {
   // threads. The batcher's max_queue_delay is not counted: later arrivals may fill the batch sooner, and a batch
   // that starts late is caught by LowerLateBudgets.
   absl::Duration PredictedWait(size_t lane, absl::Time now) const;
+  // Predicted compute the requests admitted after one admitted now to `lane` add to its batch: the lane's
+  // recent batch size, less the queued tasks ahead of it in its batch, times the recent compute per task (a
+  // request waits for its whole batch, which under load fills with later arrivals).
+  absl::Duration PredictedBatchFill(size_t lane) const;
   // Predicted compute of `item` alone in a batch at `budget`, and its share of a batch without the fixed cost.
   absl::Duration PredictedCompute(const models::BatchItem& item, const models::AttentionBudget& budget) const;
 
@@ -119,6 +123,10 @@ class ModelRunner {
     absl::Duration queued_compute;  // predicted, without batches' fixed costs
     int64_t queued_tasks = 0;
     std::vector<absl::Time> running_ends;  // predicted end of each running batch
+    // Moving averages (weight 0.2) over the batches started: requests per batch, predicted compute per request
+    // without the batch's fixed cost.
+    double recent_batch_size = 1;
+    absl::Duration recent_task_compute;
   };
 
   const models::Classifier* const classifier_;
