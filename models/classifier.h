@@ -157,10 +157,11 @@ class Classifier {
   virtual const ClassifierDescription& description() const = 0;
 
   // Turns one input and its budget into a batch item: checks the input kind, resolves the budget against the
-  // knobs (ResolveBudget), then decodes or tokenizes the input (PrepareInput) and applies the budget to its
-  // token count (ApplyBudget). Cheap checks come first, so a bad request costs no decoding.
+  // knobs (AllowedBudgets: one budget, or a latency target's choices), then decodes or tokenizes the input
+  // (PrepareInput) and applies the budget(s) to its token count (ApplyBudget). Cheap checks come first, so a bad
+  // request costs no decoding.
   // Errors: INVALID_ARGUMENT carrying field problems (request_error.h): the wrong or no input (kInput), a bad
-  // budget (kPreset, kExperts, kExpertCount, kExpertWidth), a bad input (kImage, kDocument, kDocumentText,
+  // budget (kPreset, kExperts, kExpertCount, kExpertWidth, kLatencyTarget, kBudgetFloor), a bad input (kImage, kDocument, kDocumentText,
   // kDocumentTokenIds); RESOURCE_EXHAUSTED when memory runs out.
   // `stop` (optional) is asked between pieces of long preparation work (e.g. every piece of a long text); a
   // non-OK answer ends Prepare with that status.

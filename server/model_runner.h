@@ -54,6 +54,7 @@ class ModelRunner {
   // runner. `long_input_tokens` > 0: inputs of more tokens go to a second lane, a batcher of their own with one
   // batch thread, so that a long document's forward never holds up shorter requests (they run beside it); made
   // only for a document model whose documents can be that long. Each lane has the queue limits of `options`.
+  // `planning`: the cost profile the runner predicts with and whether it refuses predicted misses at admission.
   // Errors: INVALID_ARGUMENT for invalid options, or when one input of an image model has more tokens than
   // options.max_batch_tokens.
   static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(const models::Classifier* classifier,
