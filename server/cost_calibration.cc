@@ -72,8 +72,13 @@ std::vector<SweepBatch> SweepPlan(const models::ClassifierDescription& model, in
       if (batch_size * length > max_batch_tokens) continue;
       // Batches of several inputs only for short inputs (they separate the batch and item costs).
       if (batch_size > 1 && model.tokens_per_input == 0 && length > 512) continue;
-      for (const models::DeclaredBudget& declared : model.knobs.accuracy_order) {
-        SweepBatch batch{length, batch_size, models::ApplyBudget(declared.budget, length)};
+      // The accuracy order's budgets, and full attention where it is supported but not in the order (a request
+      // may still name it; its feature must be timed).
+      std::vector<models::AttentionBudget> budgets;
+      for (const models::DeclaredBudget& declared : model.knobs.accuracy_order) budgets.push_back(declared.budget);
+      if (model.knobs.full_attention_supported) budgets.push_back(models::AttentionBudget{true, 0, 0});
+      for (const models::AttentionBudget& budget : budgets) {
+        SweepBatch batch{length, batch_size, models::ApplyBudget(budget, length)};
         const bool seen = std::any_of(plan.begin(), plan.end(), [&](const SweepBatch& other) {
           return other.tokens == batch.tokens && other.batch_size == batch.batch_size && other.budget == batch.budget;
         });
@@ -147,6 +152,13 @@ absl::StatusOr<CostProfile> CalibrateCostModel(const models::Classifier& classif
   absl::StatusOr<CostFeatures> fitted = FitCostCoefficients(samples);
   if (fitted.ok() && samples.size() >= static_cast<size_t>(kNumCostFeatures)) {
     profile.coefficients = *fitted;
+    // A feature no timed batch had (e.g. full attention when even its cheapest batch did not fit the limit)
+    // keeps the prior, scaled to this machine, instead of costing nothing.
+    for (int i = 0; i < kNumCostFeatures; ++i) {
+      const bool seen = std::any_of(samples.begin(), samples.end(),
+                                    [i](const CostSample& sample) { return sample.features[i] > 0; });
+      if (!seen) profile.coefficients[i] = PriorCostCoefficients()[i] * prior_ratio;
+    }
   } else {
     profile.correction = prior_ratio;
   }

@@ -30,10 +30,11 @@ struct CostProfile {
 CostShape CostShapeOf(const models::ClassifierDescription& model);
 
 // Times batches of synthetic inputs (random images or token ids) through `classifier`: each budget of its
-// accuracy order at a few token counts (documents: 128 up to the longest it takes, at most `max_batch_tokens`)
+// accuracy order (and full attention where supported) at a few token counts (documents: 128 up to the longest it takes, at most `max_batch_tokens`)
 // and batch sizes (1, and up to `max_batch_size`), cheapest first, skipping a batch whose estimated time would
-// pass `limit`; then fits the coefficients (FitCostCoefficients). Fewer timed batches than features: the prior
-// coefficients scaled by the measured / predicted ratio. `limit` zero: the prior, not timed.
+// pass `limit`; then fits the coefficients (FitCostCoefficients); a feature no timed batch had keeps its prior
+// coefficient scaled by the median measured / prior ratio. Fewer timed batches than features: the prior
+// coefficients scaled by that ratio. `limit` zero: the prior, not timed.
 // Errors: the classifier's Run errors (RESOURCE_EXHAUSTED, INTERNAL).
 absl::StatusOr<CostProfile> CalibrateCostModel(const models::Classifier& classifier, absl::Duration limit,
                                                int64_t max_batch_size, int64_t max_batch_tokens);

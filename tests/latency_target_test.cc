@@ -509,6 +509,28 @@ TEST(CostCalibrationTest, SweepIsBoundedByItsLimit) {
             << absl::FormatDuration(swept->calibration_time) << ", median fit error " << swept->fit_error << "\n";
 }
 
+// texlive-doc-mita declares no full attention in its accuracy order; a request may still name it, so the sweep
+// times it too and its prediction at 16K tokens is far above the default budget's (it once cost 0: 150 ms
+// predicted against 8.7 s measured).
+TEST(CostCalibrationTest, FullAttentionOutsideTheOrderIsStillCosted) {
+  absl::StatusOr<models::ModelPackage> package =
+      models::LoadModelPackage(test_util::SourceDirectory() + "/models/repository/texlive-doc-mita");
+  ASSERT_TRUE(package.ok()) << package.status();
+  const models::ClassifierDescription& model = package->classifier->description();
+  for (const models::DeclaredBudget& declared : model.knobs.accuracy_order) {
+    ASSERT_FALSE(declared.budget.full_attention) << "the test needs an order without full attention";
+  }
+  absl::StatusOr<server::CostProfile> swept =
+      server::CalibrateCostModel(*package->classifier, absl::Seconds(2), 16, 1 << 17);
+  ASSERT_TRUE(swept.ok()) << swept.status();
+  EXPECT_GT(swept->coefficients[5], 0) << "full attention's feature has a cost";
+  const server::CostModel cost(server::CostShapeOf(model), swept->coefficients, swept->correction);
+  const std::vector<server::CostItem> full = {server::CostItem{16384, AttentionBudget{true, 0, 0}}};
+  const std::vector<server::CostItem> mita = {
+      server::CostItem{16384, models::ApplyBudget(model.knobs.default_budget, 16384)}};
+  EXPECT_GT(cost.Predict(full), 5 * cost.Predict(mita));
+}
+
 TEST(CostProfileFileTest, RoundTripsAndRefusesAnotherShape) {
   models::ClassifierDescription model;
   model.name = "m";
