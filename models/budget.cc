@@ -2,6 +2,7 @@
 #include "models/budget.h"
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -105,12 +106,25 @@ absl::StatusOr<std::vector<ResolvedBudget>> AllowedBudgets(const BudgetKnobs& kn
   if (knobs.accuracy_order.empty()) {
     return InvalidRequest(RequestField::kBudget, "this model declares no budgets to choose from");
   }
+  // The floor may name a budget of the order by its order name, a preset's name, "default", or its text
+  // ("9x16", "full").
+  std::optional<AttentionBudget> floor_budget;
+  if (auto preset = knobs.presets.find(request.floor); preset != knobs.presets.end()) {
+    floor_budget = preset->second;
+  } else if (request.floor == "default") {
+    floor_budget = knobs.default_budget;
+  } else if (absl::StatusOr<AttentionBudget> parsed = ParseBudget(request.floor); parsed.ok()) {
+    floor_budget = *parsed;
+  }
   std::vector<ResolvedBudget> allowed;
   for (const DeclaredBudget& declared : knobs.accuracy_order) {
     // The echoed name: a preset's (or "default"), none for a budget named by its text.
     const bool named = declared.name == "default" || knobs.presets.count(declared.name) > 0;
     allowed.push_back(ResolvedBudget{declared.budget, named ? declared.name : ""});
-    if (!request.floor.empty() && declared.name == request.floor) return allowed;
+    if (!request.floor.empty() &&
+        (declared.name == request.floor || (floor_budget.has_value() && *floor_budget == declared.budget))) {
+      return allowed;
+    }
   }
   if (request.floor.empty()) return allowed;
   std::vector<std::string> names;

@@ -42,7 +42,8 @@ struct BudgetRequest {
   int64_t expert_width = 0;  // kExperts
   // kLatencyTarget: receipt to answer the server plans for; zero: the call's deadline (server/latency_planner.h).
   absl::Duration latency_target = absl::ZeroDuration();
-  // kLatencyTarget: the least accurate budget the server may apply, a DeclaredBudget name; "": the last one.
+  // kLatencyTarget: the least accurate budget the server may apply: a DeclaredBudget name, or a preset name,
+  // "default" or budget text ("9x16", "full") naming a budget of the order; "": the order's last one.
   std::string floor;
 };
 

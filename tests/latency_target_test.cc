@@ -411,6 +411,32 @@ TEST_F(LatencyTargetTest, NoRequestRunsWithABudgetItDidNotAllow) {
   std::cout << "random rounds: " << answered << " answered, " << refused << " refused\n";
 }
 
+// A floor names a budget of the order by its order name, a preset naming the same budget, or its text.
+TEST(AllowedBudgetsTest, FloorByOrderNamePresetOrText) {
+  models::BudgetKnobs knobs;
+  knobs.min_expert_count = 1;
+  knobs.max_expert_count = 64;
+  knobs.max_expert_width = 128;
+  knobs.default_budget = Experts(32, 64);
+  knobs.presets = {{"balanced", Experts(16, 32)}};
+  knobs.accuracy_order = {{"default", Experts(32, 64), 0.9}, {"balanced", Experts(16, 32), 0.8},
+                          {"8x16", Experts(8, 16), 0.7}};
+  auto allowed = [&](const std::string& floor) {
+    models::BudgetRequest request;
+    request.choice = models::BudgetRequest::Choice::kLatencyTarget;
+    request.floor = floor;
+    return models::AllowedBudgets(knobs, request);
+  };
+  for (const auto& [floor, count] : std::vector<std::pair<std::string, size_t>>{
+           {"", 3}, {"default", 1}, {"32x64", 1}, {"balanced", 2}, {"16x32", 2}, {"8x16", 3}}) {
+    absl::StatusOr<std::vector<models::ResolvedBudget>> budgets = allowed(floor);
+    ASSERT_TRUE(budgets.ok()) << floor << ": " << budgets.status();
+    EXPECT_EQ(budgets->size(), count) << floor;
+  }
+  ExpectStatus(allowed("full").status(), absl::StatusCode::kInvalidArgument,
+               "budget floor: unknown budget 'full'; the model's budgets, most accurate first: default, balanced, 8x16");
+}
+
 TEST(CostModelTest, FitRecoversTheCoefficientsOfExactSamples) {
   const server::CostShape shape{64, 2};
   const server::CostFeatures truth{2e-3, 5e-5, 1e-9, 3e-9, 0, 2e-9};
