@@ -28,11 +28,7 @@ struct SweepBatch {
 };
 
 double PredictedSeconds(const CostFeatures& coefficients, const CostShape& shape, const SweepBatch& batch) {
-  const std::vector<CostItem> items = batch.items();
-  const CostFeatures features = BatchCostFeatures(shape, items);
-  double seconds = 0;
-  for (int i = 0; i < kNumCostFeatures; ++i) seconds += coefficients[i] * features[i];
-  return seconds;
+  return CostSeconds(coefficients, BatchCostFeatures(shape, batch.items()));
 }
 
 // A synthetic input of `tokens` tokens for `model`: a random image, or random token ids.
@@ -137,9 +133,7 @@ absl::StatusOr<CostProfile> CalibrateCostModel(const models::Classifier& classif
     samples.push_back(CostSample{BatchCostFeatures(shape, batch.items()), fastest});
     std::vector<double> ratios;
     for (const CostSample& sample : samples) {
-      double predicted = 0;
-      for (int i = 0; i < kNumCostFeatures; ++i) predicted += PriorCostCoefficients()[i] * sample.features[i];
-      ratios.push_back(sample.seconds / predicted);
+      ratios.push_back(sample.seconds / CostSeconds(PriorCostCoefficients(), sample.features));
     }
     std::sort(ratios.begin(), ratios.end());
     prior_ratio = ratios[ratios.size() / 2];
@@ -164,9 +158,8 @@ absl::StatusOr<CostProfile> CalibrateCostModel(const models::Classifier& classif
   }
   std::vector<double> errors;
   for (const CostSample& sample : samples) {
-    double predicted = 0;
-    for (int i = 0; i < kNumCostFeatures; ++i) predicted += profile.coefficients[i] * sample.features[i];
-    errors.push_back(std::abs(profile.correction * predicted / sample.seconds - 1));
+    errors.push_back(
+        std::abs(profile.correction * CostSeconds(profile.coefficients, sample.features) / sample.seconds - 1));
   }
   std::sort(errors.begin(), errors.end());
   profile.fit_error = errors[errors.size() / 2];

@@ -82,11 +82,14 @@ CostFeatures PriorCostCoefficients() {
   return CostFeatures{5e-4, 2e-5, 1e-9, 2e-9, 2e-9, 1e-9};
 }
 
-double CostModel::UncorrectedSeconds(absl::Span<const CostItem> items) const {
-  const CostFeatures features = BatchCostFeatures(shape_, items);
+double CostSeconds(const CostFeatures& coefficients, const CostFeatures& features) {
   double seconds = 0;
-  for (int i = 0; i < kNumCostFeatures; ++i) seconds += coefficients_[i] * features[i];
+  for (int i = 0; i < kNumCostFeatures; ++i) seconds += coefficients[i] * features[i];
   return seconds;
+}
+
+double CostModel::UncorrectedSeconds(absl::Span<const CostItem> items) const {
+  return CostSeconds(coefficients_, BatchCostFeatures(shape_, items));
 }
 
 absl::Duration CostModel::Predict(absl::Span<const CostItem> items) const {

@@ -44,6 +44,9 @@ struct CostShape {
 // The features of a batch of `items` (see the file comment), in that order. Empty `items`: all zero.
 CostFeatures BatchCostFeatures(const CostShape& shape, absl::Span<const CostItem> items);
 
+// sum_i coefficients_i x features_i: the uncorrected predicted seconds of a batch with `features`.
+double CostSeconds(const CostFeatures& coefficients, const CostFeatures& features);
+
 // One timed batch: its features and its compute time, seconds.
 struct CostSample {
   CostFeatures features{};

@@ -26,6 +26,26 @@ absl::Status BatchFailure(absl::string_view model, absl::string_view device, int
   return absl::InternalError(absl::StrCat("model '", model, "' failed: ", forward.message()));
 }
 
+namespace {
+
+// When `task` must be answered: its deadline, or its latency target's end when earlier.
+absl::Time PlannedEnd(const BatchTask& task) {
+  const PendingRequest& request = *task.request;
+  const absl::Duration target = request.request.budget.latency_target;
+  if (!task.item.latency_target || target <= absl::ZeroDuration()) return request.request.deadline;
+  return std::min(request.request.deadline, request.receipt + target);
+}
+
+// The applied budgets `task` may run with, most accurate first: its choices, or its one budget.
+std::vector<models::AttentionBudget> AllowedOf(const BatchTask& task) {
+  std::vector<models::AttentionBudget> allowed;
+  for (const models::ResolvedBudget& choice : task.item.allowed_budgets) allowed.push_back(choice.budget);
+  if (allowed.empty()) allowed.push_back(task.item.budget.budget);
+  return allowed;
+}
+
+}  // namespace
+
 void ModelRunner::LowerLateBudgets(absl::Span<BatchTask* const> tasks, absl::Time start) {
   const bool any_target = std::any_of(tasks.begin(), tasks.end(), [](const BatchTask* task) {
     return task->item.latency_target && task->item.allowed_budgets.size() > 1;
@@ -36,19 +56,11 @@ void ModelRunner::LowerLateBudgets(absl::Span<BatchTask* const> tasks, absl::Tim
   for (const BatchTask* task : tasks) {
     BatchMember member;
     member.tokens = task->item.tokens;
-    const PendingRequest& request = *task->request;
-    absl::Time end = request.request.deadline;
-    if (task->item.latency_target) {
-      for (const models::ResolvedBudget& allowed : task->item.allowed_budgets) member.allowed.push_back(allowed.budget);
-      member.choice = static_cast<size_t>(
-          std::find(member.allowed.begin(), member.allowed.end(), task->item.budget.budget) - member.allowed.begin());
-      if (member.choice >= member.allowed.size()) member.choice = 0;
-      if (request.request.budget.latency_target > absl::ZeroDuration()) {
-        end = std::min(end, request.receipt + request.request.budget.latency_target);
-      }
-    } else {
-      member.allowed.push_back(task->item.budget.budget);
-    }
+    member.allowed = AllowedOf(*task);
+    member.choice = static_cast<size_t>(
+        std::find(member.allowed.begin(), member.allowed.end(), task->item.budget.budget) - member.allowed.begin());
+    if (member.choice >= member.allowed.size()) member.choice = 0;
+    const absl::Time end = PlannedEnd(*task);
     member.time_left = end == absl::InfiniteFuture() ? absl::InfiniteDuration() : end - start;
     first_choice.push_back(member.choice);
     members.push_back(std::move(member));
@@ -185,25 +197,17 @@ absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, uint64_t* tick
   const size_t lane = long_input_tokens_ > 0 && tokens > long_input_tokens_ ? 1 : 0;
   const absl::Time now = clock_->Now();
   // The time the request may take from now: its latency target's end or its deadline, the earlier.
-  const absl::Duration target = request.request.budget.latency_target;
-  const absl::Time target_end =
-      item.latency_target && target > absl::ZeroDuration() ? request.receipt + target : absl::InfiniteFuture();
-  const absl::Time end = std::min(target_end, request.request.deadline);
+  const absl::Time end = PlannedEnd(admitted);
   const bool planned = item.latency_target || (planning_.deadline_admission && end != absl::InfiniteFuture());
   if (planned) {
-    std::vector<models::AttentionBudget> allowed;
-    if (item.latency_target) {
-      for (const models::ResolvedBudget& choice : item.allowed_budgets) allowed.push_back(choice.budget);
-    } else {
-      allowed.push_back(item.budget.budget);
-    }
+    const std::vector<models::AttentionBudget> allowed = AllowedOf(admitted);
     const absl::Duration wait = PredictedWait(lane, now);
     const absl::Duration fill = PredictedBatchFill(lane);
     const BudgetChoice choice =
         ChooseBudget(allowed, wait, end - now,
                      [&](const models::AttentionBudget& budget) { return PredictedCompute(item, budget) + fill; });
     if (!choice.meets && planning_.deadline_admission && end != absl::InfiniteFuture()) {
-      const bool by_target = target_end < request.request.deadline;
+      const bool by_target = end < request.request.deadline;
       const AdmissionRejection rejection =
           by_target ? AdmissionRejection::kLatencyTargetUnmeetable : AdmissionRejection::kDeadlineUnmeetable;
       metrics_->CountRejection(rejection);
