@@ -15,11 +15,12 @@
 //
 // Report (stdout): throughput (answers/s and OK/s), client latency p50/p95/p99 of OK calls (and of all
 // calls), mean server batch size, counts per gRPC status code; against the deadlines: goodput (OK answers
-// within their call's deadline per second of the measured window), the deadline-miss rate (DEADLINE_EXCEEDED
-// answers and OK answers later than their deadline, over the measured calls sent) and the rejection rate
-// (RESOURCE_EXHAUSTED and UNAVAILABLE, over the same); the mean applied budget of OK answers (expert count and
-// width over those that ran MiTA, the fraction that ran full attention) and their count by budget reason, and
-// the p50 client latency of the DEADLINE_EXCEEDED answers (refused at admission, or out of time); with
+// within their call's deadline per second of the measured window), the deadline-miss rate (calls without an
+// answer by their deadline: DEADLINE_EXCEEDED at or after it, and OK answers later than it, over the measured
+// calls sent) and the rejection rate (RESOURCE_EXHAUSTED, UNAVAILABLE, and DEADLINE_EXCEEDED answered before the
+// deadline, i.e. refused by the server's deadline admission, over the same); the mean applied budget of OK
+// answers (expert count and width over those that ran MiTA, the fraction that ran full attention) and their count
+// by budget reason, and the p50 client latency of the DEADLINE_EXCEEDED answers; with
 // --server_pid, the server's resident memory (VmRSS from /proc/PID/status) after the warm-up, at the end, its
 // maximum, and the growth. The last line is "RESULT key=value ..." for scripts (new keys are appended: scripts
 // read some by position). Exit status 0 when the run completed (errors are counted, not
@@ -225,8 +226,9 @@ struct Call {
 struct DeadlineTally {
   int64_t ok_in_time = 0;       // OK within the call's deadline (or without one)
   int64_t ok_late = 0;          // OK, but later than the call's deadline
-  int64_t deadline_exceeded = 0;
-  int64_t rejected = 0;         // RESOURCE_EXHAUSTED or UNAVAILABLE
+  int64_t deadline_exceeded = 0;  // all of them, refused or out of time
+  int64_t refused = 0;            // DEADLINE_EXCEEDED answered before the call's deadline: refused at admission
+  int64_t rejected = 0;           // RESOURCE_EXHAUSTED or UNAVAILABLE, and the refused
   int64_t mita_answers = 0;     // OK answers that ran MiTA (their knobs are summed below)
   int64_t full_answers = 0;     // OK answers that ran full attention
   double expert_count_sum = 0;
@@ -241,6 +243,11 @@ struct DeadlineTally {
     if (code == grpc::StatusCode::DEADLINE_EXCEEDED) {
       ++deadline_exceeded;
       deadline_exceeded_ms.push_back(latency_ms);
+      // The client's own deadline cannot fire before the deadline: an earlier answer is the server's refusal.
+      if (call.deadline_ms > 0 && latency_ms < static_cast<double>(call.deadline_ms)) {
+        ++refused;
+        ++rejected;
+      }
     }
     if (code == grpc::StatusCode::RESOURCE_EXHAUSTED || code == grpc::StatusCode::UNAVAILABLE) ++rejected;
     if (!call.status.ok()) return;
@@ -465,7 +472,7 @@ int main(int argc, char** argv) {
   // Rates over the measured calls sent (all answered: the run waits for every call in flight).
   const double sent = std::max<double>(1, static_cast<double>(answered));
   const double goodput = static_cast<double>(tally.ok_in_time) / seconds;
-  const double miss_rate = static_cast<double>(tally.deadline_exceeded + tally.ok_late) / sent;
+  const double miss_rate = static_cast<double>(tally.deadline_exceeded - tally.refused + tally.ok_late) / sent;
   const double reject_rate = static_cast<double>(tally.rejected) / sent;
   const double mean_m =
       tally.mita_answers > 0 ? tally.expert_count_sum / static_cast<double>(tally.mita_answers) : 0;
@@ -474,10 +481,12 @@ int main(int argc, char** argv) {
   const double full_fraction =
       ok_count > 0 ? static_cast<double>(tally.full_answers) / static_cast<double>(ok_count) : 0;
   std::cout << absl::StrFormat(
-      "deadlines: goodput %.1f OK answers within their deadline/s; missed %.2f%% (DEADLINE_EXCEEDED %d, answered "
-      "after p50 %.2f ms; OK but late %d), rejected %.2f%% (RESOURCE_EXHAUSTED or UNAVAILABLE %d) of %d calls sent\n",
-      goodput, 100 * miss_rate, tally.deadline_exceeded, Percentile(tally.deadline_exceeded_ms, 50), tally.ok_late,
-      100 * reject_rate, tally.rejected, answered);
+      "deadlines: goodput %.1f OK answers within their deadline/s; missed %.2f%% (DEADLINE_EXCEEDED at or after "
+      "the deadline %d; OK but late %d), rejected %.2f%% (RESOURCE_EXHAUSTED or UNAVAILABLE %d; DEADLINE_EXCEEDED "
+      "before the deadline, refused at admission, %d) of %d calls sent; DEADLINE_EXCEEDED answered after p50 "
+      "%.2f ms\n",
+      goodput, 100 * miss_rate, tally.deadline_exceeded - tally.refused, tally.ok_late, 100 * reject_rate,
+      tally.rejected - tally.refused, tally.refused, answered, Percentile(tally.deadline_exceeded_ms, 50));
   std::string reason_text, reason_keys;
   for (int reason = v1::BudgetReason_MIN; reason <= v1::BudgetReason_MAX; ++reason) {
     if (!v1::BudgetReason_IsValid(reason)) continue;
@@ -501,9 +510,9 @@ int main(int argc, char** argv) {
   std::cout << absl::StrFormat(
       "RESULT label=%s answered=%d ok=%d seconds=%.3f throughput=%.2f ok_throughput=%.2f "
       "p50_ms=%.3f p95_ms=%.3f p99_ms=%.3f mean_batch=%.3f%s goodput=%.2f miss_rate=%.5f reject_rate=%.5f "
-      "mean_m=%.3f mean_k=%.3f full_fraction=%.5f%s deadline_exceeded_p50_ms=%.3f\n",
+      "mean_m=%.3f mean_k=%.3f full_fraction=%.5f%s deadline_exceeded_p50_ms=%.3f refused=%d\n",
       label.empty() ? "-" : label, answered, ok_count, seconds, static_cast<double>(answered) / seconds,
       static_cast<double>(ok_count) / seconds, p50, p95, p99, mean_batch, rss_text, goodput, miss_rate, reject_rate,
-      mean_m, mean_k, full_fraction, reason_keys, Percentile(tally.deadline_exceeded_ms, 50));
+      mean_m, mean_k, full_fraction, reason_keys, Percentile(tally.deadline_exceeded_ms, 50), tally.refused);
   return 0;
 }

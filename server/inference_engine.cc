@@ -76,6 +76,7 @@ absl::StatusOr<std::unique_ptr<InferenceEngine>> InferenceEngine::Create(const M
     }
     PlanningOptions planning;
     planning.deadline_admission = engine->options_.deadline_admission;
+    planning.slack_percentile = engine->options_.slack_percentile;
     if (auto profile = engine->options_.cost_profiles.find(package->name);
         profile != engine->options_.cost_profiles.end()) {
       planning.cost_profile = profile->second;

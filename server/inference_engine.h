@@ -64,6 +64,9 @@ struct EngineOptions {
   // Answer at once a request predicted to miss its deadline even at its least accurate allowed budget
   // (PlanningOptions::deadline_admission, mita-server --deadline_admission).
   bool deadline_admission = true;
+  // The percentile of recent lateness (answer time less prediction) admission adds to its predictions
+  // (PlanningOptions::slack_percentile, mita-server --planning_slack_percentile); 0: none.
+  int slack_percentile = 99;
 };
 
 // A submitted request, for its caller: Cancel() says the caller stopped waiting. Thread-safe.

@@ -2,6 +2,7 @@
 #include "server/latency_planner.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace mita::server {
 namespace {
@@ -67,6 +68,20 @@ int LowerToFit(std::vector<BatchMember>& members, const PredictBatch& predict) {
     ++steps;
   }
   return steps;
+}
+
+PlanningSlack::PlanningSlack(double quantile, size_t window)
+    : quantile_(std::clamp(quantile, 1e-6, 1.0)), window_(std::max<size_t>(1, window)) {}
+
+void PlanningSlack::Observe(absl::Duration lateness) {
+  recent_.push_back(absl::ToDoubleSeconds(lateness));
+  if (recent_.size() > window_) recent_.pop_front();
+  sorted_.assign(recent_.begin(), recent_.end());
+  // The nearest-rank quantile: the smallest value with at least `quantile` of the values at or below it.
+  const size_t rank = static_cast<size_t>(std::ceil(quantile_ * static_cast<double>(sorted_.size())));
+  const size_t index = std::min(sorted_.size(), std::max<size_t>(1, rank)) - 1;
+  std::nth_element(sorted_.begin(), sorted_.begin() + index, sorted_.end());
+  slack_ = absl::Seconds(std::max(0.0, sorted_[index]));
 }
 
 }  // namespace mita::server

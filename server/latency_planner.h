@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <vector>
 
@@ -53,5 +54,29 @@ using PredictBatch = std::function<absl::Duration(absl::Span<const CostItem> ite
 // whose step saves the most predicted compute (ties: the first). A member that would miss even with every member at its floor does not hold the
 // others down. Returns the steps taken (0 when the batch fits as it is).
 int LowerToFit(std::vector<BatchMember>& members, const PredictBatch& predict);
+
+// How much later than predicted a lane's planned requests were answered: a high quantile of the lateness (answer
+// time since admission less the queue wait plus compute predicted then) over the last `window` of them. Admission
+// plans with time left less this slack, so that a request admitted at the edge of its deadline still makes it
+// when the prediction is as wrong as it recently was (an unbiased prediction alone misses about half of those).
+// Not thread-safe (ModelRunner guards it with its load lock).
+class PlanningSlack {
+ public:
+  PlanningSlack() = default;
+  // `quantile` in (0, 1]; `window` >= 1 requests.
+  PlanningSlack(double quantile, size_t window);
+
+  // One planned request's lateness (negative when it was answered sooner than predicted).
+  void Observe(absl::Duration lateness);
+  // The `quantile` of the observed lateness, at least 0; 0 before any observation.
+  absl::Duration slack() const { return slack_; }
+
+ private:
+  double quantile_ = 0.99;
+  size_t window_ = 512;
+  std::deque<double> recent_;  // lateness, seconds, oldest first
+  std::vector<double> sorted_;  // Observe's scratch copy
+  absl::Duration slack_ = absl::ZeroDuration();
+};
 
 }  // namespace mita::server

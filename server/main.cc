@@ -159,6 +159,10 @@ ABSL_FLAG(std::string, save_cost_profile, "", "Write the models' cost profiles t
 ABSL_FLAG(bool, deadline_admission, true,
           "Answer DEADLINE_EXCEEDED at once for a request predicted to miss its deadline even at the least "
           "accurate budget it allows, instead of running it late.");
+ABSL_FLAG(int32_t, planning_slack_percentile, 99,
+          "Latency targets and deadline admission plan with time left less this percentile of how much later "
+          "than predicted recent requests were answered (per model and lane), so that a request admitted at "
+          "the edge of its deadline still meets it; 0: plan with the prediction alone.");
 ABSL_FLAG(int32_t, drain_timeout_s, 20, "On SIGTERM/SIGINT, seconds admitted requests may take to finish.");
 ABSL_FLAG(std::string, tls_cert_file, "", "PEM certificate chain of the gRPC port; with --tls_key_file enables TLS.");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
@@ -293,6 +297,7 @@ int main(int argc, char** argv) {
         CheckFlagRange("max_queue_delay_ms", delay_ms, 0, 60000),
         CheckFlagRange("drain_timeout_s", drain_timeout_s, 0, 86400),
         CheckFlagRange("cost_calibration_ms", absl::GetFlag(FLAGS_cost_calibration_ms), 0, 600000),
+        CheckFlagRange("planning_slack_percentile", absl::GetFlag(FLAGS_planning_slack_percentile), 0, 100),
         CheckFlagRange("torch_threads", torch_threads, 0, 1024),
         CheckFlagRange("preparation_threads", preparation_threads, 0, 1024),
         CheckFlagRange("preparation_queue_capacity", preparation_queue_capacity, int64_t{1}, int64_t{1} << 30),
@@ -387,6 +392,7 @@ int main(int argc, char** argv) {
 
   // Each model's cost model: loaded, or calibrated by a bounded sweep (server/cost_calibration.h).
   options.deadline_admission = absl::GetFlag(FLAGS_deadline_admission);
+  options.slack_percentile = absl::GetFlag(FLAGS_planning_slack_percentile);
   const std::string cost_profile_file = absl::GetFlag(FLAGS_cost_profile);
   std::string cost_profile_text;
   if (!cost_profile_file.empty()) {

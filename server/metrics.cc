@@ -167,6 +167,12 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
                                .Help("Measured / predicted compute of each batch run to the end (the cost model's "
                                      "error; 1 = exact).")
                                .Register(*registry_);
+  auto& planning_slack = prometheus::BuildGauge()
+                             .Name("mita_planning_slack_seconds")
+                             .Help("Time admission now subtracts from a planned request's time left: the "
+                                   "--planning_slack_percentile of how much later than predicted recent planned "
+                                   "requests were answered (the largest over the model's lanes).")
+                             .Register(*registry_);
   auto& request_tokens = prometheus::BuildHistogram()
                              .Name("mita_request_tokens")
                              .Help("Tokens of each admitted request (documents: after truncation).")
@@ -284,6 +290,7 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
     }
     model->prediction_ratio_ = &prediction_ratio.Add(
         labels, Histogram::BucketBoundaries{0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0});
+    model->planning_slack_ = &planning_slack.Add(labels);
     model->executed_after_cancel_ = &executed_after_cancel.Add(labels);
     model->compute_after_caller_left_ = &compute_after_caller_left.Add(labels);
     for (int64_t layer = 0; layer < info.layers; ++layer) {

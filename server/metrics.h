@@ -157,6 +157,8 @@ class ModelMetrics {
   void CountBudgetChoice(BudgetReason reason) { budget_choices_[static_cast<size_t>(reason)]->Increment(); }
   // measured / predicted compute of one batch (the cost model's error).
   void ObservePredictionRatio(double ratio) { prediction_ratio_->Observe(ratio); }
+  // The slack admission plans with now (ModelRunner, PlanningSlack).
+  void SetPlanningSlack(absl::Duration slack) { planning_slack_->Set(absl::ToDoubleSeconds(slack)); }
   // The budget of one admitted request: as requested (resolved against the model's defaults and presets; full
   // attention, or expert count m and expert width k), and as applied to its input (m and k at most its tokens).
   void ObserveBudget(const models::AttentionBudget& requested, const models::AttentionBudget& applied);
@@ -203,6 +205,7 @@ class ModelMetrics {
   prometheus::Counter* full_attention_ = nullptr;
   std::array<prometheus::Counter*, 4> budget_choices_{};  // by BudgetReason
   prometheus::Histogram* prediction_ratio_ = nullptr;
+  prometheus::Gauge* planning_slack_ = nullptr;
   prometheus::Counter* executed_after_cancel_ = nullptr;
   prometheus::Counter* compute_after_caller_left_ = nullptr;
   std::vector<Layer> layers_;

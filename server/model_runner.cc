@@ -116,7 +116,11 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const models::C
     if (!batcher.ok()) return batcher.status();
     runner->lanes_.push_back(*std::move(batcher));
     absl::MutexLock lock(&runner->load_mu_);
-    runner->load_.push_back(LaneLoad{lane_options});
+    LaneLoad load{lane_options};
+    if (runner->planning_.slack_percentile > 0) {
+      load.slack = PlanningSlack(runner->planning_.slack_percentile / 100.0, kSlackWindow);
+    }
+    runner->load_.push_back(std::move(load));
   }
   runner->long_input_tokens_ = two_lanes ? long_input_tokens : 0;
   return runner;
@@ -150,12 +154,34 @@ absl::Duration ModelRunner::PredictedWait(size_t lane, absl::Time now) const {
   return work / std::max(1, load.options.num_batch_threads);
 }
 
+absl::Duration ModelRunner::PlanningSlackOf(size_t lane) const {
+  if (planning_.slack_percentile == 0) return absl::ZeroDuration();
+  absl::MutexLock lock(&load_mu_);
+  return load_[lane].slack.slack();
+}
+
 absl::Duration ModelRunner::PredictedBatchFill(size_t lane) const {
   absl::MutexLock lock(&load_mu_);
   const LaneLoad& load = load_[lane];
   const int64_t batch = std::min<int64_t>(load.options.max_batch_size, std::llround(load.recent_batch_size));
   const int64_t ahead_in_batch = load.queued_tasks % load.options.max_batch_size;
   return load.recent_task_compute * std::max<int64_t>(0, batch - 1 - ahead_in_batch);
+}
+
+void ModelRunner::ObserveLateness(size_t lane, absl::Span<BatchTask* const> tasks, absl::Time answered) {
+  absl::Duration slack;
+  {
+    absl::MutexLock lock(&load_mu_);
+    bool observed = false;
+    for (const BatchTask* task : tasks) {
+      if (task->admitted_at == absl::InfinitePast()) continue;
+      load_[lane].slack.Observe(answered - task->admitted_at - task->predicted);
+      observed = true;
+    }
+    if (!observed) return;
+    for (const LaneLoad& load : load_) slack = std::max(slack, load.slack.slack());
+  }
+  metrics_->SetPlanningSlack(planning_.slack_percentile > 0 ? slack : absl::ZeroDuration());
 }
 
 CostSummary ModelRunner::cost_summary() const {
@@ -203,8 +229,9 @@ absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, uint64_t* tick
     const std::vector<models::AttentionBudget> allowed = AllowedOf(admitted);
     const absl::Duration wait = PredictedWait(lane, now);
     const absl::Duration fill = PredictedBatchFill(lane);
+    const absl::Duration slack = PlanningSlackOf(lane);
     const BudgetChoice choice =
-        ChooseBudget(allowed, wait, end - now,
+        ChooseBudget(allowed, wait, end - now - slack,
                      [&](const models::AttentionBudget& budget) { return PredictedCompute(item, budget) + fill; });
     if (!choice.meets && planning_.deadline_admission && end != absl::InfiniteFuture()) {
       const bool by_target = end < request.request.deadline;
@@ -214,7 +241,10 @@ absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, uint64_t* tick
       const std::string prediction = absl::StrCat(
           "predicted ", Milliseconds(choice.predicted), " to answer (queue wait ", Milliseconds(wait), " + compute ",
           Milliseconds(choice.compute), " at ", models::BudgetName(allowed[choice.index]),
-          item.latency_target ? ", the least accurate budget allowed)" : ")");
+          item.latency_target ? ", the least accurate budget allowed)" : ")",
+          slack > absl::ZeroDuration()
+              ? absl::StrCat(" and recent answers came up to ", Milliseconds(slack), " later than predicted,")
+              : "");
       if (by_target) {
         return absl::ResourceExhaustedError(
             absl::StrCat(prediction, " but the latency target leaves ", Milliseconds(end - now),
@@ -229,6 +259,7 @@ absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, uint64_t* tick
       admitted.budget_reason = choice.index == 0 ? BudgetReason::kMostAccurate : BudgetReason::kLoweredAtAdmission;
     }
     admitted.predicted = choice.predicted;
+    admitted.admitted_at = now;
   }
   admitted.queued_compute = PredictedCompute(item, item.budget.budget) - cost_.BatchOverhead();
   const models::AttentionBudget requested = item.requested_budget;
@@ -274,6 +305,7 @@ void ModelRunner::ProcessBatch(size_t lane, Batch<BatchTask> batch) {
   // Skip what nobody waits for any more, and what is already too late. A request is started only by winning
   // kQueued -> kStarted; one its caller gave up on (kGivenUp) was answered then.
   std::vector<BatchTask*> runnable;
+  std::vector<BatchTask*> expired;   // their deadline passed in the queue
   std::vector<absl::Time> enqueued;  // parallel to `runnable`
   runnable.reserve(batch.tasks.size());
   for (size_t i = 0; i < batch.tasks.size(); ++i) {
@@ -285,6 +317,7 @@ void ModelRunner::ProcessBatch(size_t lane, Batch<BatchTask> batch) {
     }
     // The deadline first: gRPC also cancels a call whose deadline passed.
     if (start >= request.request.deadline) {
+      expired.push_back(batch.tasks[i].get());
       if (request.Advance(RequestStage::kQueued, RequestStage::kGivenUp)) {
         completer_->Complete(request, QueuedDeadlineExceeded(start - batch.enqueue_times[i]));
       }
@@ -298,6 +331,8 @@ void ModelRunner::ProcessBatch(size_t lane, Batch<BatchTask> batch) {
       enqueued.push_back(batch.enqueue_times[i]);
     }
   }
+  // At least this late: they would have been answered after `start`.
+  ObserveLateness(lane, expired, start);
   if (runnable.empty()) return;
   LowerLateBudgets(runnable, start);
 
@@ -363,6 +398,7 @@ void ModelRunner::ProcessBatch(size_t lane, Batch<BatchTask> batch) {
     ends.erase(std::find(ends.begin(), ends.end(), start + predicted_compute));
   }
   // The cost model learns from batches that ran to the end for every item.
+  ObserveLateness(lane, runnable, end);
   const bool ran_whole = failure.ok() && std::all_of(output->stopped.begin(), output->stopped.end(),
                                                      [](const absl::Status& stopped) { return stopped.ok(); });
   if (ran_whole) {

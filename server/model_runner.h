@@ -15,6 +15,7 @@
 #include "server/clock.h"
 #include "server/cost_calibration.h"
 #include "server/cost_model.h"
+#include "server/latency_planner.h"
 #include "server/metrics.h"
 #include "server/pending_request.h"
 
@@ -34,6 +35,9 @@ struct PlanningOptions {
   // Answer at once, DEADLINE_EXCEEDED, a request whose predicted queue wait plus compute at the least accurate
   // budget it allows would pass its deadline (mita-server --deadline_admission).
   bool deadline_admission = true;
+  // Admission and latency targets plan with time left less this percentile of the lane's recent lateness
+  // (PlanningSlack); 0: with the prediction alone.
+  int slack_percentile = 99;
 };
 
 // The cost figures GetModel reports (mita.v1 CostProfile).
@@ -115,6 +119,11 @@ class ModelRunner {
   // recent batch size, less the queued tasks ahead of it in its batch, times the recent compute per task (a
   // request waits for its whole batch, which under load fills with later arrivals).
   absl::Duration PredictedBatchFill(size_t lane) const;
+  // What admission to `lane` subtracts from a request's time left: the lane's PlanningSlack (0 when
+  // planning_.slack_percentile is 0).
+  absl::Duration PlanningSlackOf(size_t lane) const;
+  // Records how late against its prediction each planned task of `tasks` was answered at `answered`.
+  void ObserveLateness(size_t lane, absl::Span<BatchTask* const> tasks, absl::Time answered);
   // Predicted compute of `item` alone in a batch at `budget`, and its share of a batch without the fixed cost.
   absl::Duration PredictedCompute(const models::BatchItem& item, const models::AttentionBudget& budget) const;
 
@@ -128,6 +137,8 @@ class ModelRunner {
     // without the batch's fixed cost.
     double recent_batch_size = 1;
     absl::Duration recent_task_compute;
+    // How late the lane's planned requests were answered against their predictions.
+    PlanningSlack slack;
   };
 
   const models::Classifier* const classifier_;
@@ -139,6 +150,8 @@ class ModelRunner {
   mutable absl::Mutex load_mu_;
   std::vector<LaneLoad> load_ ABSL_GUARDED_BY(load_mu_);
   static constexpr uint64_t kLanes = 2;
+  // Planned requests per lane whose lateness the slack is taken over.
+  static constexpr size_t kSlackWindow = 512;
   // lanes_[0]: every input, or those of at most long_input_tokens_ tokens; lanes_[1]: the longer ones.
   std::vector<std::unique_ptr<DynamicBatcher<BatchTask>>> lanes_;
   int64_t long_input_tokens_ = 0;

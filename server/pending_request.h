@@ -99,6 +99,8 @@ struct BatchTask {
   BudgetReason budget_reason = BudgetReason::kRequested;
   absl::Duration predicted = absl::ZeroDuration();
   absl::Duration queued_compute = absl::ZeroDuration();
+  // When a planned request (latency target or deadline admission) was admitted; InfinitePast otherwise.
+  absl::Time admitted_at = absl::InfinitePast();
 
   // Batcher units (server/batcher.h).
   int64_t tokens() const { return item.tokens; }

@@ -17,6 +17,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -412,6 +413,82 @@ TEST_F(LatencyTargetTest, NoRequestRunsWithABudgetItDidNotAllow) {
 }
 
 // A floor names a budget of the order by its order name, a preset naming the same budget, or its text.
+// Admission plans with the lane's recent lateness: a batch scripted 50 ms longer than predicted leaves a 50 ms
+// slack (the 99th percentile of one or two answers is the largest), so a 150 ms target that fits 32x64 by the
+// prediction alone (109.375 ms, x the online correction the slow batch caused) gets 16x32 (62.5 ms x it), and an
+// 80 ms target no longer fits even 8x16 (39.0625 ms x it).
+TEST_F(LatencyTargetTest, AdmissionPlansWithTheRecentLateness) {
+  classifier_->Script(ReferenceCompute({{64, Experts(32, 64)}}) + absl::Milliseconds(50));
+  std::shared_ptr<Outcome> slow = Submit(64, Target(absl::Seconds(1)));
+  ASSERT_TRUE(slow->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ASSERT_TRUE(slow->result.ok()) << slow->result.status();
+  EXPECT_EQ(slow->result->budget.budget, Experts(32, 64));
+  EXPECT_NEAR(MetricValue(*metrics_->registry(), "mita_planning_slack_seconds", {{"model", kModel}}), 0.050, 1e-9);
+
+  const double correction = engine_->CostSummaryOf(kModel)->correction;
+  ASSERT_GT(correction, 1);
+  ASSERT_GT(ReferenceCompute({{64, Experts(32, 64)}}) * correction, absl::Milliseconds(100));
+  std::shared_ptr<Outcome> lowered = Submit(64, Target(absl::Milliseconds(150)));
+  ASSERT_TRUE(lowered->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ASSERT_TRUE(lowered->result.ok()) << lowered->result.status();
+  EXPECT_EQ(lowered->result->budget.budget, Experts(16, 32));
+  EXPECT_EQ(lowered->result->budget_reason, BudgetReason::kLoweredAtAdmission);
+  ExpectMicroseconds(lowered->result->predicted, ReferenceCompute({{64, Experts(16, 32)}}) * correction);
+
+  const int64_t floor_ms = absl::ToInt64Milliseconds(ReferenceCompute({{64, Experts(8, 16)}}) *
+                                                     engine_->CostSummaryOf(kModel)->correction);
+  std::shared_ptr<Outcome> refused = Submit(64, Target(absl::Milliseconds(80)));
+  ASSERT_TRUE(refused->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ExpectStatus(refused->result.status(), absl::StatusCode::kResourceExhausted,
+               absl::StrCat("predicted ", floor_ms, " ms to answer (queue wait 0 ms + compute ", floor_ms,
+                            " ms at MiTA m=8 k=16, the least accurate budget allowed) and recent answers came up "
+                            "to 50 ms later than predicted, but the latency target leaves 80 ms; it was not run"));
+  EXPECT_EQ(classifier_->batches().size(), 2u) << "the refused request never ran";
+}
+
+// The slack with planning_slack_percentile 0: the prediction alone (the same 150 ms target keeps 32x64).
+TEST_F(LatencyTargetTest, NoSlackWithPercentileZero) {
+  server::EngineOptions options;
+  options.batching.max_queue_delay = absl::ZeroDuration();
+  options.preparation_threads = 1;
+  options.long_document_tokens = 0;
+  options.cost_profiles[kModel] = ScriptedProfile();
+  options.slack_percentile = 0;
+  engine_.reset();
+  absl::StatusOr<std::unique_ptr<server::InferenceEngine>> engine =
+      server::InferenceEngine::Create(registry_.get(), metrics_.get(), options, &clock_);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  engine_ = *std::move(engine);
+  classifier_->Script(ReferenceCompute({{64, Experts(32, 64)}}) + absl::Milliseconds(50));
+  std::shared_ptr<Outcome> slow = Submit(64, Target(absl::Seconds(1)));
+  ASSERT_TRUE(slow->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  std::shared_ptr<Outcome> next = Submit(64, Target(absl::Milliseconds(150)));
+  ASSERT_TRUE(next->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ASSERT_TRUE(next->result.ok()) << next->result.status();
+  EXPECT_EQ(next->result->budget.budget, Experts(32, 64));
+  EXPECT_EQ(MetricValue(*metrics_->registry(), "mita_planning_slack_seconds", {{"model", kModel}}), 0);
+}
+
+// The slack is the nearest-rank quantile of the last `window` lateness values, checked against a sort.
+TEST(PlanningSlackTest, NearestRankQuantileOfTheWindow) {
+  server::PlanningSlack slack(0.99, 100);
+  EXPECT_EQ(slack.slack(), absl::ZeroDuration());
+  std::vector<int> values(250);
+  for (int i = 0; i < 250; ++i) values[i] = (i * 37) % 250 - 20;  // a permutation of -20 .. 229 ms
+  std::vector<double> reference;
+  for (int i = 0; i < 250; ++i) {
+    slack.Observe(absl::Milliseconds(values[i]));
+    reference.assign(values.begin() + std::max(0, i - 99), values.begin() + i + 1);
+    std::sort(reference.begin(), reference.end());
+    const size_t rank = static_cast<size_t>(std::ceil(0.99 * reference.size()));
+    const double expected = std::max(0.0, reference[rank - 1]);
+    ASSERT_NEAR(absl::ToDoubleMilliseconds(slack.slack()), expected, 1e-6) << "after " << i + 1 << " values";
+  }
+  server::PlanningSlack early(0.99, 100);
+  early.Observe(absl::Milliseconds(-5));
+  EXPECT_EQ(early.slack(), absl::ZeroDuration()) << "answered sooner than predicted: no slack";
+}
+
 TEST(AllowedBudgetsTest, FloorByOrderNamePresetOrText) {
   models::BudgetKnobs knobs;
   knobs.min_expert_count = 1;
