@@ -70,13 +70,28 @@ int LowerToFit(std::vector<BatchMember>& members, const PredictBatch& predict) {
   return steps;
 }
 
-PlanningSlack::PlanningSlack(double quantile, size_t window)
-    : quantile_(std::clamp(quantile, 1e-6, 1.0)), window_(std::max<size_t>(1, window)) {}
+PlanningSlack::PlanningSlack(double quantile, size_t window, absl::Duration horizon)
+    : quantile_(std::clamp(quantile, 1e-6, 1.0)), window_(std::max<size_t>(1, window)), horizon_(horizon) {}
 
-void PlanningSlack::Observe(absl::Duration lateness) {
-  recent_.push_back(absl::ToDoubleSeconds(lateness));
+void PlanningSlack::Observe(absl::Time at, absl::Duration lateness) {
+  recent_.emplace_back(at, absl::ToDoubleSeconds(lateness));
   if (recent_.size() > window_) recent_.pop_front();
-  sorted_.assign(recent_.begin(), recent_.end());
+  Update();
+}
+
+absl::Duration PlanningSlack::SlackAt(absl::Time now) {
+  if (!recent_.empty() && recent_.front().first < now - horizon_) {
+    while (!recent_.empty() && recent_.front().first < now - horizon_) recent_.pop_front();
+    Update();
+  }
+  return slack_;
+}
+
+void PlanningSlack::Update() {
+  slack_ = absl::ZeroDuration();
+  if (recent_.empty()) return;
+  sorted_.clear();
+  for (const auto& [at, lateness] : recent_) sorted_.push_back(lateness);
   // The nearest-rank quantile: the smallest value with at least `quantile` of the values at or below it.
   const size_t rank = static_cast<size_t>(std::ceil(quantile_ * static_cast<double>(sorted_.size())));
   const size_t index = std::min(sorted_.size(), std::max<size_t>(1, rank)) - 1;

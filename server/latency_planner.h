@@ -56,26 +56,31 @@ using PredictBatch = std::function<absl::Duration(absl::Span<const CostItem> ite
 int LowerToFit(std::vector<BatchMember>& members, const PredictBatch& predict);
 
 // How much later than predicted a lane's planned requests were answered: a high quantile of the lateness (answer
-// time since admission less the queue wait plus compute predicted then) over the last `window` of them. Admission
-// plans with time left less this slack, so that a request admitted at the edge of its deadline still makes it
-// when the prediction is as wrong as it recently was (an unbiased prediction alone misses about half of those).
-// Not thread-safe (ModelRunner guards it with its load lock).
+// time since admission less the queue wait plus compute predicted then) over the last `window` of them answered
+// within `horizon`. Admission plans with time left less this slack, so that a request admitted at the edge of its
+// deadline still makes it when the prediction is as wrong as it recently was (an unbiased prediction alone misses
+// about half of those). The horizon keeps it live: a slack that refuses every request gets no new answers, and
+// its samples expire. Not thread-safe (ModelRunner guards it with its load lock).
 class PlanningSlack {
  public:
   PlanningSlack() = default;
-  // `quantile` in (0, 1]; `window` >= 1 requests.
-  PlanningSlack(double quantile, size_t window);
+  // `quantile` in (0, 1]; `window` >= 1 requests; `horizon` > 0.
+  PlanningSlack(double quantile, size_t window, absl::Duration horizon);
 
-  // One planned request's lateness (negative when it was answered sooner than predicted).
-  void Observe(absl::Duration lateness);
-  // The `quantile` of the observed lateness, at least 0; 0 before any observation.
-  absl::Duration slack() const { return slack_; }
+  // One planned request's lateness (negative when it was answered sooner than predicted), answered at `at`
+  // (non-decreasing across calls).
+  void Observe(absl::Time at, absl::Duration lateness);
+  // The `quantile` of the lateness answered after now - horizon, at least 0; 0 when there is none.
+  absl::Duration SlackAt(absl::Time now);
 
  private:
+  void Update();
+
   double quantile_ = 0.99;
   size_t window_ = 512;
-  std::deque<double> recent_;  // lateness, seconds, oldest first
-  std::vector<double> sorted_;  // Observe's scratch copy
+  absl::Duration horizon_ = absl::Seconds(2);
+  std::deque<std::pair<absl::Time, double>> recent_;  // (answered, lateness in seconds), oldest first
+  std::vector<double> sorted_;                        // Update's scratch copy
   absl::Duration slack_ = absl::ZeroDuration();
 };
 

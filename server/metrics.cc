@@ -169,9 +169,9 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
                                .Register(*registry_);
   auto& planning_slack = prometheus::BuildGauge()
                              .Name("mita_planning_slack_seconds")
-                             .Help("Time admission now subtracts from a planned request's time left: the "
-                                   "--planning_slack_percentile of how much later than predicted recent planned "
-                                   "requests were answered (the largest over the model's lanes).")
+                             .Help("Time admission subtracted from the latest planned request's time left: the "
+                                   "--planning_slack_percentile of how much later than predicted its lane's planned "
+                                   "requests of the last 2 s were answered.")
                              .Register(*registry_);
   auto& request_tokens = prometheus::BuildHistogram()
                              .Name("mita_request_tokens")

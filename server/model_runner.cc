@@ -118,7 +118,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const models::C
     absl::MutexLock lock(&runner->load_mu_);
     LaneLoad load{lane_options};
     if (runner->planning_.slack_percentile > 0) {
-      load.slack = PlanningSlack(runner->planning_.slack_percentile / 100.0, kSlackWindow);
+      load.slack = PlanningSlack(runner->planning_.slack_percentile / 100.0, kSlackWindow, kSlackHorizon);
     }
     runner->load_.push_back(std::move(load));
   }
@@ -154,10 +154,10 @@ absl::Duration ModelRunner::PredictedWait(size_t lane, absl::Time now) const {
   return work / std::max(1, load.options.num_batch_threads);
 }
 
-absl::Duration ModelRunner::PlanningSlackOf(size_t lane) const {
+absl::Duration ModelRunner::PlanningSlackOf(size_t lane, absl::Time now) {
   if (planning_.slack_percentile == 0) return absl::ZeroDuration();
   absl::MutexLock lock(&load_mu_);
-  return load_[lane].slack.slack();
+  return load_[lane].slack.SlackAt(now);
 }
 
 absl::Duration ModelRunner::PredictedBatchFill(size_t lane) const {
@@ -169,19 +169,12 @@ absl::Duration ModelRunner::PredictedBatchFill(size_t lane) const {
 }
 
 void ModelRunner::ObserveLateness(size_t lane, absl::Span<BatchTask* const> tasks, absl::Time answered) {
-  absl::Duration slack;
-  {
-    absl::MutexLock lock(&load_mu_);
-    bool observed = false;
-    for (const BatchTask* task : tasks) {
-      if (task->admitted_at == absl::InfinitePast()) continue;
-      load_[lane].slack.Observe(answered - task->admitted_at - task->predicted);
-      observed = true;
+  absl::MutexLock lock(&load_mu_);
+  for (const BatchTask* task : tasks) {
+    if (task->admitted_at != absl::InfinitePast()) {
+      load_[lane].slack.Observe(answered, answered - task->admitted_at - task->predicted);
     }
-    if (!observed) return;
-    for (const LaneLoad& load : load_) slack = std::max(slack, load.slack.slack());
   }
-  metrics_->SetPlanningSlack(planning_.slack_percentile > 0 ? slack : absl::ZeroDuration());
 }
 
 CostSummary ModelRunner::cost_summary() const {
@@ -229,7 +222,8 @@ absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, uint64_t* tick
     const std::vector<models::AttentionBudget> allowed = AllowedOf(admitted);
     const absl::Duration wait = PredictedWait(lane, now);
     const absl::Duration fill = PredictedBatchFill(lane);
-    const absl::Duration slack = PlanningSlackOf(lane);
+    const absl::Duration slack = PlanningSlackOf(lane, now);
+    metrics_->SetPlanningSlack(slack);
     const BudgetChoice choice =
         ChooseBudget(allowed, wait, end - now - slack,
                      [&](const models::AttentionBudget& budget) { return PredictedCompute(item, budget) + fill; });

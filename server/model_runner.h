@@ -121,7 +121,7 @@ class ModelRunner {
   absl::Duration PredictedBatchFill(size_t lane) const;
   // What admission to `lane` subtracts from a request's time left: the lane's PlanningSlack (0 when
   // planning_.slack_percentile is 0).
-  absl::Duration PlanningSlackOf(size_t lane) const;
+  absl::Duration PlanningSlackOf(size_t lane, absl::Time now);
   // Records how late against its prediction each planned task of `tasks` was answered at `answered`.
   void ObserveLateness(size_t lane, absl::Span<BatchTask* const> tasks, absl::Time answered);
   // Predicted compute of `item` alone in a batch at `budget`, and its share of a batch without the fixed cost.
@@ -150,8 +150,9 @@ class ModelRunner {
   mutable absl::Mutex load_mu_;
   std::vector<LaneLoad> load_ ABSL_GUARDED_BY(load_mu_);
   static constexpr uint64_t kLanes = 2;
-  // Planned requests per lane whose lateness the slack is taken over.
+  // The planned requests per lane whose lateness the slack is taken over: the last 512 answered in 2 s.
   static constexpr size_t kSlackWindow = 512;
+  static constexpr absl::Duration kSlackHorizon = absl::Seconds(2);
   // lanes_[0]: every input, or those of at most long_input_tokens_ tokens; lanes_[1]: the longer ones.
   std::vector<std::unique_ptr<DynamicBatcher<BatchTask>>> lanes_;
   int64_t long_input_tokens_ = 0;

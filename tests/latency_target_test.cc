@@ -423,7 +423,6 @@ TEST_F(LatencyTargetTest, AdmissionPlansWithTheRecentLateness) {
   ASSERT_TRUE(slow->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
   ASSERT_TRUE(slow->result.ok()) << slow->result.status();
   EXPECT_EQ(slow->result->budget.budget, Experts(32, 64));
-  EXPECT_NEAR(MetricValue(*metrics_->registry(), "mita_planning_slack_seconds", {{"model", kModel}}), 0.050, 1e-9);
 
   const double correction = engine_->CostSummaryOf(kModel)->correction;
   ASSERT_GT(correction, 1);
@@ -434,6 +433,7 @@ TEST_F(LatencyTargetTest, AdmissionPlansWithTheRecentLateness) {
   EXPECT_EQ(lowered->result->budget.budget, Experts(16, 32));
   EXPECT_EQ(lowered->result->budget_reason, BudgetReason::kLoweredAtAdmission);
   ExpectMicroseconds(lowered->result->predicted, ReferenceCompute({{64, Experts(16, 32)}}) * correction);
+  EXPECT_NEAR(MetricValue(*metrics_->registry(), "mita_planning_slack_seconds", {{"model", kModel}}), 0.050, 1e-9);
 
   const int64_t floor_ms = absl::ToInt64Milliseconds(ReferenceCompute({{64, Experts(8, 16)}}) *
                                                      engine_->CostSummaryOf(kModel)->correction);
@@ -444,6 +444,14 @@ TEST_F(LatencyTargetTest, AdmissionPlansWithTheRecentLateness) {
                             " ms at MiTA m=8 k=16, the least accurate budget allowed) and recent answers came up "
                             "to 50 ms later than predicted, but the latency target leaves 80 ms; it was not run"));
   EXPECT_EQ(classifier_->batches().size(), 2u) << "the refused request never ran";
+
+  // The slack's answers expire after 2 s: a slack that refuses everything does not stay.
+  clock_.Advance(absl::Seconds(2) + absl::Milliseconds(1));
+  std::shared_ptr<Outcome> after = Submit(64, Target(absl::Milliseconds(150)));
+  ASSERT_TRUE(after->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ASSERT_TRUE(after->result.ok()) << after->result.status();
+  EXPECT_EQ(after->result->budget.budget, Experts(32, 64)) << "planned with no slack";
+  EXPECT_EQ(MetricValue(*metrics_->registry(), "mita_planning_slack_seconds", {{"model", kModel}}), 0);
 }
 
 // The slack with planning_slack_percentile 0: the prediction alone (the same 150 ms target keeps 32x64).
@@ -471,22 +479,30 @@ TEST_F(LatencyTargetTest, NoSlackWithPercentileZero) {
 
 // The slack is the nearest-rank quantile of the last `window` lateness values, checked against a sort.
 TEST(PlanningSlackTest, NearestRankQuantileOfTheWindow) {
-  server::PlanningSlack slack(0.99, 100);
-  EXPECT_EQ(slack.slack(), absl::ZeroDuration());
+  const absl::Time start = absl::FromUnixSeconds(1000);
+  server::PlanningSlack slack(0.99, 100, absl::Seconds(2));
+  EXPECT_EQ(slack.SlackAt(start), absl::ZeroDuration());
   std::vector<int> values(250);
   for (int i = 0; i < 250; ++i) values[i] = (i * 37) % 250 - 20;  // a permutation of -20 .. 229 ms
   std::vector<double> reference;
   for (int i = 0; i < 250; ++i) {
-    slack.Observe(absl::Milliseconds(values[i]));
+    slack.Observe(start + absl::Milliseconds(i), absl::Milliseconds(values[i]));
     reference.assign(values.begin() + std::max(0, i - 99), values.begin() + i + 1);
     std::sort(reference.begin(), reference.end());
     const size_t rank = static_cast<size_t>(std::ceil(0.99 * reference.size()));
     const double expected = std::max(0.0, reference[rank - 1]);
-    ASSERT_NEAR(absl::ToDoubleMilliseconds(slack.slack()), expected, 1e-6) << "after " << i + 1 << " values";
+    ASSERT_NEAR(absl::ToDoubleMilliseconds(slack.SlackAt(start + absl::Milliseconds(i))), expected, 1e-6)
+        << "after " << i + 1 << " values";
   }
-  server::PlanningSlack early(0.99, 100);
-  early.Observe(absl::Milliseconds(-5));
-  EXPECT_EQ(early.slack(), absl::ZeroDuration()) << "answered sooner than predicted: no slack";
+  // 2 s after the 200th value (at start + 199 ms) only the last 50 remain.
+  reference.assign(values.begin() + 200, values.end());
+  std::sort(reference.begin(), reference.end());
+  EXPECT_NEAR(absl::ToDoubleMilliseconds(slack.SlackAt(start + absl::Milliseconds(2199) + absl::Microseconds(1))),
+              std::max(0.0, reference[static_cast<size_t>(std::ceil(0.99 * 50)) - 1]), 1e-6);
+  EXPECT_EQ(slack.SlackAt(start + absl::Seconds(3)), absl::ZeroDuration()) << "every answer expired";
+  server::PlanningSlack early(0.99, 100, absl::Seconds(2));
+  early.Observe(start, absl::Milliseconds(-5));
+  EXPECT_EQ(early.SlackAt(start), absl::ZeroDuration()) << "answered sooner than predicted: no slack";
 }
 
 TEST(AllowedBudgetsTest, FloorByOrderNamePresetOrText) {
