@@ -12,8 +12,8 @@
 #        adaptive   budget auto (a latency target of the call's deadline), --deadline_admission=true
 #      (fixed runs on the first server, admission and adaptive alternate on a second one);
 #   3. one markdown table: load, policy, goodput/s (OK answers within their deadline per second), miss %
-#      (DEADLINE_EXCEEDED and late OK answers over calls sent), rejected % (RESOURCE_EXHAUSTED and UNAVAILABLE
-#      over calls sent), mean expert count m and width k of the OK MiTA answers, full % (OK answers that ran full
+#      (DEADLINE_EXCEEDED at or after the deadline and late OK answers, over calls sent), rejected %
+#      (RESOURCE_EXHAUSTED, UNAVAILABLE and DEADLINE_EXCEEDED before the deadline, over calls sent), mean expert count m and width k of the OK MiTA answers, full % (OK answers that ran full
 #      attention), and goodput over the fixed policy's at the same load.
 # Images: the first 64 Fashion-MNIST test images (mita-export-images). Documents: Linux kernel documentation
 # (linux-doc-6.1, as scripts/bench_short_beside_long.sh) re-encoded with the document model's tokenizer and cut
