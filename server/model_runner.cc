@@ -391,8 +391,8 @@ void ModelRunner::ProcessBatch(size_t lane, Batch<BatchTask> batch) {
     std::vector<absl::Time>& ends = load_[lane].running_ends;
     ends.erase(std::find(ends.begin(), ends.end(), start + predicted_compute));
   }
-  // The cost model learns from batches that ran to the end for every item.
   ObserveLateness(lane, runnable, end);
+  // The cost model learns from batches that ran to the end for every item.
   const bool ran_whole = failure.ok() && std::all_of(output->stopped.begin(), output->stopped.end(),
                                                      [](const absl::Status& stopped) { return stopped.ok(); });
   if (ran_whole) {

@@ -74,7 +74,7 @@ class ModelRunner {
   // Queues a prepared request (takes `*task` on success; `*ticket` receives its ticket for TakeBack), observing
   // its budget and tokens; on refusal counts the rejection by reason. A request with a latency target gets the
   // most accurate budget it allows whose predicted queue wait plus compute meets the target (or its deadline;
-  // ChooseBudget). Errors: the batcher's (RESOURCE_EXHAUSTED naming the limit, UNAVAILABLE while draining,
+  // ChooseBudget), less the lane's planning slack (PlanningSlack). Errors: the batcher's (RESOURCE_EXHAUSTED naming the limit, UNAVAILABLE while draining,
   // INVALID_ARGUMENT); with deadline admission, DEADLINE_EXCEEDED when even the least accurate allowed budget is
   // predicted to pass the deadline, RESOURCE_EXHAUSTED when it would pass the latency target (each naming the
   // predicted time and the time left).
