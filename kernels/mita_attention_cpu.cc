@@ -8,9 +8,10 @@
 //      shared expert A = softmax(S s) v accumulates with an online (running max) softmax and a GEMM with
 //      V_block. One pass over K and V serves both the routed experts and the shared expert.
 //   2. top-k: per landmark, partial selection (std::nth_element, amortised O(N)) with the tie rule "higher
-//      score first, then lower key index"; a key that cannot beat the current k-th best is never stored. When
-//      all keys fit one block (no compaction), the selection runs on plain scores and one pass in key order
-//      takes the keys above the k-th score and the lowest-index ties, already sorted.
+//      score first, then lower key index"; a key that cannot beat the current k-th best is never stored (blocks of
+//      64 scores are tested against it at once). When all keys fit one block (no compaction), the selection
+//      runs on plain scores and one pass in key order takes the keys above the k-th score and the lowest-index
+//      ties, already sorted.
 //   3. gate: G = Q l^T (GEMM by query blocks, kept [N, M]), e(n) = first argmax; queries counted per expert.
 //   4. the output, by one of two paths with the same logits and weights (up to rounding):
 //      - per routed expert (RoutedExpertOutput): queries grouped by expert (counting sort); each expert's k
@@ -25,7 +26,7 @@
 // hand-written micro-kernel later. The gate G is kept for all N queries and gives the compressed logits (G s^2) on
 // both output paths. The float exponentials use FastExp in vectorised row loops. Buffers live in a HeadWorkspace
 // reused by all the (item, head) pairs of one thread. Left for later (docs/kernels.md has the measurements behind
-// these): splitting one head over threads when B * H < threads, a vectorised running top-k.
+// these): splitting one head over threads when B * H < threads.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
