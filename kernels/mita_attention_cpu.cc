@@ -8,9 +8,10 @@
 //      shared expert A = softmax(S s) v accumulates with an online (running max) softmax and a GEMM with
 //      V_block. One pass over K and V serves both the routed experts and the shared expert.
 //   2. top-k: per landmark, partial selection (std::nth_element, amortised O(N)) with the tie rule "higher
-//      score first, then lower key index"; a key that cannot beat the current k-th best is never stored. When
-//      all keys fit one block (no compaction), the selection runs on plain scores and one pass in key order
-//      takes the keys above the k-th score and the lowest-index ties, already sorted.
+//      score first, then lower key index"; a key that cannot beat the current k-th best is never stored (blocks of
+//      64 scores are tested against it at once). When all keys fit one block (no compaction), the selection
+//      runs on plain scores and one pass in key order takes the keys above the k-th score and the lowest-index
+//      ties, already sorted.
 //   3. gate: G = Q l^T (GEMM by query blocks, kept [N, M]), e(n) = first argmax; queries counted per expert.
 //   4. the output, by one of two paths with the same logits and weights (up to rounding):
 //      - per routed expert (RoutedExpertOutput): queries grouped by expert (counting sort); each expert's k
@@ -25,7 +26,7 @@
 // hand-written micro-kernel later. The gate G is kept for all N queries and gives the compressed logits (G s^2) on
 // both output paths. The float exponentials use FastExp in vectorised row loops. Buffers live in a HeadWorkspace
 // reused by all the (item, head) pairs of one thread. Left for later (docs/kernels.md has the measurements behind
-// these): splitting one head over threads when B * H < threads, a vectorised running top-k.
+// these): splitting one head over threads when B * H < threads.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -262,6 +263,27 @@ struct HeadProblem {
   bool small_input_path;  // MitaForwardOptions::small_input_path
 };
 
+// Scores per vectorised threshold test of the running top-k.
+constexpr int64_t kScanGroup = 64;
+
+// Whether any of values[0, kScanGroup) is above threshold (a NaN never is). The float version is compiled for
+// AVX-512, AVX2 and the baseline, as ExpAndSum.
+template <typename T>
+inline __attribute__((always_inline)) bool AnyAboveBody(const T* values, T threshold) {
+  int above = 0;
+#pragma omp simd reduction(| : above)
+  for (int64_t j = 0; j < kScanGroup; ++j) above |= values[j] > threshold ? 1 : 0;
+  return above != 0;
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) bool AnyAbove(const float* values, float threshold) {
+  return AnyAboveBody(values, threshold);
+}
+
+__attribute__((noinline)) bool AnyAbove(const double* values, double threshold) {
+  return AnyAboveBody(values, threshold);
+}
+
 template <typename T>
 struct Candidate {
   T score;
@@ -293,8 +315,13 @@ class TopKSelector {
     if (has_threshold_) {
       // A later key has a higher index, so it enters only with a score strictly above the current k-th best
       // (a NaN score never does).
-      for (int64_t j = 0; j < count; ++j) {
-        if (scores[j] > threshold_) candidates_.push_back({scores[j], first_index + j});
+      // Groups of kScanGroup scores are tested at once (vectorised); only groups with a hit are walked.
+      for (int64_t group = 0; group < count; group += kScanGroup) {
+        const int64_t end = std::min(count, group + kScanGroup);
+        if (end - group == kScanGroup && !AnyAbove(scores + group, threshold_)) continue;
+        for (int64_t j = group; j < end; ++j) {
+          if (scores[j] > threshold_) candidates_.push_back({scores[j], first_index + j});
+        }
       }
     } else {
       for (int64_t j = 0; j < count; ++j) {
@@ -385,6 +412,23 @@ struct HeadWorkspace {
   std::vector<T> compressed_weights;              // small inputs: [N, M], shared-expert weights
 };
 
+// Rows ahead that the gathers and the scatter of step 4 prefetch: their rows (queries, gate, output) are in
+// expert order, scattered over [N, d], so the hardware prefetcher cannot predict them.
+constexpr int64_t kPrefetchRows = 8;
+
+// Prefetches the cache lines of row[0, count) (for writing when `write`).
+template <typename T>
+inline void PrefetchRow(const T* row, int64_t count, bool write) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < count * static_cast<int64_t>(sizeof(T)); offset += 64) {
+    if (write) {
+      __builtin_prefetch(bytes + offset, 1);
+    } else {
+      __builtin_prefetch(bytes + offset, 0);
+    }
+  }
+}
+
 // Step 4 of MitaHead, per routed expert: gather its keys and values once, then all its queries in chunks.
 // Needs the key pass (shared_output), the selected keys (expert_keys, unless width == tokens), the routing
 // (expert_of_query) and each expert's first position in query order (expert_offsets).
@@ -438,12 +482,18 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work, P
       const int64_t count = std::min(chunk_capacity, query_count - chunk_start);
       const int64_t* chunk_order = work.query_order.data() + first + chunk_start;
       for (int64_t r = 0; r < count; ++r) {
+        if (r + kPrefetchRows < count) {
+          PrefetchRow(problem.queries + chunk_order[r + kPrefetchRows] * problem.query_stride, head_dim, false);
+        }
         const T* query = problem.queries + chunk_order[r] * problem.query_stride;
         T* target = work.chunk_queries.data() + r * head_dim;
         for (int64_t c = 0; c < head_dim; ++c) target[c] = query[c] * scale;
       }
       // Logits row r: [compressed (M) | routed (k)].
       for (int64_t r = 0; shared && r < count; ++r) {
+        if (r + kPrefetchRows < count) {
+          PrefetchRow(work.gate.data() + chunk_order[r + kPrefetchRows] * expert_count, expert_count, false);
+        }
         const T* gate = work.gate.data() + chunk_order[r] * expert_count;
         T* target = work.logits.data() + r * logit_count;
         for (int64_t j = 0; j < expert_count; ++j) target[j] = gate[j] * (scale * scale);
@@ -464,6 +514,7 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work, P
       MatmulAccumulate(work.logits.data() + compressed_count, logit_count, value_rows, value_rows_stride,
                        work.chunk_output.data(), head_dim, count, head_dim, width, /*accumulate=*/shared);
       for (int64_t r = 0; r < count; ++r) {
+        if (r + kPrefetchRows < count) PrefetchRow(problem.output + chunk_order[r + kPrefetchRows] * head_dim, head_dim, true);
         T* target = problem.output + chunk_order[r] * head_dim;
         const T* source = work.chunk_output.data() + r * head_dim;
         for (int64_t c = 0; c < head_dim; ++c) target[c] = source[c] * work.inverse_sums[r];

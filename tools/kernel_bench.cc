@@ -6,8 +6,8 @@
 //   build/tools/mita-kernel-bench --quick         # N {1K,4K}, d 64, H 4: a few seconds
 //   build/tools/mita-kernel-bench --tokens=65536 --head_dims=64 --heads=8 --budgets=64x64
 //
-// Inputs: one batch item (B = 1), q, k, v ~ N(0, 1) float32 [1, H, N, d] from at::manual_seed(--seed), sequence
-// landmarks (adaptive 1-D average pooling of q into m windows), expert width k. Landmarks are computed before
+// Inputs: --batch_size items (B, default 1), q, k, v ~ N(0, 1) float32 [B, H, N, d] from at::manual_seed(--seed),
+// sequence landmarks (adaptive 1-D average pooling of q into m windows), expert width k. Landmarks are computed before
 // the clock starts: they are an input of the kernel.
 //
 // Columns:
@@ -89,6 +89,8 @@ ABSL_FLAG(double, reference_max_bytes, 3e9, "skip (and extrapolate) a reference 
 ABSL_FLAG(bool, no_full, false, "do not run full attention");
 ABSL_FLAG(bool, no_reference, false, "do not run the reference kernel");
 ABSL_FLAG(uint64_t, seed, 1, "at::manual_seed for the random inputs");
+ABSL_FLAG(int64_t, batch_size, 1,
+          "batch items B, each of N tokens with its own landmarks (the reference runs only at B = 1)");
 ABSL_FLAG(bool, phases, false, "also print the CPU kernel's time per phase (one extra run per row)");
 
 namespace {
@@ -195,7 +197,8 @@ int main(int argc, char** argv) {
   std::sort(token_counts.begin(), token_counts.end());  // extrapolation uses smaller N
 
   const double gemm_rate = MeasureGemmRate(absl::GetFlag(FLAGS_gemm_size));
-  std::printf("threads %d, OMP_WAIT_POLICY=%s, fp32 GEMM rate (at::mm %lld^3, best of 5) %.1f GFLOP/s\n\n", threads,
+  std::printf("batch size %lld, threads %d, OMP_WAIT_POLICY=%s, fp32 GEMM rate (at::mm %lld^3, best of 5) %.1f GFLOP/s\n\n",
+              static_cast<long long>(std::max<int64_t>(1, absl::GetFlag(FLAGS_batch_size))), threads,
               std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "(unset)",
               static_cast<long long>(absl::GetFlag(FLAGS_gemm_size)), gemm_rate);
   std::printf(
@@ -210,6 +213,7 @@ int main(int argc, char** argv) {
   const double full_limit = absl::GetFlag(FLAGS_full_max_seconds);
   const double reference_limit = absl::GetFlag(FLAGS_reference_max_seconds);
   const int repeats = std::max(1, absl::GetFlag(FLAGS_repeats));
+  const int64_t batch_size = std::max<int64_t>(1, absl::GetFlag(FLAGS_batch_size));
   const Clock::time_point run_start = Clock::now();
   std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>, double> mita_measured;  // (N, d, H, m, k)
   std::vector<std::string> phase_rows;
@@ -219,9 +223,9 @@ int main(int argc, char** argv) {
       for (int64_t heads : head_counts) {
         const double group_gemm_rate = MeasureGemmRate(absl::GetFlag(FLAGS_gemm_size), 3);
         at::manual_seed(absl::GetFlag(FLAGS_seed));
-        const at::Tensor q = at::randn({1, heads, tokens, head_dim});
-        const at::Tensor k = at::randn({1, heads, tokens, head_dim});
-        const at::Tensor v = at::randn({1, heads, tokens, head_dim});
+        const at::Tensor q = at::randn({batch_size, heads, tokens, head_dim});
+        const at::Tensor k = at::randn({batch_size, heads, tokens, head_dim});
+        const at::Tensor v = at::randn({batch_size, heads, tokens, head_dim});
 
         // Full attention: once per (N, d, H).
         Timing full;
@@ -255,7 +259,8 @@ int main(int argc, char** argv) {
           if (expert_count > tokens || width > tokens) continue;
           absl::StatusOr<at::Tensor> landmarks = mita::kernels::SequenceLandmarks(q, expert_count);
           Check(landmarks.status(), "landmarks");
-          const std::vector<mita::kernels::MitaItem> items = {{(*landmarks)[0], width}};
+          std::vector<mita::kernels::MitaItem> items;
+          for (int64_t b = 0; b < batch_size; ++b) items.push_back({(*landmarks)[b], width});
 
           // MiTA CPU kernel: warm-up, then the median of `repeats` runs; where the small-input path applies,
           // each run is followed by one with it turned off (the per-expert baseline).
@@ -318,7 +323,7 @@ int main(int argc, char** argv) {
             absl::StrAppendFormat(&row, " %.1f |", total * 1e3);
             phase_rows.push_back(row);
           }
-          const double flops = 2.0 * tokens * head_dim * (4.0 * expert_count + 2.0 * width) * heads;
+          const double flops = 2.0 * tokens * head_dim * (4.0 * expert_count + 2.0 * width) * heads * batch_size;
           const double gflops = flops / mita_seconds / 1e9;
 
           // Reference: head by head, once.
@@ -330,7 +335,7 @@ int main(int argc, char** argv) {
             ref_prediction = ref_previous->second.second * tokens / ref_previous->second.first;
           }
           const double gathered_bytes = 2.0 * tokens * width * head_dim * sizeof(float);
-          if (absl::GetFlag(FLAGS_no_reference)) {
+          if (absl::GetFlag(FLAGS_no_reference) || batch_size > 1) {
             reference.missing = true;
           } else if (ref_prediction > reference_limit ||
                      gathered_bytes > absl::GetFlag(FLAGS_reference_max_bytes)) {
