@@ -514,7 +514,9 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work, P
       MatmulAccumulate(work.logits.data() + compressed_count, logit_count, value_rows, value_rows_stride,
                        work.chunk_output.data(), head_dim, count, head_dim, width, /*accumulate=*/shared);
       for (int64_t r = 0; r < count; ++r) {
-        if (r + kPrefetchRows < count) PrefetchRow(problem.output + chunk_order[r + kPrefetchRows] * head_dim, head_dim, true);
+        if (r + kPrefetchRows < count) {
+          PrefetchRow(problem.output + chunk_order[r + kPrefetchRows] * head_dim, head_dim, true);
+        }
         T* target = problem.output + chunk_order[r] * head_dim;
         const T* source = work.chunk_output.data() + r * head_dim;
         for (int64_t c = 0; c < head_dim; ++c) target[c] = source[c] * work.inverse_sums[r];
