@@ -76,18 +76,20 @@ PlanningSlack::PlanningSlack(double quantile, size_t window, absl::Duration hori
 void PlanningSlack::Observe(absl::Time at, absl::Duration lateness) {
   recent_.emplace_back(at, absl::ToDoubleSeconds(lateness));
   if (recent_.size() > window_) recent_.pop_front();
-  Update();
+  stale_ = true;
 }
 
 absl::Duration PlanningSlack::SlackAt(absl::Time now) {
-  if (!recent_.empty() && recent_.front().first < now - horizon_) {
-    while (!recent_.empty() && recent_.front().first < now - horizon_) recent_.pop_front();
-    Update();
+  while (!recent_.empty() && recent_.front().first < now - horizon_) {
+    recent_.pop_front();
+    stale_ = true;
   }
+  if (stale_) Update();
   return slack_;
 }
 
 void PlanningSlack::Update() {
+  stale_ = false;
   slack_ = absl::ZeroDuration();
   if (recent_.empty()) return;
   sorted_.clear();

@@ -74,6 +74,7 @@ class PlanningSlack {
   absl::Duration SlackAt(absl::Time now);
 
  private:
+  // Recomputes slack_ from recent_.
   void Update();
 
   double quantile_ = 0.99;
@@ -82,6 +83,7 @@ class PlanningSlack {
   std::deque<std::pair<absl::Time, double>> recent_;  // (answered, lateness in seconds), oldest first
   std::vector<double> sorted_;                        // Update's scratch copy
   absl::Duration slack_ = absl::ZeroDuration();
+  bool stale_ = false;  // recent_ changed since slack_ was computed (computed when asked, not per answer)
 };
 
 }  // namespace mita::server

@@ -169,6 +169,7 @@ absl::Duration ModelRunner::PredictedBatchFill(size_t lane) const {
 }
 
 void ModelRunner::ObserveLateness(size_t lane, absl::Span<BatchTask* const> tasks, absl::Time answered) {
+  if (planning_.slack_percentile == 0) return;
   absl::MutexLock lock(&load_mu_);
   for (const BatchTask* task : tasks) {
     if (task->admitted_at != absl::InfinitePast()) {
