@@ -31,6 +31,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <vector>
@@ -104,11 +105,37 @@ void dgemm_(const char* transa, const char* transb, const int* m, const int* n, 
             const int* ldc);
 }
 
+// The (item, head) whose BLAS calls the calling thread counts (MitaForwardOptions::gemm_totals), or null.
+thread_local MitaGemmTotals* gemm_totals_of_thread = nullptr;
+
+// Counts one BLAS call of m x n x k multiply-adds in gemm_totals_of_thread while in scope (when set).
+class GemmTally {
+ public:
+  GemmTally(int64_t m, int64_t n, int64_t k) : totals_(gemm_totals_of_thread) {
+    if (totals_ == nullptr) return;
+    ++totals_->calls;
+    totals_->flops += 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+    start_ = std::chrono::steady_clock::now();
+  }
+  ~GemmTally() {
+    if (totals_ != nullptr) {
+      totals_->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    }
+  }
+  GemmTally(const GemmTally&) = delete;
+  GemmTally& operator=(const GemmTally&) = delete;
+
+ private:
+  MitaGemmTotals* totals_;
+  std::chrono::steady_clock::time_point start_;
+};
+
 // Column-major C[m, n] = alpha op(A) op(B) + beta C.
 inline void Gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
                  const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
   const int ldai = static_cast<int>(lda), ldbi = static_cast<int>(ldb), ldci = static_cast<int>(ldc);
+  const GemmTally tally(m, n, k);
   sgemm_(&transa, &transb, &mi, &ni, &ki, &alpha, a, &ldai, b, &ldbi, &beta, c, &ldci);
 }
 
@@ -116,6 +143,7 @@ inline void Gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, doub
                  int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
   const int ldai = static_cast<int>(lda), ldbi = static_cast<int>(ldb), ldci = static_cast<int>(ldc);
+  const GemmTally tally(m, n, k);
   dgemm_(&transa, &transb, &mi, &ni, &ki, &alpha, a, &ldai, b, &ldbi, &beta, c, &ldci);
 }
 
@@ -141,6 +169,49 @@ void MatmulAccumulate(const T* a, int64_t a_stride, const T* b, int64_t b_stride
 // vectorising them); they vectorise with SSE2 at the default -march, 4 floats a step (ExpAndSum for float also
 // with AVX2 and AVX-512, see there).
 
+// 16 floats as one GCC vector: one AVX-512 register, two AVX2 or four SSE2 ones in the target_clones below. The
+// float row loops (max, exp and sum) are written on it: GCC 12 keeps an `omp simd` reduction's lanes in a stack
+// array and sums them one by one, about 90 ns of a 32-value row (docs/kernels.md, "Third round").
+// Every function taking or returning one is always_inline into its caller, so the ABI note GCC gives for
+// passing a 64-byte vector without AVX-512 (-Wpsabi) concerns no call that exists.
+#pragma GCC diagnostic ignored "-Wpsabi"
+constexpr int64_t kVectorFloats = 16;
+using FloatVector = float __attribute__((vector_size(kVectorFloats * sizeof(float))));
+using WordVector = uint32_t __attribute__((vector_size(kVectorFloats * sizeof(float))));
+using LaneVector = int32_t __attribute__((vector_size(kVectorFloats * sizeof(float))));
+
+inline __attribute__((always_inline)) FloatVector LoadFloats(const float* values) {
+  FloatVector vector;
+  std::memcpy(&vector, values, sizeof vector);
+  return vector;
+}
+
+inline __attribute__((always_inline)) void StoreFloats(float* values, FloatVector vector) {
+  std::memcpy(values, &vector, sizeof vector);
+}
+
+inline __attribute__((always_inline)) FloatVector Broadcast(float value) { return FloatVector{} + value; }
+
+inline __attribute__((always_inline)) FloatVector MaxOfVectors(FloatVector a, FloatVector b) { return a > b ? a : b; }
+
+// Lane 0 of the result is the maximum (HorizontalMax) or the sum (HorizontalSum) of the 16 lanes: four halving
+// steps.
+inline __attribute__((always_inline)) float HorizontalMax(FloatVector v) {
+  v = MaxOfVectors(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = MaxOfVectors(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = MaxOfVectors(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = MaxOfVectors(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+
+inline __attribute__((always_inline)) float HorizontalSum(FloatVector v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
 // Maximum of values[0, count), count >= 1. The float version is compiled for AVX-512, AVX2 and the baseline,
 // as ExpAndSum below.
 template <typename T>
@@ -151,8 +222,19 @@ inline __attribute__((always_inline)) T MaxOfBody(const T* values, int64_t count
   return maximum;
 }
 
+// The float version: whole vectors, the last one overlapping the one before where 16 does not divide count (a
+// value counted twice does not change a maximum).
+inline __attribute__((always_inline)) float MaxOfFloats(const float* values, int64_t count) {
+  if (count < kVectorFloats) return MaxOfBody(values, count);
+  FloatVector maxima = LoadFloats(values + count - kVectorFloats);
+  for (int64_t j = 0; j + kVectorFloats <= count; j += kVectorFloats) {
+    maxima = MaxOfVectors(maxima, LoadFloats(values + j));
+  }
+  return HorizontalMax(maxima);
+}
+
 __attribute__((target_clones("avx512f", "avx2", "default"))) float MaxOf(const float* values, int64_t count) {
-  return MaxOfBody(values, count);
+  return MaxOfFloats(values, count);
 }
 
 __attribute__((noinline)) double MaxOf(const double* values, int64_t count) { return MaxOfBody(values, count); }
@@ -191,6 +273,13 @@ __attribute__((noinline)) int64_t FirstArgmax(const double* values, int64_t coun
   return FirstArgmaxBody(values, count);
 }
 
+// exp(values * multiplier - shift) lane by lane, clamped as ExpAndSum.
+inline __attribute__((always_inline)) FloatVector ExpOfArguments(FloatVector values, float multiplier, float shift) {
+  const FloatVector arguments = values * multiplier - shift;
+  const FloatVector lowest = Broadcast(kFastExpMin);
+  return FastExpOf<FloatVector, WordVector>(arguments < lowest ? lowest : arguments);
+}
+
 // values[j] = exp(values[j] * multiplier - shift) over [0, count), for arguments <= 0 (max-subtracted
 // logits); returns their sum. float: clamp to FastExp's range (exp(-inf) becomes 2^-126, negligible next to the
 // row maximum's term 1), then FastExp; double: std::exp.
@@ -200,19 +289,41 @@ __attribute__((noinline)) int64_t FirstArgmax(const double* values, int64_t coun
 // N 4096 3.43 / 4.15 -> 3.07 / 3.91 ms (m = 9, k = 16) and 5.54 / 6.45 -> 4.69 / 5.20 ms (16 x 32); at N 50
 // 0.089 / 0.108 -> 0.081 / 0.097 ms (16 x 32) (docs/kernels.md).
 // (Out of line as a clone set already: Clang refuses noinline beside target_clones.)
+inline __attribute__((always_inline)) float ExpAndSumBody(float* values, int64_t count, float multiplier,
+                                                          float shift) {
+  if (count < kVectorFloats) {
+    for (int64_t j = 0; j < count; ++j) {
+      const float argument = values[j] * multiplier - shift;
+      values[j] = argument < kFastExpMin ? kFastExpMin : argument;
+    }
+    float sum = 0;
+    for (int64_t j = 0; j < count; ++j) {
+      values[j] = FastExp(values[j]);
+      sum += values[j];
+    }
+    return sum;
+  }
+  // The last 16 values, taken before the whole vectors overwrite any of them; only the lanes past the last whole
+  // vector are summed (the others are stored again with the same exponentials).
+  const int64_t tail = count % kVectorFloats, last = count - kVectorFloats;
+  const FloatVector last_exponentials = ExpOfArguments(LoadFloats(values + last), multiplier, shift);
+  LaneVector lane;
+  for (int32_t l = 0; l < kVectorFloats; ++l) lane[l] = l;
+  FloatVector sums = tail == 0 ? FloatVector{}
+                               : (lane >= static_cast<int32_t>(kVectorFloats - tail) ? last_exponentials
+                                                                                     : FloatVector{});
+  for (int64_t j = 0; j + kVectorFloats <= count; j += kVectorFloats) {
+    const FloatVector exponentials = ExpOfArguments(LoadFloats(values + j), multiplier, shift);
+    StoreFloats(values + j, exponentials);
+    sums += exponentials;
+  }
+  StoreFloats(values + last, last_exponentials);
+  return HorizontalSum(sums);
+}
+
 __attribute__((target_clones("avx512f", "avx2", "default"))) float ExpAndSum(float* values, int64_t count,
                                                                              float multiplier, float shift) {
-  for (int64_t j = 0; j < count; ++j) {
-    const float argument = values[j] * multiplier - shift;
-    values[j] = argument < kFastExpMin ? kFastExpMin : argument;
-  }
-  float sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < count; ++j) {
-    values[j] = FastExp(values[j]);
-    sum += values[j];
-  }
-  return sum;
+  return ExpAndSumBody(values, count, multiplier, shift);
 }
 
 double ExpAndSum(double* values, int64_t count, double multiplier, double shift) {
@@ -222,6 +333,25 @@ double ExpAndSum(double* values, int64_t count, double multiplier, double shift)
     sum += values[j];
   }
   return sum;
+}
+
+// Row r of rows[count, length] (row stride `stride`) becomes exp(row - max(row)), and inverse_sums[r] = 1 / the
+// row's sum: the max-subtracted softmax before its normalisation. One call per chunk of rows: a row of the routed
+// path is short (M + k logits, 32 at m = k = 16), and two dispatched calls per row cost as much as its
+// exponentials. The float version is compiled for AVX-512, AVX2 and the baseline, as ExpAndSum.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void UnnormalisedSoftmaxRows(
+    float* rows, int64_t count, int64_t length, int64_t stride, float* inverse_sums) {
+  for (int64_t r = 0; r < count; ++r) {
+    float* row = rows + r * stride;
+    inverse_sums[r] = 1.0f / ExpAndSumBody(row, length, 1.0f, MaxOfFloats(row, length));
+  }
+}
+
+void UnnormalisedSoftmaxRows(double* rows, int64_t count, int64_t length, int64_t stride, double* inverse_sums) {
+  for (int64_t r = 0; r < count; ++r) {
+    double* row = rows + r * stride;
+    inverse_sums[r] = 1.0 / ExpAndSum(row, length, 1.0, MaxOf(row, length));
+  }
 }
 
 // Charges the time since its previous charge to a phase (MitaForwardOptions::phase_seconds); a null test when
@@ -502,10 +632,7 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work, P
                        work.logits.data() + compressed_count, logit_count, count, width, head_dim);
       clock.Charge(kPhaseRoutedLogits);
       // One softmax over the M + k logits, max-subtracted; normalised after the output GEMMs.
-      for (int64_t r = 0; r < count; ++r) {
-        T* row = work.logits.data() + r * logit_count;
-        work.inverse_sums[r] = T(1) / ExpAndSum(row, logit_count, T(1), MaxOf(row, logit_count));
-      }
+      UnnormalisedSoftmaxRows(work.logits.data(), count, logit_count, logit_count, work.inverse_sums.data());
       clock.Charge(kPhaseRoutedSoftmax);
       if (shared) {
         MatmulAccumulate(work.logits.data(), logit_count, work.shared_output.data(), head_dim,
@@ -706,6 +833,7 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
   std::vector<HeadCounts> counts(batch * heads);
   if (options.routing != nullptr) options.routing->assign(batch * heads, MitaHeadRouting{});
   if (options.phase_seconds != nullptr) options.phase_seconds->assign(batch * heads, MitaPhaseSeconds{});
+  if (options.gemm_totals != nullptr) options.gemm_totals->assign(batch * heads, MitaGemmTotals{});
   const T* q_data = q.data_ptr<T>();
   const T* k_data = k.data_ptr<T>();
   const T* v_data = v.data_ptr<T>();
@@ -740,8 +868,10 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
                              options.include_shared_expert,
                              options.small_input_path};
       clock.Charge(kPhaseSetup);
+      gemm_totals_of_thread = options.gemm_totals != nullptr ? &(*options.gemm_totals)[task] : nullptr;
       MitaHead(problem, workspace, &counts[task],
                options.routing != nullptr ? &(*options.routing)[task] : nullptr, clock);
+      gemm_totals_of_thread = nullptr;
     }
   });
 

@@ -47,6 +47,13 @@ using MitaPhaseSeconds = std::array<double, kPhaseCount>;
 // Short names of the phases, for tables (mita-kernel-bench --phases).
 extern const char* const kMitaPhaseNames[kPhaseCount];
 
+// The BLAS calls of the CPU kernel on one (item, head), counted when MitaForwardOptions::gemm_totals is set.
+struct MitaGemmTotals {
+  int64_t calls = 0;
+  double flops = 0;    // 2 m n k per call (a multiply-add is 2 FLOPs)
+  double seconds = 0;  // thread time inside the calls
+};
+
 // Options of the MiTA forward that the public API does not expose.
 struct MitaForwardOptions {
   // Testing hook. When false the compressed (shared-expert) logits are left out of the softmax, so each query
@@ -63,6 +70,10 @@ struct MitaForwardOptions {
   // each phase of item b, head h at index b * H + h (two steady_clock reads per phase and key block or query
   // chunk; when null, one pointer test each).
   std::vector<MitaPhaseSeconds>* phase_seconds = nullptr;
+  // Benchmarking hook of the CPU kernel. When not null, resized to B * H and filled with the BLAS calls of item
+  // b, head h at index b * H + h: the rate of the kernel's own GEMMs at their shapes (two steady_clock reads per
+  // call; when null, one thread-local pointer test per call).
+  std::vector<MitaGemmTotals>* gemm_totals = nullptr;
 };
 
 // Whether the CPU kernel computes the output of an (item, head) with N = `tokens` tokens of d = `head_dim`
@@ -120,26 +131,34 @@ absl::StatusOr<at::Tensor> MitaAttentionForwardWithOptions(const at::Tensor& q, 
 // GCC 12 thread jumps around the polynomial and give up vectorising.
 constexpr float kFastExpMin = -87.33654f;  // exp(kFastExpMin) = 2^-126, the smallest normal float
 
-inline float FastExp(float x) {
+// FastExp for `Float` = float (with `Bits` = uint32_t) or a GCC vector of floats (with a vector of as many
+// uint32_t): the same operations lane by lane. Always inlined, so GCC's note on passing a 64-byte vector without
+// AVX-512 (-Wpsabi) concerns no call that exists.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+template <typename Float, typename Bits>
+inline __attribute__((always_inline)) Float FastExpOf(Float x) {
   // Adding 1.5 * 2^23 rounds x / ln2 to the nearest integer n and leaves n in the low mantissa bits.
   constexpr float kRoundingShift = 12582912.0f;
-  const float shifted = x * 1.44269504088896341f + kRoundingShift;
-  const float n = shifted - kRoundingShift;
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // ln2 split in two for an exact n * ln2
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
+  const Float shifted = x * 1.44269504088896341f + kRoundingShift;
+  const Float n = shifted - kRoundingShift;
+  const Float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // ln2 split in two for an exact n * ln2
+  Float p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const float exp_r = p * r * r + r + 1.0f;
-  uint32_t shifted_bits;
+  const Float exp_r = p * r * r + r + 1.0f;
+  Bits shifted_bits;
   std::memcpy(&shifted_bits, &shifted, sizeof shifted_bits);
-  const uint32_t power_bits = (shifted_bits - 0x4B400000u + 127u) << 23;  // 0x4B400000: the bits of 1.5 * 2^23
-  float power_of_two;
+  const Bits power_bits = (shifted_bits - 0x4B400000u + 127u) << 23;  // 0x4B400000: the bits of 1.5 * 2^23
+  Float power_of_two;
   std::memcpy(&power_of_two, &power_bits, sizeof power_of_two);
   return exp_r * power_of_two;
 }
+#pragma GCC diagnostic pop
+
+inline float FastExp(float x) { return FastExpOf<float, uint32_t>(x); }
 
 // The backends. Preconditions: ValidateMitaArguments(q, k, v, items) is OK. They may throw c10::Error or
 // std::bad_alloc (the caller converts); `statistics`, when not null, is resized to B and filled.

@@ -39,7 +39,10 @@
 //               has it): 4.0 for a cost linear in N.
 // --phases adds a second table: one more run of each row with the kernel's phase timers on
 // (internal::MitaForwardOptions::phase_seconds), the thread time of each phase summed over the heads, in ms, and
-// the wall time of that run.
+// the wall time of that run; and, from the same run, the kernel's BLAS calls (gemm_totals): their thread time
+// (BLAS ms, part of the phases), count, rate (executed FLOPs / BLAS thread time x threads: BLAS GFLOP/s, as a
+// share of the GEMM column: BLAS %GEMM) and "bound %GEMM", the %GEMM the row would reach if all its work outside
+// BLAS took no time (counted FLOPs / (BLAS thread time / threads) / GEMM).
 // Full attention and the reference are skipped where a prediction from a smaller N with the same other
 // parameters (N^2 for full attention, N for the reference) exceeds --full_max_seconds / --reference_max_seconds,
 // or where the reference's gathered keys and values (2 N k d floats per head) exceed --reference_max_bytes;
@@ -91,6 +94,10 @@ ABSL_FLAG(bool, no_reference, false, "do not run the reference kernel");
 ABSL_FLAG(uint64_t, seed, 1, "at::manual_seed for the random inputs");
 ABSL_FLAG(int64_t, batch_size, 1,
           "batch items B, each of N tokens with its own landmarks (the reference runs only at B = 1)");
+ABSL_FLAG(bool, keep_freed_memory, true,
+          "keep freed memory in the C heap for the next run, as mita-server does by default "
+          "(kernels/runtime_environment.h); false: glibc's default, which maps and faults in every block over its "
+          "mmap threshold afresh each run");
 ABSL_FLAG(bool, phases, false, "also print the CPU kernel's time per phase (one extra run per row)");
 
 namespace {
@@ -183,6 +190,8 @@ int main(int argc, char** argv) {
   int threads = absl::GetFlag(FLAGS_threads);
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   mita::kernels::SetIntraOpThreads(threads);
+  const bool keep_freed_memory =
+      absl::GetFlag(FLAGS_keep_freed_memory) && mita::kernels::KeepFreedMemoryForReuse();
   at::NoGradGuard no_grad;
 
   std::vector<int64_t> token_counts = ParseIntegers(absl::GetFlag(FLAGS_tokens));
@@ -197,9 +206,11 @@ int main(int argc, char** argv) {
   std::sort(token_counts.begin(), token_counts.end());  // extrapolation uses smaller N
 
   const double gemm_rate = MeasureGemmRate(absl::GetFlag(FLAGS_gemm_size));
-  std::printf("batch size %lld, threads %d, OMP_WAIT_POLICY=%s, fp32 GEMM rate (at::mm %lld^3, best of 5) %.1f GFLOP/s\n\n",
+  std::printf("batch size %lld, threads %d, OMP_WAIT_POLICY=%s, keep_freed_memory=%s, fp32 GEMM rate (at::mm "
+              "%lld^3, best of 5) %.1f GFLOP/s\n\n",
               static_cast<long long>(std::max<int64_t>(1, absl::GetFlag(FLAGS_batch_size))), threads,
               std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "(unset)",
+              keep_freed_memory ? "true" : "false",
               static_cast<long long>(absl::GetFlag(FLAGS_gemm_size)), gemm_rate);
   std::printf(
       "| N | d | H | m | k | MiTA ms | GFLOP/s | GEMM | %%GEMM | full ms | x full | ref ms | x ref | per-expert ms "
@@ -301,10 +312,14 @@ int main(int argc, char** argv) {
             const auto quarter = mita_measured.find(std::make_tuple(tokens / 4, head_dim, heads, expert_count, width));
             if (quarter != mita_measured.end()) linearity = absl::StrFormat("%.2fx", mita_seconds / quarter->second);
           }
+          const double flops = 2.0 * tokens * head_dim * (4.0 * expert_count + 2.0 * width) * heads * batch_size;
+          const double gflops = flops / mita_seconds / 1e9;
           if (absl::GetFlag(FLAGS_phases)) {
             std::vector<mita::kernels::internal::MitaPhaseSeconds> phase_seconds;
+            std::vector<mita::kernels::internal::MitaGemmTotals> gemm_totals;
             mita::kernels::internal::MitaForwardOptions phase_options;
             phase_options.phase_seconds = &phase_seconds;
+            phase_options.gemm_totals = &gemm_totals;
             const Clock::time_point start = Clock::now();
             Check(mita::kernels::internal::MitaAttentionForwardWithOptions(
                       q, k, v, items, nullptr, mita::kernels::MitaBackend::kAuto, phase_options)
@@ -320,11 +335,21 @@ int main(int argc, char** argv) {
               total += seconds;
               absl::StrAppendFormat(&row, " %.1f |", seconds * 1e3);
             }
-            absl::StrAppendFormat(&row, " %.1f |", total * 1e3);
+            mita::kernels::internal::MitaGemmTotals gemm;
+            for (const auto& head : gemm_totals) {
+              gemm.calls += head.calls;
+              gemm.flops += head.flops;
+              gemm.seconds += head.seconds;
+            }
+            // The kernel's GEMMs at their own shapes, as a rate of all threads (comparable to the GEMM column),
+            // and the %GEMM the row would reach if all its work outside BLAS took no time.
+            const double shape_rate = gemm.flops / (gemm.seconds / threads) / 1e9;
+            const double bound = flops / (gemm.seconds / threads) / 1e9 / group_gemm_rate;
+            absl::StrAppendFormat(&row, " %.1f | %.1f | %lld | %.1f | %.0f%% | %.0f%% |", total * 1e3,
+                                  gemm.seconds * 1e3, static_cast<long long>(gemm.calls), shape_rate,
+                                  100.0 * shape_rate / group_gemm_rate, 100.0 * bound);
             phase_rows.push_back(row);
           }
-          const double flops = 2.0 * tokens * head_dim * (4.0 * expert_count + 2.0 * width) * heads * batch_size;
-          const double gflops = flops / mita_seconds / 1e9;
 
           // Reference: head by head, once.
           Timing reference;
@@ -380,8 +405,8 @@ int main(int argc, char** argv) {
     std::printf("\nThread time per phase (ms, summed over heads), one run with the phase timers on:\n\n");
     std::printf("| N | d | H | m | k | wall ms |");
     for (const char* name : mita::kernels::internal::kMitaPhaseNames) std::printf(" %s |", name);
-    std::printf(" sum |\n|");
-    for (int column = 0; column < 7 + mita::kernels::internal::kPhaseCount; ++column) std::printf("---:|");
+    std::printf(" sum | BLAS ms | BLAS calls | BLAS GFLOP/s | BLAS %%GEMM | bound %%GEMM |\n|");
+    for (int column = 0; column < 12 + mita::kernels::internal::kPhaseCount; ++column) std::printf("---:|");
     std::printf("\n");
     for (const std::string& row : phase_rows) std::printf("%s\n", row.c_str());
   }
