@@ -179,6 +179,7 @@ constexpr int64_t kVectorFloats = 16;
 using FloatVector = float __attribute__((vector_size(kVectorFloats * sizeof(float))));
 using WordVector = uint32_t __attribute__((vector_size(kVectorFloats * sizeof(float))));
 using LaneVector = int32_t __attribute__((vector_size(kVectorFloats * sizeof(float))));
+// (A comparison is written with vectors on both sides: GCC 12 lowers a vector-scalar comparison lane by lane.)
 
 inline __attribute__((always_inline)) FloatVector LoadFloats(const float* values) {
   FloatVector vector;
@@ -280,7 +281,18 @@ inline __attribute__((always_inline)) int32_t HorizontalMin(LaneVector v) {
 // The float version on whole vectors (the last one overlapping, as MaxOfFloats): the maximum and whether any value
 // is NaN in one pass, then the least index holding the maximum in a second.
 inline __attribute__((always_inline)) int64_t FirstArgmaxOfFloats(const float* values, int64_t count) {
-  if (count < kVectorFloats || count > std::numeric_limits<int32_t>::max()) return FirstArgmaxBody(values, count);
+  if (count < kVectorFloats) {
+    // The defining loop itself, keeping values[best] in a register (conditional moves; M = 9 at the image model).
+    int64_t best = 0;
+    float best_value = values[0];
+    for (int64_t i = 1; i < count; ++i) {
+      const bool above = values[i] > best_value;
+      best = above ? i : best;
+      best_value = above ? values[i] : best_value;
+    }
+    return best;
+  }
+  if (count > std::numeric_limits<int32_t>::max()) return FirstArgmaxBody(values, count);
   const int64_t last = count - kVectorFloats;
   FloatVector maxima = LoadFloats(values + last);
   FloatVector unordered = maxima != maxima ? Broadcast(1.0f) : FloatVector{};
@@ -351,7 +363,7 @@ inline __attribute__((always_inline)) float ExpAndSumBody(float* values, int64_t
   LaneVector lane;
   for (int32_t l = 0; l < kVectorFloats; ++l) lane[l] = l;
   FloatVector sums = tail == 0 ? FloatVector{}
-                               : (lane >= static_cast<int32_t>(kVectorFloats - tail) ? last_exponentials
+                               : (lane >= LaneVector{} + static_cast<int32_t>(kVectorFloats - tail) ? last_exponentials
                                                                                      : FloatVector{});
   for (int64_t j = 0; j + kVectorFloats <= count; j += kVectorFloats) {
     const FloatVector exponentials = ExpOfArguments(LoadFloats(values + j), multiplier, shift);

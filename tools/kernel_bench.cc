@@ -326,14 +326,14 @@ int main(int argc, char** argv) {
                       .status(),
                   "MiTA with phase timers");
             const double wall = SecondsSince(start);
-            std::string row = absl::StrFormat("| %d | %d | %d | %d | %d | %.1f |", tokens, head_dim, heads,
-                                              expert_count, width, wall * 1e3);
+            std::string row = absl::StrFormat("| %d | %d | %d | %d | %d | %s |", tokens, head_dim, heads,
+                                              expert_count, width, FormatMilliseconds({wall, false, false}));
             double total = 0;
             for (int phase = 0; phase < mita::kernels::internal::kPhaseCount; ++phase) {
               double seconds = 0;
               for (const auto& head : phase_seconds) seconds += head[phase];
               total += seconds;
-              absl::StrAppendFormat(&row, " %.1f |", seconds * 1e3);
+              absl::StrAppendFormat(&row, " %s |", FormatMilliseconds({seconds, false, false}));
             }
             mita::kernels::internal::MitaGemmTotals gemm;
             for (const auto& head : gemm_totals) {
@@ -345,8 +345,10 @@ int main(int argc, char** argv) {
             // and the %GEMM the row would reach if all its work outside BLAS took no time.
             const double shape_rate = gemm.flops / (gemm.seconds / threads) / 1e9;
             const double bound = flops / (gemm.seconds / threads) / 1e9 / group_gemm_rate;
-            absl::StrAppendFormat(&row, " %.1f | %.1f | %lld | %.1f | %.0f%% | %.0f%% |", total * 1e3,
-                                  gemm.seconds * 1e3, static_cast<long long>(gemm.calls), shape_rate,
+            absl::StrAppendFormat(&row, " %s | %s | %lld | %.1f | %.0f%% | %.0f%% |",
+                                  FormatMilliseconds({total, false, false}),
+                                  FormatMilliseconds({gemm.seconds, false, false}),
+                                  static_cast<long long>(gemm.calls), shape_rate,
                                   100.0 * shape_rate / group_gemm_rate, 100.0 * bound);
             phase_rows.push_back(row);
           }
