@@ -12,19 +12,22 @@
 //      64 scores are tested against it at once). When all keys fit one block (no compaction), the selection
 //      runs on plain scores and one pass in key order takes the keys above the k-th score and the lowest-index
 //      ties, already sorted.
-//   3. gate: G = Q l^T (GEMM by query blocks, kept [N, M]), e(n) = first argmax; queries counted per expert.
+//   3-4. by query tiles (a few thousand queries, QueryTileRows: their query, gate and output rows stay in the
+//      cache, so the random gathers and scatters of step 4 cost the same per query at any N):
+//   3. gate: G = Q l^T of the tile (GEMM by query blocks), e(n) = first argmax; queries counted per expert.
 //   4. the output, by one of two paths with the same logits and weights (up to rounding):
-//      - per routed expert (RoutedExpertOutput): queries grouped by expert (counting sort); each expert's k
-//        keys and values are gathered once; its queries, in chunks, get their M + k logits (G s^2 and one GEMM)
-//        in one row buffer, one max-subtracted softmax, and the output from two GEMMs (weights x A,
-//        weights x V_expert), normalised by the softmax sum;
+//      - per routed expert (RoutedExpertOutput): each expert's k keys and values gathered once per head
+//        (PrepareRoutedExperts); the tile's queries grouped by expert (counting sort); each expert's queries, in
+//        chunks, get their M + k logits (G s^2 and one GEMM) in one row buffer, one max-subtracted softmax, and
+//        the output from two GEMMs (weights x A, weights x V_expert), normalised by the softmax sum;
 //      - small inputs (SmallInputOutput, where SmallInputPathApplies: e.g. 50 tokens at M = 9, k = 16): one
 //        GEMM for all N^2 scores q K^T, the compressed logits from the gate (G s^2), and two GEMMs with dense
 //        weight matrices (Wc x A, W x V), instead of 4 BLAS calls of a few hundred multiply-adds per expert.
 // The GEMMs call the system BLAS (sgemm_/dgemm_) directly on the buffers (no copies), one BLAS thread per thread
 // of the region (OneThreadBlas); MatmulTransposed and MatmulAccumulate are the single place to swap in a
-// hand-written micro-kernel later. The gate G is kept for all N queries and gives the compressed logits (G s^2) on
-// both output paths. The float exponentials use FastExp in vectorised row loops. Buffers live in a HeadWorkspace
+// hand-written micro-kernel later. The gate G of a tile gives the compressed logits (G s^2) on both output paths
+// (the small-input path is one tile of all N). The float row loops (max, exp and sum, first argmax) run on 16-float
+// GCC vectors, compiled for AVX-512, AVX2 and the baseline. Buffers live in a HeadWorkspace
 // reused by all the (item, head) pairs of one thread. Left for later (docs/kernels.md has the measurements behind
 // these): splitting one head over threads when B * H < threads.
 #include <algorithm>
@@ -443,7 +446,8 @@ struct HeadProblem {
   int64_t expert_count;
   int64_t width;
   bool include_shared_expert;
-  bool small_input_path;  // MitaForwardOptions::small_input_path
+  bool small_input_path;    // MitaForwardOptions::small_input_path
+  int64_t query_tile_rows;  // MitaForwardOptions::query_tile_rows
 };
 
 // Scores per vectorised threshold test of the running top-k.
@@ -587,13 +591,14 @@ struct HeadWorkspace {
   std::vector<T> running_max, running_sum;        // [M]
   std::vector<std::vector<int64_t>> expert_keys;  // [M][k], ascending
   std::vector<int32_t> selections;                // [N]: experts that selected each key
-  std::vector<T> gate;                            // G = Q l^T: [N, M]
+  std::vector<T> gate;                            // G = Q l^T of one query tile: [tile, M]
   std::vector<int64_t> expert_of_query;           // [N]
-  std::vector<int64_t> expert_offsets;            // [M + 1]
+  std::vector<int64_t> expert_offsets;            // [M + 1], in the tile's query order
   std::vector<int64_t> next_slot;                 // [M]
-  std::vector<int64_t> query_order;               // [N], grouped by expert
-  std::vector<T> expert_key_rows;                 // [k, d]
-  std::vector<T> expert_value_rows;               // [k, d]
+  std::vector<int64_t> query_order;               // [tile], grouped by expert
+  std::vector<T> expert_key_rows;                 // [M, k, d]: each expert's keys
+  std::vector<T> expert_value_rows;               // [M, k, d]
+  int64_t chunk_capacity = 0;                     // queries per chunk of RoutedExpertOutput
   std::vector<T> chunk_queries;                   // [chunk, d], times s
   std::vector<T> logits;                          // [chunk, M + k]
   std::vector<T> chunk_output;                    // [chunk, d]
@@ -603,8 +608,8 @@ struct HeadWorkspace {
   std::vector<T> compressed_weights;              // small inputs: [N, M], shared-expert weights
 };
 
-// Rows ahead that the gathers and the scatter of step 4 prefetch: their rows (queries, gate, output) are in
-// expert order, scattered over [N, d], so the hardware prefetcher cannot predict them.
+// Rows ahead that the query gather and the output scatter of step 4 prefetch: their rows are in expert order,
+// scattered over the tile, so the hardware prefetcher cannot predict them.
 constexpr int64_t kPrefetchRows = 8;
 
 // Prefetches the cache lines of row[0, count) (for writing when `write`).
@@ -620,55 +625,102 @@ inline void PrefetchRow(const T* row, int64_t count, bool write) {
   }
 }
 
-// Step 4 of MitaHead, per routed expert: gather its keys and values once, then all its queries in chunks.
-// Needs the key pass (shared_output), the selected keys (expert_keys, unless width == tokens), the routing
-// (expert_of_query) and each expert's first position in query order (expert_offsets).
+// Bytes of one query tile's query, gate and output rows (QueryTileRows): about half of one core's L2 here (2 MiB).
+constexpr int64_t kQueryTileBytes = int64_t{1} << 20;
+// Fewest queries per routed expert in a tile, on average, so that the per-expert GEMMs keep their size.
+constexpr int64_t kTileQueriesPerExpert = 256;
+
+// Queries per tile of steps 3-4: the rows a tile gathers and scatters at random (queries, gate, output) stay in
+// the cache while it is worked on, so their cost per query does not grow with N (at N 64K a head's [N, d] rows do
+// not fit; docs/kernels.md, "Third round").
+int64_t QueryTileRows(int64_t tokens, int64_t head_dim, int64_t expert_count, int64_t element_bytes) {
+  const int64_t cache_rows = kQueryTileBytes / ((2 * head_dim + expert_count) * element_bytes);
+  return std::clamp<int64_t>(std::max(cache_rows, kTileQueriesPerExpert * expert_count), 1, tokens);
+}
+
+// Step 3 of MitaHead for the queries [tile_start, tile_start + tile_count): the gate G = Q l^T of the tile into
+// work.gate ([tile_count, M], no scale), e(n) = first argmax into expert_of_query, and where each expert's
+// queries of the tile start in the tile's query order (expert_offsets); adds the tile's queries per expert to
+// the statistics.
 template <typename T>
-void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work, PhaseClock& clock) {
+void GateTile(const HeadProblem<T>& problem, HeadWorkspace<T>& work, int64_t tile_start, int64_t tile_count,
+              HeadCounts* counts) {
+  const int64_t head_dim = problem.head_dim, expert_count = problem.expert_count;
+  const int64_t query_block = BlockRows(expert_count * head_dim);
+  work.gate.resize(tile_count * expert_count);
+  for (int64_t start = 0; start < tile_count; start += query_block) {
+    const int64_t count = std::min(query_block, tile_count - start);
+    T* gate = work.gate.data() + start * expert_count;
+    MatmulTransposed(problem.queries + (tile_start + start) * problem.query_stride, problem.query_stride,
+                     problem.landmarks, head_dim, gate, expert_count, count, expert_count, head_dim);
+    FirstArgmaxRows(gate, count, expert_count, work.expert_of_query.data() + tile_start + start);
+  }
+  work.expert_offsets.assign(expert_count + 1, 0);
+  for (int64_t n = tile_start; n < tile_start + tile_count; ++n) ++work.expert_offsets[work.expert_of_query[n] + 1];
+  for (int64_t i = 0; i < expert_count; ++i) {
+    counts->queries_per_expert[i] += work.expert_offsets[i + 1];
+    work.expert_offsets[i + 1] += work.expert_offsets[i];
+  }
+}
+
+// Before the tiles of step 4 on the per-expert path: every expert's k keys and values gathered once
+// ([M, k, d] each; none when width == tokens) and the chunk buffers sized.
+template <typename T>
+void PrepareRoutedExperts(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
+  const int64_t head_dim = problem.head_dim, expert_count = problem.expert_count, width = problem.width;
+  const int64_t logit_count = (problem.include_shared_expert ? expert_count : 0) + width;
+  // Queries per chunk: GEMMs [chunk x k x d] and back ([chunk x d x M], [chunk x d x k]); logits buffer
+  // [chunk, M + k].
+  work.chunk_capacity = std::min(BlockRows(std::max(expert_count, width) * head_dim),
+                                 std::max<int64_t>(1, kMaxLogitElements / logit_count));
+  work.chunk_queries.resize(work.chunk_capacity * head_dim);
+  work.logits.resize(work.chunk_capacity * logit_count);
+  work.chunk_output.resize(work.chunk_capacity * head_dim);
+  work.inverse_sums.resize(work.chunk_capacity);
+  if (width == problem.tokens) return;
+  work.expert_key_rows.resize(expert_count * width * head_dim);
+  work.expert_value_rows.resize(expert_count * width * head_dim);
+  for (int64_t i = 0; i < expert_count; ++i) {
+    for (int64_t j = 0; j < width; ++j) {
+      const int64_t key = work.expert_keys[i][j];
+      std::copy_n(problem.keys + key * problem.key_stride, head_dim,
+                  work.expert_key_rows.data() + (i * width + j) * head_dim);
+      std::copy_n(problem.values + key * problem.value_stride, head_dim,
+                  work.expert_value_rows.data() + (i * width + j) * head_dim);
+    }
+  }
+}
+
+// Step 4 of MitaHead, per routed expert, for one query tile (after GateTile of the same tile and
+// PrepareRoutedExperts): the tile's queries grouped by expert, then each expert's queries in chunks.
+template <typename T>
+void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work, int64_t tile_start,
+                        int64_t tile_count, PhaseClock& clock) {
   const int64_t head_dim = problem.head_dim, expert_count = problem.expert_count, width = problem.width;
   const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
   const bool shared = problem.include_shared_expert;
   const bool all_keys = width == problem.tokens;
-  // Queries grouped by expert (counting sort): those of expert i are query_order[expert_offsets[i],
+  // The tile's queries grouped by expert (counting sort): those of expert i are query_order[expert_offsets[i],
   // expert_offsets[i + 1]), ascending.
   work.next_slot.assign(work.expert_offsets.begin(), work.expert_offsets.end() - 1);
-  work.query_order.resize(problem.tokens);
-  for (int64_t n = 0; n < problem.tokens; ++n) work.query_order[work.next_slot[work.expert_of_query[n]]++] = n;
+  work.query_order.resize(tile_count);
+  for (int64_t n = tile_start; n < tile_start + tile_count; ++n) {
+    work.query_order[work.next_slot[work.expert_of_query[n]]++] = n;
+  }
   // Queries are scaled by s when gathered: (s q) . k = q . k s (routed logits); the compressed logits are the
   // gate's q . l times s^2.
   const int64_t compressed_count = shared ? expert_count : 0;
   const int64_t logit_count = compressed_count + width;
-  // Queries per chunk: GEMMs [chunk x k x d] and back ([chunk x d x M], [chunk x d x k]); logits buffer
-  // [chunk, M + k].
-  const int64_t chunk_capacity = std::min(BlockRows(std::max(expert_count, width) * head_dim),
-                                          std::max<int64_t>(1, kMaxLogitElements / logit_count));
-  if (!all_keys) {
-    work.expert_key_rows.resize(width * head_dim);
-    work.expert_value_rows.resize(width * head_dim);
-  }
-  work.chunk_queries.resize(chunk_capacity * head_dim);
-  work.logits.resize(chunk_capacity * logit_count);
-  work.chunk_output.resize(chunk_capacity * head_dim);
-  work.inverse_sums.resize(chunk_capacity);
+  const int64_t chunk_capacity = work.chunk_capacity;
+  const T* tile_gate = work.gate.data() - tile_start * expert_count;  // row n of the tile's gate: query n
   clock.Charge(kPhaseGrouping);
   for (int64_t i = 0; i < expert_count; ++i) {
     const int64_t first = work.expert_offsets[i], query_count = work.expert_offsets[i + 1] - first;
     if (query_count == 0) continue;
-    const T* key_rows = problem.keys;
-    const T* value_rows = problem.values;
-    int64_t key_rows_stride = problem.key_stride, value_rows_stride = problem.value_stride;
-    if (!all_keys) {
-      for (int64_t j = 0; j < width; ++j) {
-        const int64_t key = work.expert_keys[i][j];
-        std::copy_n(problem.keys + key * problem.key_stride, head_dim, work.expert_key_rows.data() + j * head_dim);
-        std::copy_n(problem.values + key * problem.value_stride, head_dim,
-                    work.expert_value_rows.data() + j * head_dim);
-      }
-      key_rows = work.expert_key_rows.data();
-      value_rows = work.expert_value_rows.data();
-      key_rows_stride = value_rows_stride = head_dim;
-      clock.Charge(kPhaseGather);
-    }
+    const T* key_rows = all_keys ? problem.keys : work.expert_key_rows.data() + i * width * head_dim;
+    const T* value_rows = all_keys ? problem.values : work.expert_value_rows.data() + i * width * head_dim;
+    const int64_t key_rows_stride = all_keys ? problem.key_stride : head_dim;
+    const int64_t value_rows_stride = all_keys ? problem.value_stride : head_dim;
     for (int64_t chunk_start = 0; chunk_start < query_count; chunk_start += chunk_capacity) {
       const int64_t count = std::min(chunk_capacity, query_count - chunk_start);
       const int64_t* chunk_order = work.query_order.data() + first + chunk_start;
@@ -682,10 +734,7 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work, P
       }
       // Logits row r: [compressed (M) | routed (k)].
       for (int64_t r = 0; shared && r < count; ++r) {
-        if (r + kPrefetchRows < count) {
-          PrefetchRow(work.gate.data() + chunk_order[r + kPrefetchRows] * expert_count, expert_count, false);
-        }
-        const T* gate = work.gate.data() + chunk_order[r] * expert_count;
+        const T* gate = tile_gate + chunk_order[r] * expert_count;
         T* target = work.logits.data() + r * logit_count;
         for (int64_t j = 0; j < expert_count; ++j) target[j] = gate[j] * (scale * scale);
       }
@@ -831,35 +880,30 @@ void MitaHead(const HeadProblem<T>& problem, HeadWorkspace<T>& work, HeadCounts*
     clock.Charge(kPhaseTopKSelection);
   }
 
-  // 3. Gate G = Q l^T (no scale), e(n) = first argmax over experts; then group queries by expert. G is kept for
-  // step 4: the compressed logits are q . l s^2 = G s^2.
+  // 3-4. Gate and output by query tiles (QueryTileRows; the whole N on the small-input path): per tile, the gate
+  // G = Q l^T (no scale) and e(n) = first argmax over experts (GateTile), then the tile's output. The gate rows
+  // give the compressed logits: q . l s^2 = G s^2.
   work.expert_of_query.resize(tokens);
-  const int64_t query_block = BlockRows(expert_count * head_dim);
-  work.gate.resize(tokens * expert_count);  // [N, M]
-  for (int64_t start = 0; start < tokens; start += query_block) {
-    const int64_t count = std::min(query_block, tokens - start);
-    T* gate = work.gate.data() + start * expert_count;
-    MatmulTransposed(problem.queries + start * problem.query_stride, problem.query_stride, problem.landmarks,
-                     head_dim, gate, expert_count, count, expert_count, head_dim);
-    FirstArgmaxRows(gate, count, expert_count, work.expert_of_query.data() + start);
+  counts->queries_per_expert.assign(expert_count, 0);
+  const bool small_input = problem.small_input_path && SmallInputPathApplies(tokens, head_dim, expert_count,
+                                                                            width, problem.include_shared_expert);
+  const int64_t tile_rows = small_input                     ? tokens
+                            : problem.query_tile_rows > 0 ? problem.query_tile_rows
+                                                          : QueryTileRows(tokens, head_dim, expert_count, sizeof(T));
+  if (!small_input) {
+    PrepareRoutedExperts(problem, work);
+    clock.Charge(kPhaseGather);
   }
-  // Queries per expert (statistics), and where each expert's queries start in query order (expert_offsets).
-  work.expert_offsets.assign(expert_count + 1, 0);
-  for (int64_t n = 0; n < tokens; ++n) ++work.expert_offsets[work.expert_of_query[n] + 1];
-  counts->queries_per_expert.resize(expert_count);
-  for (int64_t i = 0; i < expert_count; ++i) {
-    counts->queries_per_expert[i] = work.expert_offsets[i + 1];
-    work.expert_offsets[i + 1] += work.expert_offsets[i];
-  }
-  clock.Charge(kPhaseGate);
-
-  // 4. The output.
-  if (problem.small_input_path &&
-      SmallInputPathApplies(tokens, head_dim, expert_count, problem.width, problem.include_shared_expert)) {
-    SmallInputOutput(problem, work);
-    clock.Charge(kPhaseSmallInput);
-  } else {
-    RoutedExpertOutput(problem, work, clock);
+  for (int64_t tile_start = 0; tile_start < tokens; tile_start += tile_rows) {
+    const int64_t tile_count = std::min(tile_rows, tokens - tile_start);
+    GateTile(problem, work, tile_start, tile_count, counts);
+    clock.Charge(kPhaseGate);
+    if (small_input) {
+      SmallInputOutput(problem, work);
+      clock.Charge(kPhaseSmallInput);
+    } else {
+      RoutedExpertOutput(problem, work, tile_start, tile_count, clock);
+    }
   }
 
   if (routing != nullptr) {
@@ -925,7 +969,8 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
                              expert_count,
                              items[b].expert_width,
                              options.include_shared_expert,
-                             options.small_input_path};
+                             options.small_input_path,
+                             options.query_tile_rows};
       clock.Charge(kPhaseSetup);
       gemm_totals_of_thread = options.gemm_totals != nullptr ? &(*options.gemm_totals)[task] : nullptr;
       MitaHead(problem, workspace, &counts[task],

@@ -66,6 +66,9 @@ struct MitaForwardOptions {
   // routed expert, also where SmallInputPathApplies (so that tests and mita-kernel-bench compare both paths on
   // the same inputs).
   bool small_input_path = true;
+  // Testing hook of the CPU kernel: queries per tile of its gate and per-expert output (0: chosen by the kernel
+  // for the cache, QueryTileRows in mita_attention_cpu.cc), so that tests cover many tiles at small N.
+  int64_t query_tile_rows = 0;
   // Benchmarking hook of the CPU kernel. When not null, resized to B * H and filled with the thread time of
   // each phase of item b, head h at index b * H + h (two steady_clock reads per phase and key block or query
   // chunk; when null, one pointer test each).

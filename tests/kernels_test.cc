@@ -259,9 +259,11 @@ struct BackendRun {
 };
 
 BackendRun RunBackend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<MitaItem>& items,
-                      MitaBackend backend, bool include_shared_expert = true, bool small_input_path = true) {
+                      MitaBackend backend, bool include_shared_expert = true, bool small_input_path = true,
+                      int64_t query_tile_rows = 0) {
   BackendRun run;
   internal::MitaForwardOptions options;
+  options.query_tile_rows = query_tile_rows;
   options.include_shared_expert = include_shared_expert;
   options.small_input_path = small_input_path;
   options.routing = &run.routing;
@@ -389,6 +391,30 @@ TEST(MitaCpuKernel, SmallInputPathAndPerExpertPathMatchLoop) {
       SCOPED_TRACE(small_input_path ? "small-input path" : "per-expert path");
       const BackendRun run = RunBackend(problem.q, problem.k, problem.v, items, MitaBackend::kAuto,
                                         /*include_shared_expert=*/true, small_input_path);
+      ASSERT_TRUE(run.output.defined());
+      ExpectRoutingEqual(run.routing, expected.routing, "cpu kernel");
+      EXPECT_LT(MaxAbsDifference(ToDoubles(run.output), expected.output), tolerance);
+      ExpectStatisticsNear(run.statistics, expected.statistics, "cpu kernel");
+    }
+  }
+}
+
+// The CPU kernel's gate and per-expert output run by query tiles (a few thousand queries at the benchmark's
+// sizes, the whole N in these tests): forced down to a few queries, so that experts have queries in some tiles and
+// not in others, chunks split within a tile and the last tile is short, each against the float64 loop.
+TEST(MitaCpuKernel, QueryTilesMatchLoop) {
+  const Dims dims{2, 2, 301, 16};
+  for (at::ScalarType type : {at::kDouble, at::kFloat}) {
+    SCOPED_TRACE(type == at::kDouble ? "float64" : "float32");
+    const RandomProblem problem = MakeRandomProblem(dims, type, /*seed=*/33);
+    const std::vector<MitaItem> items = SequenceItems(problem.q, {{9, 20}, {3, 301}});
+    const LoopResult expected =
+        MitaLoop(problem.q_values, problem.k_values, problem.v_values, dims, ToLoopItems(items));
+    const double tolerance = type == at::kDouble ? 1e-10 : 1e-5;
+    for (int64_t tile_rows : {1, 7, 64, 300}) {
+      SCOPED_TRACE("query tile rows " + std::to_string(tile_rows));
+      const BackendRun run = RunBackend(problem.q, problem.k, problem.v, items, MitaBackend::kAuto,
+                                        /*include_shared_expert=*/true, /*small_input_path=*/true, tile_rows);
       ASSERT_TRUE(run.output.defined());
       ExpectRoutingEqual(run.routing, expected.routing, "cpu kernel");
       EXPECT_LT(MaxAbsDifference(ToDoubles(run.output), expected.output), tolerance);
