@@ -16,10 +16,11 @@
 //      cache, so the random gathers and scatters of step 4 cost the same per query at any N):
 //   3. gate: G = Q l^T of the tile (GEMM by query blocks), e(n) = first argmax; queries counted per expert.
 //   4. the output, by one of two paths with the same logits and weights (up to rounding):
-//      - per routed expert (RoutedExpertOutput): each expert's k keys and values gathered once per head
-//        (PrepareRoutedExperts); the tile's queries grouped by expert (counting sort); each expert's queries, in
-//        chunks, get their M + k logits (G s^2 and one GEMM) in one row buffer, one max-subtracted softmax, and
-//        the output from two GEMMs (weights x A, weights x V_expert), normalised by the softmax sum;
+//      - per routed expert (RoutedExpertOutput): each expert's k keys and values gathered once per head, its
+//        values under A (PrepareRoutedExperts); the tile's queries grouped by expert (counting sort); each
+//        expert's queries, in chunks, get their M + k logits (G s^2 and one GEMM) in one row buffer, one
+//        max-subtracted softmax, and the output from one GEMM (weights x [A; V_expert]), normalised by the
+//        softmax sum;
 //      - small inputs (SmallInputOutput, where SmallInputPathApplies: e.g. 50 tokens at M = 9, k = 16): one
 //        GEMM for all N^2 scores q K^T, the compressed logits from the gate (G s^2), and two GEMMs with dense
 //        weight matrices (Wc x A, W x V), instead of 4 BLAS calls of a few hundred multiply-adds per expert.
@@ -597,7 +598,7 @@ struct HeadWorkspace {
   std::vector<int64_t> next_slot;                 // [M]
   std::vector<int64_t> query_order;               // [tile], grouped by expert
   std::vector<T> expert_key_rows;                 // [M, k, d]: each expert's keys
-  std::vector<T> expert_value_rows;               // [M, k, d]
+  std::vector<T> expert_value_rows;               // [M, M + k, d]: A over each expert's values
   int64_t chunk_capacity = 0;                     // queries per chunk of RoutedExpertOutput
   std::vector<T> chunk_queries;                   // [chunk, d], times s
   std::vector<T> logits;                          // [chunk, M + k]
@@ -663,8 +664,10 @@ void GateTile(const HeadProblem<T>& problem, HeadWorkspace<T>& work, int64_t til
   }
 }
 
-// Before the tiles of step 4 on the per-expert path: every expert's k keys and values gathered once
-// ([M, k, d] each; none when width == tokens) and the chunk buffers sized.
+// Before the tiles of step 4 on the per-expert path: every expert's k keys gathered once ([M, k, d]) and its
+// value rows stacked under the shared expert's output, [A; V_expert] ([M, M + k, d]; [M, k, d] without the
+// shared expert), so that the output of a chunk is one GEMM with its logits row [compressed | routed]; none of
+// this when width == tokens. And the chunk buffers sized.
 template <typename T>
 void PrepareRoutedExperts(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
   const int64_t head_dim = problem.head_dim, expert_count = problem.expert_count, width = problem.width;
@@ -678,15 +681,18 @@ void PrepareRoutedExperts(const HeadProblem<T>& problem, HeadWorkspace<T>& work)
   work.chunk_output.resize(work.chunk_capacity * head_dim);
   work.inverse_sums.resize(work.chunk_capacity);
   if (width == problem.tokens) return;
+  const int64_t compressed_count = logit_count - width;
   work.expert_key_rows.resize(expert_count * width * head_dim);
-  work.expert_value_rows.resize(expert_count * width * head_dim);
+  work.expert_value_rows.resize(expert_count * logit_count * head_dim);
   for (int64_t i = 0; i < expert_count; ++i) {
+    T* value_rows = work.expert_value_rows.data() + i * logit_count * head_dim;
+    std::copy_n(work.shared_output.data(), compressed_count * head_dim, value_rows);
     for (int64_t j = 0; j < width; ++j) {
       const int64_t key = work.expert_keys[i][j];
       std::copy_n(problem.keys + key * problem.key_stride, head_dim,
                   work.expert_key_rows.data() + (i * width + j) * head_dim);
       std::copy_n(problem.values + key * problem.value_stride, head_dim,
-                  work.expert_value_rows.data() + (i * width + j) * head_dim);
+                  value_rows + (compressed_count + j) * head_dim);
     }
   }
 }
@@ -718,9 +724,7 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work, i
     const int64_t first = work.expert_offsets[i], query_count = work.expert_offsets[i + 1] - first;
     if (query_count == 0) continue;
     const T* key_rows = all_keys ? problem.keys : work.expert_key_rows.data() + i * width * head_dim;
-    const T* value_rows = all_keys ? problem.values : work.expert_value_rows.data() + i * width * head_dim;
     const int64_t key_rows_stride = all_keys ? problem.key_stride : head_dim;
-    const int64_t value_rows_stride = all_keys ? problem.value_stride : head_dim;
     for (int64_t chunk_start = 0; chunk_start < query_count; chunk_start += chunk_capacity) {
       const int64_t count = std::min(chunk_capacity, query_count - chunk_start);
       const int64_t* chunk_order = work.query_order.data() + first + chunk_start;
@@ -744,12 +748,20 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work, i
       // One softmax over the M + k logits, max-subtracted; normalised after the output GEMMs.
       UnnormalisedSoftmaxRows(work.logits.data(), count, logit_count, logit_count, work.inverse_sums.data());
       clock.Charge(kPhaseRoutedSoftmax);
-      if (shared) {
-        MatmulAccumulate(work.logits.data(), logit_count, work.shared_output.data(), head_dim,
-                         work.chunk_output.data(), head_dim, count, head_dim, expert_count, /*accumulate=*/false);
+      if (all_keys) {
+        // weights x A, then + weights x V (every key: V read in place).
+        if (shared) {
+          MatmulAccumulate(work.logits.data(), logit_count, work.shared_output.data(), head_dim,
+                           work.chunk_output.data(), head_dim, count, head_dim, expert_count, /*accumulate=*/false);
+        }
+        MatmulAccumulate(work.logits.data() + compressed_count, logit_count, problem.values, problem.value_stride,
+                         work.chunk_output.data(), head_dim, count, head_dim, width, /*accumulate=*/shared);
+      } else {
+        // [compressed | routed] weights x [A; V_expert]: one GEMM, M + k deep.
+        MatmulAccumulate(work.logits.data(), logit_count, work.expert_value_rows.data() + i * logit_count * head_dim,
+                         head_dim, work.chunk_output.data(), head_dim, count, head_dim, logit_count,
+                         /*accumulate=*/false);
       }
-      MatmulAccumulate(work.logits.data() + compressed_count, logit_count, value_rows, value_rows_stride,
-                       work.chunk_output.data(), head_dim, count, head_dim, width, /*accumulate=*/shared);
       for (int64_t r = 0; r < count; ++r) {
         if (r + kPrefetchRows < count) {
           PrefetchRow(problem.output + chunk_order[r + kPrefetchRows] * head_dim, head_dim, true);
