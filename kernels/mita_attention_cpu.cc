@@ -472,6 +472,29 @@ __attribute__((noinline)) bool AnyAbove(const double* values, double threshold) 
   return AnyAboveBody(values, threshold);
 }
 
+// Most keys whose top-k is selected by counting ranks (RanksByTieRule: count^2 comparisons).
+constexpr int64_t kRankSelectionMaxKeys = 64;
+
+// ranks[i] = how many of scores[0, count) rank higher than score i by the tie rule (higher score, then lower
+// index: RanksHigher); no NaN scores. A plain loop that GCC vectorises (a comparison is a lane mask); compiled for
+// AVX-512, AVX2 and the baseline, as ExpAndSum.
+template <typename T>
+inline __attribute__((always_inline)) void RanksByTieRuleBody(const T* scores, int32_t count, int32_t* ranks) {
+  for (int32_t i = 0; i < count; ++i) {
+    const T own = scores[i];
+    int32_t higher = 0;
+    for (int32_t j = 0; j < count; ++j) higher += (scores[j] > own) | ((scores[j] == own) & (j < i));
+    ranks[i] = higher;
+  }
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void RanksByTieRule(const float* scores, int32_t count,
+                                                                                int32_t* ranks) {
+  RanksByTieRuleBody(scores, count, ranks);
+}
+
+void RanksByTieRule(const double* scores, int32_t count, int32_t* ranks) { RanksByTieRuleBody(scores, count, ranks); }
+
 template <typename T>
 struct Candidate {
   T score;
@@ -539,6 +562,18 @@ class TopKSelector {
       for (const Candidate<T>& candidate : candidates_) keys->push_back(candidate.index);
       return;
     }
+    if (count <= kRankSelectionMaxKeys) {
+      // Few keys (N = 50 at the image model): each key's rank by counting, branch-free and vectorised, instead
+      // of a selection whose every comparison is a branch.
+      scores_.resize(count);
+      for (int64_t j = 0; j < count; ++j) scores_[j] = candidates_[j].score;
+      ranks_.resize(count);
+      RanksByTieRule(scores_.data(), static_cast<int32_t>(count), ranks_.data());
+      for (int64_t j = 0; j < count; ++j) {
+        if (ranks_[j] < width_) keys->push_back(candidates_[j].index);
+      }
+      return;
+    }
     scores_.resize(count);
     for (int64_t j = 0; j < count; ++j) scores_[j] = candidates_[j].score;
     std::nth_element(scores_.begin(), scores_.begin() + (width_ - 1), scores_.end(), std::greater<T>());
@@ -576,7 +611,8 @@ class TopKSelector {
   int64_t width_ = 1;
   int64_t compact_above_ = 2;
   std::vector<Candidate<T>> candidates_;
-  std::vector<T> scores_;  // Finish's copy of the candidates' scores
+  std::vector<T> scores_;        // Finish's copy of the candidates' scores
+  std::vector<int32_t> ranks_;  // Finish's ranks of the candidates (few keys)
   bool has_threshold_ = false;
   bool in_index_order_ = true;  // no KeepBest since Reset: candidates_ is in increasing key index
   T threshold_ = 0;
