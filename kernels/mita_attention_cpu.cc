@@ -170,8 +170,7 @@ void MatmulAccumulate(const T* a, int64_t a_stride, const T* b, int64_t b_stride
 }
 
 // The row loops below are kept out of line and free of std::min/std::max (whose branches stop GCC 12 from
-// vectorising them); they vectorise with SSE2 at the default -march, 4 floats a step (ExpAndSum for float also
-// with AVX2 and AVX-512, see there).
+// vectorising them); the float ones are compiled for AVX-512, AVX2 and the baseline (target_clones).
 
 // 16 floats as one GCC vector: one AVX-512 register, two AVX2 or four SSE2 ones in the target_clones below. The
 // float row loops (max, exp and sum) are written on it: GCC 12 keeps an `omp simd` reduction's lanes in a stack
@@ -366,9 +365,8 @@ inline __attribute__((always_inline)) float ExpAndSumBody(float* values, int64_t
   const FloatVector last_exponentials = ExpOfArguments(LoadFloats(values + last), multiplier, shift);
   LaneVector lane;
   for (int32_t l = 0; l < kVectorFloats; ++l) lane[l] = l;
-  FloatVector sums = tail == 0 ? FloatVector{}
-                               : (lane >= LaneVector{} + static_cast<int32_t>(kVectorFloats - tail) ? last_exponentials
-                                                                                     : FloatVector{});
+  const LaneVector first_tail_lane = LaneVector{} + static_cast<int32_t>(kVectorFloats - tail);
+  FloatVector sums = tail == 0 ? FloatVector{} : (lane >= first_tail_lane ? last_exponentials : FloatVector{});
   for (int64_t j = 0; j + kVectorFloats <= count; j += kVectorFloats) {
     const FloatVector exponentials = ExpOfArguments(LoadFloats(values + j), multiplier, shift);
     StoreFloats(values + j, exponentials);
@@ -592,8 +590,7 @@ class TopKSelector {
 
  private:
   // Appends a candidate field by field: a braced {score, index} was built on the stack and copied as one 16-byte
-  // load, which waits for the two narrower stores (store forwarding fails): 16% of MitaHead's own samples at N 16K,
-  // m = k = 64.
+  // load, which waits for the two narrower stores (store forwarding fails; docs/kernels.md, "Third round").
   void Push(T score, int64_t index) {
     Candidate<T>& candidate = candidates_.emplace_back();
     candidate.score = score;
@@ -754,7 +751,6 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work, i
   const int64_t compressed_count = shared ? expert_count : 0;
   const int64_t logit_count = compressed_count + width;
   const int64_t chunk_capacity = work.chunk_capacity;
-  const T* tile_gate = work.gate.data() - tile_start * expert_count;  // row n of the tile's gate: query n
   clock.Charge(kPhaseGrouping);
   for (int64_t i = 0; i < expert_count; ++i) {
     const int64_t first = work.expert_offsets[i], query_count = work.expert_offsets[i + 1] - first;
@@ -774,7 +770,7 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work, i
       }
       // Logits row r: [compressed (M) | routed (k)].
       for (int64_t r = 0; shared && r < count; ++r) {
-        const T* gate = tile_gate + chunk_order[r] * expert_count;
+        const T* gate = work.gate.data() + (chunk_order[r] - tile_start) * expert_count;  // the tile's gate row
         T* target = work.logits.data() + r * logit_count;
         for (int64_t j = 0; j < expert_count; ++j) target[j] = gate[j] * (scale * scale);
       }
