@@ -9,9 +9,10 @@
 //      V_block. One pass over K and V serves both the routed experts and the shared expert.
 //   2. top-k: per landmark, partial selection (std::nth_element, amortised O(N)) with the tie rule "higher
 //      score first, then lower key index"; a key that cannot beat the current k-th best is never stored (blocks of
-//      64 scores are tested against it at once). When all keys fit one block (no compaction), the selection
-//      runs on plain scores and one pass in key order takes the keys above the k-th score and the lowest-index
-//      ties, already sorted.
+//      64 scores are tested against it at once, giving a bit mask of the keys that enter; the k-th best is
+//      refreshed before a key block once over 2k candidates gathered). When all keys fit one block (no
+//      compaction), the selection runs on plain scores and one pass in key order takes the keys above the k-th
+//      score and the lowest-index ties, already sorted.
 //   3-4. by query tiles (a few thousand queries, QueryTileRows: their query, gate and output rows stay in the
 //      cache, so the random gathers and scatters of step 4 cost the same per query at any N):
 //   3. gate: G = Q l^T of the tile (GEMM by query blocks), e(n) = first argmax; queries counted per expert.
@@ -452,22 +453,36 @@ struct HeadProblem {
 // Scores per vectorised threshold test of the running top-k.
 constexpr int64_t kScanGroup = 64;
 
-// Whether any of values[0, kScanGroup) is above threshold (a NaN never is). The float version is compiled for
-// AVX-512, AVX2 and the baseline, as ExpAndSum.
-template <typename T>
-inline __attribute__((always_inline)) bool AnyAboveBody(const T* values, T threshold) {
-  int above = 0;
-#pragma omp simd reduction(| : above)
-  for (int64_t j = 0; j < kScanGroup; ++j) above |= values[j] > threshold ? 1 : 0;
-  return above != 0;
+// Lane 0 of the result is the bitwise or of the 16 lanes: four halving steps, as HorizontalMax.
+inline __attribute__((always_inline)) uint32_t HorizontalOr(WordVector v) {
+  v |= __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v |= __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v |= __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v |= __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default"))) bool AnyAbove(const float* values, float threshold) {
-  return AnyAboveBody(values, threshold);
+// Bit j of the result is set when values[j] > threshold, j in [0, kScanGroup) (a NaN never is): the running
+// top-k visits only the keys that enter. The float version is compiled for AVX-512, AVX2 and the baseline, as
+// ExpAndSum.
+static_assert(kScanGroup == 4 * kVectorFloats, "AboveMask packs four vectors of lanes into 64 bits");
+__attribute__((target_clones("avx512f", "avx2", "default"))) uint64_t AboveMask(const float* values, float threshold) {
+  const FloatVector limit = Broadcast(threshold);
+  const WordVector lane_bit = {1u << 0, 1u << 1, 1u << 2,  1u << 3,  1u << 4,  1u << 5,  1u << 6,  1u << 7,
+                               1u << 8, 1u << 9, 1u << 10, 1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15};
+  // Bits of vector g of the group: lane i -> bit i (shifted by 16 for the second vector of each half).
+  auto bits = [&](int64_t g) {
+    return reinterpret_cast<WordVector>(LoadFloats(values + g * kVectorFloats) > limit) & lane_bit;
+  };
+  const WordVector low = bits(0) | (bits(1) << 16);
+  const WordVector high = bits(2) | (bits(3) << 16);
+  return static_cast<uint64_t>(HorizontalOr(low)) | (static_cast<uint64_t>(HorizontalOr(high)) << 32);
 }
 
-__attribute__((noinline)) bool AnyAbove(const double* values, double threshold) {
-  return AnyAboveBody(values, threshold);
+uint64_t AboveMask(const double* values, double threshold) {
+  uint64_t mask = 0;
+  for (int64_t j = 0; j < kScanGroup; ++j) mask |= static_cast<uint64_t>(values[j] > threshold) << j;
+  return mask;
 }
 
 // Most keys whose top-k is selected by counting ranks (RanksByTieRule: count^2 comparisons).
@@ -511,9 +526,8 @@ bool RanksHigher(const Candidate<T>& a, const Candidate<T>& b) {
 template <typename T>
 class TopKSelector {
  public:
-  void Reset(int64_t width, int64_t key_block) {
+  void Reset(int64_t width) {
     width_ = width;
-    compact_above_ = std::max<int64_t>(2 * width, width + key_block);
     candidates_.clear();
     has_threshold_ = false;
     in_index_order_ = true;
@@ -521,16 +535,25 @@ class TopKSelector {
 
   // scores[j] is the score of key first_index + j; keys arrive in increasing index order.
   void Add(const T* scores, int64_t count, int64_t first_index) {
+    // More keys are coming: once over 2k candidates have gathered, keep the k best, whose k-th score is the new
+    // threshold. Tightened once per block, the threshold lets few keys in and the vectorised test below skips
+    // most groups (compacting only past k + key_block candidates left it stale: at m = k = 64, about one key in
+    // 16 entered and nearly every group was walked; docs/kernels.md, "Fourth round"). A single block is never
+    // compacted, so Finish can select it in key order.
+    if (static_cast<int64_t>(candidates_.size()) > 2 * width_) KeepBest();
     if (has_threshold_) {
       // A later key has a higher index, so it enters only with a score strictly above the current k-th best
       // (a NaN score never does).
-      // Groups of kScanGroup scores are tested at once (vectorised); only groups with a hit are walked.
-      for (int64_t group = 0; group < count; group += kScanGroup) {
-        const int64_t end = std::min(count, group + kScanGroup);
-        if (end - group == kScanGroup && !AnyAbove(scores + group, threshold_)) continue;
-        for (int64_t j = group; j < end; ++j) {
-          if (scores[j] > threshold_) Push(scores[j], first_index + j);
+      // Groups of kScanGroup scores are tested at once (vectorised); only the keys that enter are visited.
+      int64_t group = 0;
+      for (; group + kScanGroup <= count; group += kScanGroup) {
+        for (uint64_t above = AboveMask(scores + group, threshold_); above != 0; above &= above - 1) {
+          const int64_t j = group + __builtin_ctzll(above);
+          Push(scores[j], first_index + j);
         }
+      }
+      for (int64_t j = group; j < count; ++j) {
+        if (scores[j] > threshold_) Push(scores[j], first_index + j);
       }
     } else {
       for (int64_t j = 0; j < count; ++j) {
@@ -538,7 +561,6 @@ class TopKSelector {
         Push(std::isnan(scores[j]) ? -std::numeric_limits<T>::infinity() : scores[j], first_index + j);
       }
     }
-    if (static_cast<int64_t>(candidates_.size()) > compact_above_) KeepBest();
   }
 
   // The selected keys in ascending index order (at most `width`; exactly `width` once all N keys were added).
@@ -606,7 +628,6 @@ class TopKSelector {
   }
 
   int64_t width_ = 1;
-  int64_t compact_above_ = 2;
   std::vector<Candidate<T>> candidates_;
   std::vector<T> scores_;        // Finish's copy of the candidates' scores
   std::vector<int32_t> ranks_;  // Finish's ranks of the candidates (few keys)
@@ -860,7 +881,7 @@ void MitaHead(const HeadProblem<T>& problem, HeadWorkspace<T>& work, HeadCounts*
   const int64_t key_block = BlockRows(expert_count * head_dim);
   if (!all_keys) {
     work.selectors.resize(expert_count);
-    for (TopKSelector<T>& selector : work.selectors) selector.Reset(width, key_block);
+    for (TopKSelector<T>& selector : work.selectors) selector.Reset(width);
   }
   if (shared) {
     work.shared_output.assign(expert_count * head_dim, T(0));
