@@ -466,17 +466,26 @@ inline __attribute__((always_inline)) uint32_t HorizontalOr(WordVector v) {
 // top-k visits only the keys that enter. The float version is compiled for AVX-512, AVX2 and the baseline, as
 // ExpAndSum.
 static_assert(kScanGroup == 4 * kVectorFloats, "AboveMask packs four vectors of lanes into 64 bits");
-__attribute__((target_clones("avx512f", "avx2", "default"))) uint64_t AboveMask(const float* values, float threshold) {
+// Bits of vector `vector` of the group: lane i -> bit i (lane_bit[i] = 1 << i).
+inline __attribute__((always_inline)) WordVector LaneBitsAbove(const float* values, int64_t vector,
+                                                               FloatVector limit, WordVector lane_bit) {
+  return reinterpret_cast<WordVector>(LoadFloats(values + vector * kVectorFloats) > limit) & lane_bit;
+}
+
+// The vectors stay inside this always_inline body (as MaxOfFloats): Clang refuses a 64-byte vector argument or
+// result in a call from the baseline clone of a target_clones function.
+inline __attribute__((always_inline)) uint64_t AboveMaskOfFloats(const float* values, float threshold) {
   const FloatVector limit = Broadcast(threshold);
   const WordVector lane_bit = {1u << 0, 1u << 1, 1u << 2,  1u << 3,  1u << 4,  1u << 5,  1u << 6,  1u << 7,
                                1u << 8, 1u << 9, 1u << 10, 1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15};
-  // Bits of vector g of the group: lane i -> bit i (shifted by 16 for the second vector of each half).
-  auto bits = [&](int64_t g) {
-    return reinterpret_cast<WordVector>(LoadFloats(values + g * kVectorFloats) > limit) & lane_bit;
-  };
-  const WordVector low = bits(0) | (bits(1) << 16);
-  const WordVector high = bits(2) | (bits(3) << 16);
+  // The second vector of each half lands 16 bits up.
+  const WordVector low = LaneBitsAbove(values, 0, limit, lane_bit) | (LaneBitsAbove(values, 1, limit, lane_bit) << 16);
+  const WordVector high = LaneBitsAbove(values, 2, limit, lane_bit) | (LaneBitsAbove(values, 3, limit, lane_bit) << 16);
   return static_cast<uint64_t>(HorizontalOr(low)) | (static_cast<uint64_t>(HorizontalOr(high)) << 32);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) uint64_t AboveMask(const float* values, float threshold) {
+  return AboveMaskOfFloats(values, threshold);
 }
 
 uint64_t AboveMask(const double* values, double threshold) {
