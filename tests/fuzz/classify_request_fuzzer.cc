@@ -4,20 +4,23 @@
 // every package of the repository: the embedded image model fashion-mnist-vit and document model linux-doc-mita,
 // their batchers and models, the answer and its wording), without the gRPC transport. Every request must
 // get OK or a user-error code (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED), never INTERNAL/UNKNOWN, a crash
-// or a sanitizer report; an OK answer must be well-formed (1-10 classes, scores in [0, 1], indices below the
-// answering model's label count).
+// or a sanitizer report; an OK answer must be well-formed: as many classes as the request's top_n asked for
+// (0 means 5, capped at the model's label count, mita.proto), distinct indices below the answering model's label
+// count, scores in [0, 1] and not increasing.
 //
 // The model repository is $MITA_MODEL_REPOSITORY, else the source tree's models/repository. Documents are
 // capped at 2,048 tokens (max_batch_tokens) so that one input runs in well under a second under ASan; longer
 // ones exercise the over-the-limit and truncation paths instead.
 #include <grpcpp/server_context.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/synchronization/notification.h"
 #include "server/grpc_status.h"
@@ -93,14 +96,28 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const grpc::Status status = mita::server::ToGrpcStatus(mita::server::WordForMitaV1(answer));
   switch (status.error_code()) {
     case grpc::StatusCode::OK: {
-      if (response.classes_size() < 1 || response.classes_size() > 10) Die("OK with a wrong number of classes");
       const absl::StatusOr<const mita::models::ModelPackage*> package = fixture->registry->Lookup(response.model());
       if (!package.ok()) Die("OK naming an unknown model '" + response.model() + "'");
       const int64_t label_count = static_cast<int64_t>((*package)->classifier->description().labels.size());
-      for (const mita::v1::ClassScore& score : response.classes()) {
+      // The contract of ClassifyRequest.top_n, written out here rather than taken from the server's code.
+      if (request.top_n() < 0 || request.top_n() > label_count) {
+        Die("OK for top_n " + std::to_string(request.top_n()) + " of a model with " + std::to_string(label_count) +
+            " labels");
+      }
+      const int64_t expected_classes = request.top_n() == 0 ? std::min<int64_t>(5, label_count) : request.top_n();
+      if (response.classes_size() != expected_classes) {
+        Die("OK with " + std::to_string(response.classes_size()) + " classes for top_n " +
+            std::to_string(request.top_n()) + " (expected " + std::to_string(expected_classes) + ")");
+      }
+      std::vector<bool> seen(static_cast<size_t>(label_count), false);
+      for (int i = 0; i < response.classes_size(); ++i) {
+        const mita::v1::ClassScore& score = response.classes(i);
         if (!(score.score() >= 0 && score.score() <= 1) || score.index() < 0 || score.index() >= label_count) {
           Die("OK with a score or index out of range");
         }
+        if (seen[static_cast<size_t>(score.index())]) Die("OK with a class twice");
+        seen[static_cast<size_t>(score.index())] = true;
+        if (i > 0 && score.score() > response.classes(i - 1).score()) Die("OK with classes not in score order");
       }
       break;
     }
