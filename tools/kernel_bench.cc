@@ -11,7 +11,12 @@
 // the clock starts: they are an input of the kernel.
 //
 // Columns:
-//   MiTA ms     median wall time of MitaAttentionForward(kAuto) over --repeats runs after one warm-up run.
+//   MiTA ms     median wall time of MitaAttentionForward(kAuto) over --repeats runs after the warm-up: runs not
+//               timed until 3 in a row make no minor page fault (at most --max_warm_up_runs). A new shape grows the C heap
+//               for its first few runs (memalign'd outputs that do not fit the chunks freed before), and each first
+//               touch of a page costs a fault (about 8 us on the 2-core VM of docs/kernels.md), so one warm-up run
+//               is not enough at 64K tokens.
+//   faults      minor page faults per timed MiTA run (median): 0 when the warm-up reached the steady state.
 //   GFLOP/s     useful MiTA FLOPs / MiTA time, counting a multiply-add as 2 FLOPs, per head:
 //                 2 N d (4 m + 2 k) = S = l K^T (2 m N d) + A = softmax(S s) V (2 m N d) + gate G = Q l^T
 //                 (2 N m d) + routed logits (2 N k d) + output (2 N (m + k) d).
@@ -35,11 +40,12 @@
 //               (every output computed per routed expert, as for larger N), timed in the same loop as MiTA ms,
 //               run for run; "-" elsewhere.
 //   x per-expert   per-expert ms / MiTA ms.
-//   x N/4       MiTA ms / MiTA ms of the row with a quarter of the tokens and the same d, H, m, k (when the grid
-//               has it): 4.0 for a cost linear in N.
+//   x N/4       time(N) / time(N/4) for the same d, H, m, k (when the grid has N/4), measured run for run: each
+//               timed run at N is preceded by two runs of the N/4 row's inputs, the second timed, and the median of
+//               the --repeats ratios is shown (pairs see the same load on a shared machine). 4.0 for a cost linear in N.
 // --phases adds a second table: one more run of each row with the kernel's phase timers on
-// (internal::MitaForwardOptions::phase_seconds), the thread time of each phase summed over the heads, in ms, and
-// the wall time of that run; and, from the same run, the kernel's BLAS calls (gemm_totals): their thread time
+// (internal::MitaForwardOptions::phase_seconds; repeated, as the warm-up, until 3 runs in a row make no fault),
+// the thread time of each phase summed over the heads, in ms, the wall time and minor page faults of that run; and, from the same run, the kernel's BLAS calls (gemm_totals): their thread time
 // (BLAS ms, part of the phases), count, rate (executed FLOPs / BLAS thread time x threads: BLAS GFLOP/s, as a
 // share of the GEMM column: BLAS %GEMM) and "bound %GEMM", the %GEMM the row would reach if all its work outside
 // BLAS took no time (counted FLOPs / (BLAS thread time / threads) / GEMM).
@@ -54,6 +60,7 @@
 #include <ATen/ops/randn.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/Context.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -84,7 +91,9 @@ ABSL_FLAG(std::string, heads, "4,8", "comma-separated head counts H");
 ABSL_FLAG(std::string, budgets, "16x16,64x64,256x256", "comma-separated expert_count x expert_width (m x k)");
 ABSL_FLAG(bool, quick, false, "reduced grid: N {1024, 4096}, d 64, H 4, all budgets (overrides the lists)");
 ABSL_FLAG(int, threads, 0, "LibTorch intra-op threads; 0 = all cores (LibTorch 1.13 would start with half)");
-ABSL_FLAG(int, repeats, 5, "timed MiTA runs per row (median), after one warm-up run");
+ABSL_FLAG(int, repeats, 5, "timed MiTA runs per row (median), after the warm-up");
+ABSL_FLAG(int, max_warm_up_runs, 20,
+          "untimed MiTA runs per row at most: the warm-up stops after 3 runs in a row that make no minor page fault");
 ABSL_FLAG(int64_t, gemm_size, 2048, "side of the square fp32 matrices of the GEMM rate measurement");
 ABSL_FLAG(double, full_max_seconds, 150, "skip (and extrapolate) full attention predicted to take longer");
 ABSL_FLAG(double, reference_max_seconds, 20, "skip (and extrapolate) a reference run predicted to take longer");
@@ -133,6 +142,37 @@ std::vector<std::pair<int64_t, int64_t>> ParseBudgets(const std::string& text) {
     budgets.emplace_back(m, k);
   }
   return budgets;
+}
+
+// Minor page faults of this process so far (getrusage): first touches of pages the C heap has just grown by.
+int64_t MinorPageFaults() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_minflt;
+}
+
+// Runs `run` until kFaultFreeRuns runs in a row make no minor page fault, at most `max_runs` times (at least once).
+// One fault-free run is not enough: the heap's layout can alternate between runs, so that a run after a fault-free
+// one still grows it (N 16K, d 64, H 8, m = k = 64: 0, then 8,192 faults). Returns the faults of the last run: 0
+// when the heap reached its steady state for this shape.
+constexpr int kFaultFreeRuns = 3;
+template <typename Run>
+int64_t WarmUp(const Run& run, int max_runs) {
+  int64_t faults = 0;
+  int fault_free_in_a_row = 0;
+  for (int attempt = 0; attempt < std::max(1, max_runs) && fault_free_in_a_row < kFaultFreeRuns; ++attempt) {
+    const int64_t before = MinorPageFaults();
+    run();
+    faults = MinorPageFaults() - before;
+    fault_free_in_a_row = faults == 0 ? fault_free_in_a_row + 1 : 0;
+  }
+  return faults;
+}
+
+// Median of a non-empty list (the upper one of the two middle values for an even count).
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
 }
 
 // Best fp32 GEMM rate (GFLOP/s, 2 n^3 FLOPs per n x n x n product) of at::mm over `runs` runs after a warm-up.
@@ -213,9 +253,9 @@ int main(int argc, char** argv) {
               keep_freed_memory ? "true" : "false",
               static_cast<long long>(absl::GetFlag(FLAGS_gemm_size)), gemm_rate);
   std::printf(
-      "| N | d | H | m | k | MiTA ms | GFLOP/s | GEMM | %%GEMM | full ms | x full | ref ms | x ref | per-expert ms "
-      "| x per-expert | x N/4 |\n");
-  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+      "| N | d | H | m | k | MiTA ms | faults | GFLOP/s | GEMM | %%GEMM | full ms | x full | ref ms | x ref "
+      "| per-expert ms | x per-expert | x N/4 |\n");
+  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   std::fflush(stdout);
 
   // Largest measured N so far, and its time, per key (for extrapolation).
@@ -226,10 +266,18 @@ int main(int argc, char** argv) {
   const int repeats = std::max(1, absl::GetFlag(FLAGS_repeats));
   const int64_t batch_size = std::max<int64_t>(1, absl::GetFlag(FLAGS_batch_size));
   const Clock::time_point run_start = Clock::now();
-  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>, double> mita_measured;  // (N, d, H, m, k)
+  const int max_warm_up_runs = absl::GetFlag(FLAGS_max_warm_up_runs);
+  // The q, k, v of each (N, d, H) group while a later group at 4 N may still need them (x N/4).
+  struct GroupInputs {
+    at::Tensor q, k, v;
+  };
+  std::map<std::tuple<int64_t, int64_t, int64_t>, GroupInputs> group_inputs;  // (N, d, H)
   std::vector<std::string> phase_rows;
 
   for (int64_t tokens : token_counts) {
+    for (auto group = group_inputs.begin(); group != group_inputs.end();) {
+      group = std::get<0>(group->first) * 4 < tokens ? group_inputs.erase(group) : std::next(group);
+    }
     for (int64_t head_dim : head_dims) {
       for (int64_t heads : head_counts) {
         const double group_gemm_rate = MeasureGemmRate(absl::GetFlag(FLAGS_gemm_size), 3);
@@ -237,6 +285,12 @@ int main(int argc, char** argv) {
         const at::Tensor q = at::randn({batch_size, heads, tokens, head_dim});
         const at::Tensor k = at::randn({batch_size, heads, tokens, head_dim});
         const at::Tensor v = at::randn({batch_size, heads, tokens, head_dim});
+        group_inputs[std::make_tuple(tokens, head_dim, heads)] = {q, k, v};
+        const GroupInputs* quarter = nullptr;
+        if (tokens % 4 == 0) {
+          const auto found = group_inputs.find(std::make_tuple(tokens / 4, head_dim, heads));
+          if (found != group_inputs.end()) quarter = &found->second;
+        }
 
         // Full attention: once per (N, d, H).
         Timing full;
@@ -280,6 +334,18 @@ int main(int argc, char** argv) {
           std::vector<mita::kernels::MitaItem> items;
           for (int64_t b = 0; b < batch_size; ++b) items.push_back({(*landmarks)[b], width});
 
+          // The same budget on the N/4 group's inputs, run before each timed run for the paired x N/4.
+          std::vector<mita::kernels::MitaItem> quarter_items;
+          if (quarter != nullptr && expert_count <= tokens / 4 && width <= tokens / 4) {
+            absl::StatusOr<at::Tensor> quarter_landmarks = mita::kernels::SequenceLandmarks(quarter->q, expert_count);
+            Check(quarter_landmarks.status(), "landmarks of N/4");
+            for (int64_t b = 0; b < batch_size; ++b) quarter_items.push_back({(*quarter_landmarks)[b], width});
+          }
+          auto run_quarter = [&] {
+            Check(mita::kernels::MitaAttentionForward(quarter->q, quarter->k, quarter->v, quarter_items).status(),
+                  "MiTA at N/4");
+          };
+
           // MiTA CPU kernel: warm-up, then the median of `repeats` runs; where the small-input path applies,
           // each run is followed by one with it turned off (the per-expert baseline).
           const bool small_input = mita::kernels::internal::SmallInputPathApplies(tokens, head_dim, expert_count, width,
@@ -292,33 +358,39 @@ int main(int argc, char** argv) {
                       .status(),
                   "MiTA per expert");
           };
-          Check(mita::kernels::MitaAttentionForward(q, k, v, items).status(), "MiTA");
-          if (small_input) run_per_expert();
-          std::vector<double> times, per_expert_times;
+          auto run_mita = [&] { Check(mita::kernels::MitaAttentionForward(q, k, v, items).status(), "MiTA"); };
+          WarmUp(run_mita, max_warm_up_runs);
+          if (small_input) WarmUp(run_per_expert, max_warm_up_runs);
+          if (!quarter_items.empty()) WarmUp(run_quarter, max_warm_up_runs);
+          std::vector<double> times, per_expert_times, quarter_ratios, run_faults;
           for (int run = 0; run < repeats; ++run) {
+            double quarter_seconds = 0;
+            if (!quarter_items.empty()) {
+              run_quarter();  // the first run after the N run refills the caches with the N/4 inputs
+              const Clock::time_point quarter_start = Clock::now();
+              run_quarter();
+              quarter_seconds = SecondsSince(quarter_start);
+            }
+            const int64_t faults_before = MinorPageFaults();
             Clock::time_point start = Clock::now();
-            Check(mita::kernels::MitaAttentionForward(q, k, v, items).status(), "MiTA");
+            run_mita();
             times.push_back(SecondsSince(start));
+            run_faults.push_back(static_cast<double>(MinorPageFaults() - faults_before));
+            if (!quarter_items.empty()) quarter_ratios.push_back(times.back() / quarter_seconds);
             if (!small_input) continue;
             start = Clock::now();
             run_per_expert();
             per_expert_times.push_back(SecondsSince(start));
           }
-          std::sort(times.begin(), times.end());
-          std::sort(per_expert_times.begin(), per_expert_times.end());
-          const double mita_seconds = times[times.size() / 2];
+          const double mita_seconds = Median(times);
           Timing per_expert;
           if (small_input) {
-            per_expert.seconds = per_expert_times[per_expert_times.size() / 2];
+            per_expert.seconds = Median(per_expert_times);
           } else {
             per_expert.missing = true;
           }
-          mita_measured[std::make_tuple(tokens, head_dim, heads, expert_count, width)] = mita_seconds;
-          std::string linearity = "-";
-          if (tokens % 4 == 0) {
-            const auto quarter = mita_measured.find(std::make_tuple(tokens / 4, head_dim, heads, expert_count, width));
-            if (quarter != mita_measured.end()) linearity = absl::StrFormat("%.2fx", mita_seconds / quarter->second);
-          }
+          const std::string linearity =
+              quarter_ratios.empty() ? "-" : absl::StrFormat("%.2fx", Median(quarter_ratios));
           const double flops = 2.0 * tokens * head_dim * (4.0 * expert_count + 2.0 * width) * heads * batch_size;
           const double gflops = flops / mita_seconds / 1e9;
           if (absl::GetFlag(FLAGS_phases)) {
@@ -327,14 +399,20 @@ int main(int argc, char** argv) {
             mita::kernels::internal::MitaForwardOptions phase_options;
             phase_options.phase_seconds = &phase_seconds;
             phase_options.gemm_totals = &gemm_totals;
-            const Clock::time_point start = Clock::now();
-            Check(mita::kernels::internal::MitaAttentionForwardWithOptions(
-                      q, k, v, items, nullptr, mita::kernels::MitaBackend::kAuto, phase_options)
-                      .status(),
-                  "MiTA with phase timers");
-            const double wall = SecondsSince(start);
-            std::string row = absl::StrFormat("| %d | %d | %d | %d | %d | %s |", tokens, head_dim, heads,
-                                              expert_count, width, FormatMilliseconds({wall, false, false}));
+            double wall = 0;
+            const int64_t phase_faults = WarmUp(
+                [&] {
+                  const Clock::time_point start = Clock::now();
+                  Check(mita::kernels::internal::MitaAttentionForwardWithOptions(
+                            q, k, v, items, nullptr, mita::kernels::MitaBackend::kAuto, phase_options)
+                            .status(),
+                        "MiTA with phase timers");
+                  wall = SecondsSince(start);
+                },
+                max_warm_up_runs);
+            std::string row = absl::StrFormat("| %d | %d | %d | %d | %d | %s | %d |", tokens, head_dim, heads,
+                                              expert_count, width, FormatMilliseconds({wall, false, false}),
+                                              phase_faults);
             double total = 0;
             for (int phase = 0; phase < mita::kernels::internal::kPhaseCount; ++phase) {
               double seconds = 0;
@@ -395,11 +473,12 @@ int main(int argc, char** argv) {
             ref_measured[ref_key] = {tokens, total};
           }
 
-          std::printf("| %lld | %lld | %lld | %lld | %lld | %.3f | %.1f | %.1f | %.0f%% | %s | %s | %s | %s | %s | %s "
-                      "| %s |\n",
+          std::printf("| %lld | %lld | %lld | %lld | %lld | %.3f | %.0f | %.1f | %.1f | %.0f%% | %s | %s | %s | %s | %s "
+                      "| %s | %s |\n",
                       static_cast<long long>(tokens), static_cast<long long>(head_dim),
                       static_cast<long long>(heads), static_cast<long long>(expert_count),
-                      static_cast<long long>(width), mita_seconds * 1e3, gflops, group_gemm_rate,
+                      static_cast<long long>(width), mita_seconds * 1e3, Median(run_faults), gflops,
+                      group_gemm_rate,
                       100.0 * gflops / group_gemm_rate,
                       FormatMilliseconds(full).c_str(), FormatRatio(full, mita_seconds).c_str(),
                       FormatMilliseconds(reference).c_str(), FormatRatio(reference, mita_seconds).c_str(),
@@ -412,10 +491,10 @@ int main(int argc, char** argv) {
   }
   if (!phase_rows.empty()) {
     std::printf("\nThread time per phase (ms, summed over heads), one run with the phase timers on:\n\n");
-    std::printf("| N | d | H | m | k | wall ms |");
+    std::printf("| N | d | H | m | k | wall ms | faults |");
     for (const char* name : mita::kernels::internal::kMitaPhaseNames) std::printf(" %s |", name);
     std::printf(" sum | BLAS ms | BLAS calls | BLAS GFLOP/s | BLAS %%GEMM | bound %%GEMM |\n|");
-    for (int column = 0; column < 12 + mita::kernels::internal::kPhaseCount; ++column) std::printf("---:|");
+    for (int column = 0; column < 13 + mita::kernels::internal::kPhaseCount; ++column) std::printf("---:|");
     std::printf("\n");
     for (const std::string& row : phase_rows) std::printf("%s\n", row.c_str());
   }
