@@ -12,10 +12,10 @@
 //
 // Columns:
 //   MiTA ms     median wall time of MitaAttentionForward(kAuto) over --repeats runs after the warm-up: runs not
-//               timed until 3 in a row make no minor page fault (at most --max_warm_up_runs). A new shape grows the C heap
-//               for its first few runs (memalign'd outputs that do not fit the chunks freed before), and each first
-//               touch of a page costs a fault (about 8 us on the 2-core VM of docs/kernels.md), so one warm-up run
-//               is not enough at 64K tokens.
+//               timed until 3 in a row make no minor page fault (at most --max_warm_up_runs). A new shape grows the
+//               C heap for its first few runs (memalign'd outputs that do not fit the chunks freed before), and each
+//               first touch of a page costs a fault (about 8 us on the 2-core VM of docs/kernels.md), so one
+//               warm-up run is not enough at 64K tokens.
 //   faults      minor page faults per timed MiTA run (median): 0 when the warm-up reached the steady state.
 //   GFLOP/s     useful MiTA FLOPs / MiTA time, counting a multiply-add as 2 FLOPs, per head:
 //                 2 N d (4 m + 2 k) = S = l K^T (2 m N d) + A = softmax(S s) V (2 m N d) + gate G = Q l^T
@@ -42,13 +42,15 @@
 //   x per-expert   per-expert ms / MiTA ms.
 //   x N/4       time(N) / time(N/4) for the same d, H, m, k (when the grid has N/4), measured run for run: each
 //               timed run at N is preceded by two runs of the N/4 row's inputs, the second timed, and the median of
-//               the --repeats ratios is shown (pairs see the same load on a shared machine). 4.0 for a cost linear in N.
+//               the --repeats ratios is shown (pairs see the same load on a shared machine). 4.0 for a cost linear
+//               in N.
 // --phases adds a second table: one more run of each row with the kernel's phase timers on
 // (internal::MitaForwardOptions::phase_seconds; repeated, as the warm-up, until 3 runs in a row make no fault),
-// the thread time of each phase summed over the heads, in ms, the wall time and minor page faults of that run; and, from the same run, the kernel's BLAS calls (gemm_totals): their thread time
-// (BLAS ms, part of the phases), count, rate (executed FLOPs / BLAS thread time x threads: BLAS GFLOP/s, as a
-// share of the GEMM column: BLAS %GEMM) and "bound %GEMM", the %GEMM the row would reach if all its work outside
-// BLAS took no time (counted FLOPs / (BLAS thread time / threads) / GEMM).
+// the thread time of each phase summed over the heads, in ms, the wall time and minor page faults of that run;
+// and, from the same run, the kernel's BLAS calls (gemm_totals): their thread time (BLAS ms, part of the phases),
+// count, rate (executed FLOPs / BLAS thread time x threads: BLAS GFLOP/s, as a share of the GEMM column: BLAS
+// %GEMM) and "bound %GEMM", the %GEMM the row would reach if all its work outside BLAS took no time (counted FLOPs /
+// (BLAS thread time / threads) / GEMM).
 // Full attention and the reference are skipped where a prediction from a smaller N with the same other
 // parameters (N^2 for full attention, N for the reference) exceeds --full_max_seconds / --reference_max_seconds,
 // or where the reference's gathered keys and values (2 N k d floats per head) exceed --reference_max_bytes;
@@ -322,8 +324,7 @@ int main(int argc, char** argv) {
             if (run > 0) full_times.push_back(seconds);
             if (SecondsSince(full_start) > 2.0 && !full_times.empty()) break;
           }
-          std::sort(full_times.begin(), full_times.end());
-          full.seconds = full_times[full_times.size() / 2];
+          full.seconds = Median(full_times);
           full_measured[full_key] = {tokens, full.seconds};
         }
 
@@ -473,8 +474,8 @@ int main(int argc, char** argv) {
             ref_measured[ref_key] = {tokens, total};
           }
 
-          std::printf("| %lld | %lld | %lld | %lld | %lld | %.3f | %.0f | %.1f | %.1f | %.0f%% | %s | %s | %s | %s | %s "
-                      "| %s | %s |\n",
+          std::printf("| %lld | %lld | %lld | %lld | %lld | %.3f | %.0f | %.1f | %.1f | %.0f%% | %s | %s | %s | %s "
+                      "| %s | %s | %s |\n",
                       static_cast<long long>(tokens), static_cast<long long>(head_dim),
                       static_cast<long long>(heads), static_cast<long long>(expert_count),
                       static_cast<long long>(width), mita_seconds * 1e3, Median(run_faults), gflops,
