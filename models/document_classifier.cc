@@ -13,6 +13,7 @@
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/nonzero.h>
+#include <ATen/ops/softmax.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
@@ -81,6 +82,14 @@ absl::StatusOr<std::unique_ptr<DocumentClassifier>> DocumentClassifier::Create(
   }
   taker.Take("norm.weight", {channels}, model->norm_weight_);
   taker.Take("norm.bias", {channels}, model->norm_bias_);
+  if (config.pooling == DocumentConfig::Pooling::kAttention) {
+    taker.Take("pool.score.weight", {config.pooling_heads, channels}, model->pool_score_weight_);
+    taker.Take("pool.score.bias", {config.pooling_heads}, model->pool_score_bias_);
+    if (config.pooling_position_buckets > 0) {
+      taker.Take("pool.position_bias", {config.pooling_heads, config.pooling_position_buckets},
+                 model->pool_position_bias_);
+    }
+  }
   taker.Take("head.weight", {config.num_classes, channels}, model->head_weight_);
   taker.Take("head.bias", {config.num_classes}, model->head_bias_);
   if (absl::Status status = taker.Finish(); !status.ok()) return status;
@@ -89,6 +98,9 @@ absl::StatusOr<std::unique_ptr<DocumentClassifier>> DocumentClassifier::Create(
                                       &model->head_bias_};
   for (Block& block : model->blocks_) {
     for (at::Tensor* tensor : block.All()) tensors.push_back(tensor);
+  }
+  for (at::Tensor* tensor : {&model->pool_score_weight_, &model->pool_score_bias_, &model->pool_position_bias_}) {
+    if (tensor->defined()) tensors.push_back(tensor);
   }
   RETURN_IF_ERROR(internal::PlaceWeights(tensors, placement));
   model->placement_ = placement;
@@ -254,7 +266,7 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
     if (!active.empty()) {
       const at::Tensor normed = at::layer_norm(x, {channels}, norm_weight_, norm_bias_, config_.layer_norm_eps);
       std::vector<at::Tensor> pooled;
-      for (int64_t b : active) pooled.push_back(normed.narrow(0, offsets[b], lengths[b]).mean(0));
+      for (int64_t b : active) pooled.push_back(Pool(normed.narrow(0, offsets[b], lengths[b])));
       logits.index_copy_(0, index_tensor(active), at::linear(at::stack(pooled), head_weight_, head_bias_));
     }
     // A stopped document's statistics cover only the layers it ran: drop them with its answer.
@@ -271,6 +283,26 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
     return kernels::CurrentExceptionStatus(absl::StrCat("document forward (", total, " tokens)"));
   }
   return output;
+}
+
+at::Tensor DocumentClassifier::Pool(const at::Tensor& normed) const {
+  if (config_.pooling == DocumentConfig::Pooling::kMean) return normed.mean(0);
+  const int64_t tokens = normed.size(0);
+  const int64_t heads = config_.pooling_heads;
+  at::Tensor scores = at::linear(normed, pool_score_weight_, pool_score_bias_);  // [N, P]
+  if (pool_position_bias_.defined()) {
+    // Tokens share a bucket in runs ([2^b - 1, 2^(b+1) - 1)), so the bias is added run by run.
+    const int64_t buckets = config_.pooling_position_buckets;
+    for (int64_t bucket = 0, start = 0; start < tokens; ++bucket) {
+      const int64_t end = bucket == buckets - 1 ? tokens : std::min(tokens, (int64_t{2} << bucket) - 1);
+      scores.narrow(0, start, end - start).add_(pool_position_bias_.select(1, bucket));
+      start = end;
+    }
+  }
+  const at::Tensor weights = at::softmax(scores, 0);  // [N, P], over the tokens
+  // [N, P, C/P] weighted by [N, P, 1], summed over the tokens -> [C].
+  return normed.view({tokens, heads, config_.embed_dim / heads}).mul(weights.unsqueeze(2)).sum(0).view(
+      {config_.embed_dim});
 }
 
 absl::StatusOr<int64_t> DocumentClassifier::InputPreparationBytes(const ClassifierInput& input,

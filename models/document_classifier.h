@@ -18,7 +18,7 @@
 
 namespace mita::models {
 
-// A pre-norm Transformer encoder over token ids with a convolutional position encoding and a mean-pooled
+// A pre-norm Transformer encoder over token ids with a convolutional position encoding and a pooled
 // classification head. Forward for one document of N tokens (C = embed_dim, K = position kernel size):
 //   x = token_embedding.weight[ids]                                    [N, C]
 //   x = x + position_conv(x)     depthwise 1-D convolution over the N tokens of this document only (kernel K,
@@ -29,11 +29,13 @@ namespace mita::models {
 //       attn: qkv = Linear(C, 3C) ([q|k|v], head h owns channels h*d .. h*d+d-1), per head MiTA with sequence
 //             landmarks (kernels::SequenceLandmarks: adaptive 1-D average pooling of q into m windows) and expert
 //             width k, or full softmax attention; merge heads; proj = Linear(C, C). mlp: fc1, GELU (erf), fc2.
-//   logits = head(mean over the N tokens of norm(x))                   [num_classes]
+//   logits = head(pool(norm(x)))                                         [num_classes]
+//       pool: the mean over the N tokens, or attention pooling (DocumentConfig::pooling)
 // Weight names (float32): token_embedding.weight [V, C], position_conv.weight [C, 1, K], position_conv.bias [C],
 // blocks.{i}.norm1.{weight,bias}, blocks.{i}.attn.qkv.{weight,bias}, blocks.{i}.attn.proj.{weight,bias},
 // blocks.{i}.norm2.{weight,bias}, blocks.{i}.mlp.fc1.{weight,bias}, blocks.{i}.mlp.fc2.{weight,bias},
-// norm.{weight,bias}, head.{weight,bias}. The PyTorch twin is MitaDocument in tools/mita_reference.py.
+// norm.{weight,bias}, head.{weight,bias}; with attention pooling also pool.score.{weight [P, C], bias [P]} and
+// pool.position_bias [P, B] (when B > 0). The PyTorch twin is MitaDocument in tools/mita_reference.py.
 // As a Classifier it takes UTF-8 text (tokenized by its tokenizer) or token ids (Prepare).
 class DocumentClassifier final : public Classifier {
  public:
@@ -103,8 +105,13 @@ class DocumentClassifier final : public Classifier {
   Placement placement_;
   ClassifierDescription description_;
   std::unique_ptr<Tokenizer> tokenizer_;
+  // The head's view of one document's normed tokens [N, C] -> [C] (DocumentConfig::pooling).
+  at::Tensor Pool(const at::Tensor& normed) const;
+
   std::vector<Block> blocks_;  // defined in the .cc
   at::Tensor token_embedding_, position_weight_, position_bias_, norm_weight_, norm_bias_, head_weight_, head_bias_;
+  // Attention pooling only (undefined for the mean; the position bias also when it has no buckets).
+  at::Tensor pool_score_weight_, pool_score_bias_, pool_position_bias_;
 };
 
 }  // namespace mita::models

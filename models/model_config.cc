@@ -307,6 +307,25 @@ absl::StatusOr<DocumentConfig> ParseValidatedDocument(const Json& root) {
     return Invalid(absl::StrCat("position_encoding.kernel_size ", config.position_kernel_size, " must be odd"));
   }
 
+  if (Find(root, "pooling") != nullptr) {
+    ASSIGN_OR_RETURN(const Json* pooling, ReadObject(root, "", "pooling"));
+    ASSIGN_OR_RETURN(const std::string pooling_type, ReadString(*pooling, "pooling", "type"));
+    if (pooling_type == "attention") {
+      config.pooling = DocumentConfig::Pooling::kAttention;
+      ASSIGN_OR_RETURN(config.pooling_heads, ReadInteger(*pooling, "pooling", "heads", 1, config.embed_dim));
+      if (config.embed_dim % config.pooling_heads != 0) {
+        return Invalid(absl::StrCat("pooling.heads ", config.pooling_heads, " does not divide embed_dim ",
+                                    config.embed_dim));
+      }
+      if (Find(*pooling, "position_buckets") != nullptr) {
+        ASSIGN_OR_RETURN(config.pooling_position_buckets,
+                         ReadInteger(*pooling, "pooling", "position_buckets", 0, 64));
+      }
+    } else if (pooling_type != "mean") {
+      return Invalid(absl::StrCat("pooling.type \"", pooling_type, "\" is not supported: use \"mean\" or \"attention\""));
+    }
+  }
+
   ASSIGN_OR_RETURN(config.max_expert_count,
                    ReadInteger(*attention, "attention", "max_expert_count", 1, config.max_tokens));
   ASSIGN_OR_RETURN(config.max_expert_width,

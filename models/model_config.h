@@ -88,6 +88,17 @@ BudgetKnobs ImageKnobs(const VitConfig& config);
 //                  "presets": {"fast": {"expert_count": 8, "expert_width": 32}, "exact": {"full_attention": true}},
 //                  "max_expert_count": 256, "max_expert_width": 1024}}
 struct DocumentConfig : EncoderConfig {
+  // How the classification head sees a document's tokens (config.json "pooling", optional):
+  //   {"type": "mean"} (the default when absent): the mean of norm(x) over the N tokens;
+  //   {"type": "attention", "heads": P, "position_buckets": B}: P pooling heads (P divides embed_dim), head p
+  //   scores token n as norm(x)_n . pool.score.weight[p] + pool.score.bias[p] + pool.position_bias[p, bucket(n)]
+  //   (bucket(n) = min(floor(log2(n + 1)), B - 1), n counted from the document's first token; no position term
+  //   when B is 0, the default), takes a softmax over the tokens and averages its channel group (channels
+  //   p C/P .. (p + 1) C/P - 1) with those weights (AttentionPooling in tools/mita_reference.py).
+  enum class Pooling { kMean, kAttention };
+  Pooling pooling = Pooling::kMean;
+  int64_t pooling_heads = 0;             // P, attention pooling only
+  int64_t pooling_position_buckets = 0;  // B, attention pooling only
   int64_t vocab_size = 0;    // token ids are in [0, vocab_size)
   int64_t max_tokens = 0;     // longest accepted document, tokens
   std::string tokenizer;      // "bytes" (UTF-8 bytes, vocab_size >= 256) or "sentencepiece" (tokenizer.model)
@@ -101,7 +112,8 @@ struct DocumentConfig : EncoderConfig {
 // [1, 2^24]), tokenizer ("bytes", which needs vocab_size >= 256, or "sentencepiece"),
 // position_encoding.type ("convolution") and .kernel_size (odd, in [1, 255]), attention.type ("mita"),
 // attention.default_budget, attention.max_expert_count and attention.max_expert_width (each in [1, max_tokens]).
-// Optional: task ("document_classification"), layer_norm_eps (> 0, default 1e-6), attention.presets,
+// Optional: task ("document_classification"), layer_norm_eps (> 0, default 1e-6), pooling (type "mean" or
+// "attention"; for "attention" heads dividing embed_dim, position_buckets in [0, 64]), attention.presets,
 // attention.accuracy_order (as for ParseVitConfig). The default budget, presets and accuracy order must lie within
 // the max_expert_* ranges. Integers must be JSON integers; unknown fields are ignored. Errors: INVALID_ARGUMENT
 // prefixed "config.json: " naming the field, e.g.

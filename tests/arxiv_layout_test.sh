@@ -2,16 +2,17 @@
 # ctest arxiv_layout_test: the arXiv dataset path end to end on a small file made here in the public arXiv
 # long-document classification dataset's layout (JSON lines {"text", "label"}, integer labels 0-10 naming the
 # 11 subject classes). tools/build_document_corpus.py --source jsonl builds the corpus (checked against the
-# test's own label mapping, texts and SHA-256 split), tools/train_document.py trains a small package on it, and
+# test's own label mapping, texts and SHA-256 split), tools/train_document.py trains a small package on it (a few steps, the way the embedded model is trained), and
 # mita-eval-documents loads that package with the server's loader, tokenizes with the C++ tokenizer and
 # classifies the held-out documents: every class has words of its own, so the trained model must reach at
 # least 0.9 at a MiTA budget and with full attention (the majority class scores 1/11). Also the round trip of
 # --heldout-jsonl: the written .jsonl.xz read back gives the same held-out split.
-# Usage: arxiv_layout_test.sh SOURCE_DIR BUILD_DIR
+# Usage: arxiv_layout_test.sh SOURCE_DIR BUILD_DIR [TRAINING_PYTHON (default: the peers' venv, torch 2.11)]
 set -euo pipefail
 source_dir=$1
 build_dir=$2
 python=/usr/bin/python3
+training_python=${3:-/opt/mita/peers/bin/python}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -53,10 +54,13 @@ for split, source in (("train", "train.jsonl"), ("heldout", "test.jsonl")):
 print("corpus: labels, texts and ids match the dataset file")
 PYTHON
 
-OMP_WAIT_POLICY=passive "$python" "$source_dir/tools/train_document.py" --corpus "$work/corpus" \
-  --out "$work/arxiv-mita" --steps 80 --batch 16 --crop 128 --lr 5e-3 --embed-dim 32 --heads 2 \
-  --mlp-hidden-dim 64 --threads 2 --checkpoint-every 80 > "$work/train.log"
+# Training as the embedded model is trained (windows through the sparse training attention, full attention every
+# 4th step, attention pooling), at a small size.
+OMP_WAIT_POLICY=passive "$training_python" "$source_dir/tools/train_document.py" --corpus "$work/corpus" \
+  --out "$work/arxiv-mita" --steps 80 --batch 16 --window 512 --full-every 4 --full-window 256 --lr 5e-3 \
+  --embed-dim 32 --heads 2 --mlp-hidden-dim 64 --pool-heads 2 --threads 2 --checkpoint-every 80 > "$work/train.log"
 tail -1 "$work/train.log"
+grep -q '"type": "attention"' "$work/arxiv-mita/config.json"
 grep -qx "cs.AI" "$work/arxiv-mita/labels.txt"
 
 "$build_dir/tools/mita-eval-documents" --model="$work/arxiv-mita" --corpus="$work/corpus" --budgets=4x16 \

@@ -44,7 +44,6 @@ using Json = nlohmann::json;
 using test_util::ExpectStatus;
 using test_util::kPython;
 using test_util::MakeTempDirectory;
-using test_util::PythonHasTorch;
 using test_util::ReadFile;
 using test_util::SourceDirectory;
 using test_util::WriteFile;
@@ -134,6 +133,36 @@ TEST(DocumentConfigTest, BadValuesAreNamedWithTheirRange) {
     ExpectStatus(ParseDocumentConfig(config.dump()).status(), absl::StatusCode::kInvalidArgument, messages[i]);
   }
   ExpectStatus(ParseDocumentConfig("{").status(), absl::StatusCode::kInvalidArgument, "config.json: invalid JSON");
+}
+
+// "pooling": absent means the mean (packages from before attention pooling keep loading); attention pooling's
+// heads and position buckets are read and checked.
+TEST(DocumentConfigTest, PoolingIsTheMeanByDefaultOrAttentionWithItsChecks) {
+  EXPECT_EQ(ParseDocumentConfig(ValidDocumentConfigJson().dump())->pooling, DocumentConfig::Pooling::kMean);
+  Json json = ValidDocumentConfigJson();
+  json["pooling"] = Json::parse(R"({"type": "mean"})");
+  EXPECT_EQ(ParseDocumentConfig(json.dump())->pooling, DocumentConfig::Pooling::kMean);
+  json["pooling"] = Json::parse(R"({"type": "attention", "heads": 4, "position_buckets": 17})");
+  absl::StatusOr<DocumentConfig> config = ParseDocumentConfig(json.dump());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->pooling, DocumentConfig::Pooling::kAttention);
+  EXPECT_EQ(config->pooling_heads, 4);
+  EXPECT_EQ(config->pooling_position_buckets, 17);
+  json["pooling"] = Json::parse(R"({"type": "attention", "heads": 2})");
+  EXPECT_EQ(ParseDocumentConfig(json.dump())->pooling_position_buckets, 0);
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"type": "max"})", "pooling.type \"max\" is not supported: use \"mean\" or \"attention\""},
+      {R"({"type": "attention"})", "missing required field pooling.heads"},
+      {R"({"type": "attention", "heads": 3})", "pooling.heads 3 does not divide embed_dim 32"},
+      {R"({"type": "attention", "heads": 64})", "pooling.heads 64 is out of range [1, 32]"},
+      {R"({"type": "attention", "heads": 2, "position_buckets": 65})",
+       "pooling.position_buckets 65 is out of range [0, 64]"},
+      {R"("attention")", "pooling must be an object"}};
+  for (const auto& [pooling, message] : cases) {
+    json["pooling"] = Json::parse(pooling);
+    ExpectStatus(ParseDocumentConfig(json.dump()).status(), absl::StatusCode::kInvalidArgument,
+                 "config.json: " + message);
+  }
 }
 
 // A document package's accuracy order: named as for images, checked against the max_expert_* ranges.
@@ -435,9 +464,7 @@ int64_t Sum(const std::vector<int64_t>& values) {
 class DocumentTwinTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!PythonHasTorch()) {
-      GTEST_SKIP() << kPython << " cannot import torch: the comparison with the PyTorch twin needs python3-torch";
-    }
+    MITA_REQUIRE_PYTHON_TORCH();
     at::manual_seed(20261129);
     work_ = MakeTempDirectory("document_twin");
     package_directory_ = work_ + "/package";
@@ -656,6 +683,28 @@ TEST_F(DocumentTwinTest, DocumentsWhoseCallerLeftAreDroppedAndTheOthersGoOn) {
   for (const absl::Status& stopped : none->stopped) EXPECT_EQ(stopped.code(), absl::StatusCode::kCancelled);
 }
 
+// Attention pooling (config.json "pooling": {"type": "attention", "heads": 4, "position_buckets": 17}): the C++
+// forward against the twin on lengths that end in different position buckets (1 token: bucket 0 only; 5,000
+// tokens: buckets 0-12), in a packed batch with mixed budgets.
+TEST_F(DocumentTwinTest, AttentionPoolingMatchesPython) {
+  const std::string directory = work_ + "/attention_pooling";
+  const std::string command = std::string(kPython) + " " + SourceDirectory() +
+                              "/tools/reference_logits.py make-document-package --seed 5 --pooling attention --out " +
+                              directory + " 2> " + work_ + "/make_stderr.txt";
+  ASSERT_EQ(std::system(command.c_str()), 0) << ReadFile(work_ + "/make_stderr.txt");
+  absl::StatusOr<std::unique_ptr<DocumentClassifier>> pooled = LoadDocumentClassifier(directory);
+  ASSERT_TRUE(pooled.ok()) << pooled.status();
+  EXPECT_EQ((*pooled)->config().pooling, DocumentConfig::Pooling::kAttention);
+  EXPECT_EQ((*pooled)->config().pooling_heads, 4);
+  EXPECT_EQ((*pooled)->config().pooling_position_buckets, 17);
+  model_ = *std::move(pooled);
+  package_directory_ = directory;
+  const std::vector<int64_t> lengths = {1, 2, 7, 300, 5000};
+  const std::vector<AttentionBudget> budgets =
+      Applied({{false, 16, 64}, {true, 0, 0}, {false, 4, 16}, {false, 32, 128}, {false, 16, 64}}, lengths);
+  EXPECT_LE(CompareWithPython(lengths, budgets, 1e-4), 1e-4);
+}
+
 TEST_F(DocumentTwinTest, ForwardRejectsBadInputsNamingTheRange) {
   const DocumentClassifier& model = *model_;
   const auto ids = [](std::vector<int64_t> values) { return at::tensor(values, at::TensorOptions().dtype(at::kLong)); };
@@ -742,7 +791,7 @@ TEST_P(TrainedDocumentPackageTest, LoadsAndMatchesPython) {
   absl::StatusOr<std::vector<int64_t>> ids = package.tokenizer()->Encode(text);
   ASSERT_TRUE(ids.ok()) << ids.status();
   ASSERT_GT(ids->size(), 20u);
-  if (!PythonHasTorch()) GTEST_SKIP() << "python3-torch missing: the comparison with the twin is skipped";
+  MITA_REQUIRE_PYTHON_TORCH();
   const auto n = static_cast<int64_t>(ids->size());
   std::vector<int64_t> all_ids, lengths;
   std::vector<AttentionBudget> budgets;

@@ -44,7 +44,6 @@ using Json = nlohmann::json;
 using test_util::ExpectStatus;
 using test_util::kPython;
 using test_util::MakeTempDirectory;
-using test_util::PythonHasTorch;
 using test_util::ReadFile;
 using test_util::RepositoryPath;
 using test_util::SourceDirectory;
@@ -979,10 +978,7 @@ absl::StatusOr<at::Tensor> PythonLogits(const std::string& package, const at::Te
 class PythonTwinTest : public ::testing::TestWithParam<bool> {
  protected:
   void SetUp() override {
-    if (!PythonHasTorch()) {
-      GTEST_SKIP() << kPython << " cannot import torch: the comparison with the PyTorch twin "
-                   << "(tools/reference_logits.py) needs Debian's python3-torch";
-    }
+    MITA_REQUIRE_PYTHON_TORCH();
     // Random inputs below are seeded: near-ties in the top-k key selection can resolve differently under
     // different summation orders (C++ vs PyTorch, batched vs alone), and an unseeded input makes that a
     // coin toss per run instead of a reproducible result.
@@ -1132,12 +1128,11 @@ TEST(TrainedPackageTest, MatchesPythonAndClassifiesFashionMnist) {
   int64_t correct = 0;
   for (int64_t i = 0; i < kCount; ++i) correct += predicted[i].item<int64_t>() == data->labels[i];
   EXPECT_GE(correct, kCount * 8 / 10) << "accuracy on the first " << kCount << " test images";
-  if (PythonHasTorch()) {
-    const std::string work = MakeTempDirectory("trained");
-    const std::vector<AttentionBudget> budgets = {{false, 9, 16}, {false, 4, 8}, {true, 0, 0}, {false, 16, 32},
-                                                  {false, 49, 50}, {false, 1, 4}};
-    CompareWithPython(**package, directory, images->narrow(0, 0, 6), budgets, work, 1e-4);
-  }
+  MITA_REQUIRE_PYTHON_TORCH();
+  const std::string work = MakeTempDirectory("trained");
+  const std::vector<AttentionBudget> budgets = {{false, 9, 16}, {false, 4, 8}, {true, 0, 0}, {false, 16, 32},
+                                                {false, 49, 50}, {false, 1, 4}};
+  CompareWithPython(**package, directory, images->narrow(0, 0, 6), budgets, work, 1e-4);
 }
 
 // ----- forward errors -----

@@ -4,6 +4,8 @@
 // child process with its log. The helpers for in-process servers are in server_test_util.h.
 #pragma once
 
+#include <cstdlib>
+
 #include <sys/types.h>
 
 #include <cstdint>
@@ -36,6 +38,16 @@ std::string MakeTempDirectory(const std::string& name);
 inline constexpr char kPython[] = "/usr/bin/python3";
 // Whether kPython can import torch (checked once).
 bool PythonHasTorch();
+// In a test (or SetUp) that compares with a PyTorch twin run by kPython: when that Python has no torch, the test
+// fails if the environment sets CI (a comparison must not pass unchecked there) and is skipped elsewhere.
+#define MITA_REQUIRE_PYTHON_TORCH()                                                                           \
+  do {                                                                                                         \
+    if (!::mita::test_util::PythonHasTorch()) {                                                                \
+      if (std::getenv("CI") != nullptr) FAIL() << ::mita::test_util::kPython << " cannot import torch (CI set)"; \
+      GTEST_SKIP() << ::mita::test_util::kPython << " cannot import torch: the comparison with the PyTorch twin " \
+                      "needs python3-torch";                                                                   \
+    }                                                                                                          \
+  } while (0)
 
 // Expects `status` to have `code` and a message containing `message_part`.
 void ExpectStatus(const absl::Status& status, absl::StatusCode code, const std::string& message_part);

@@ -2,15 +2,15 @@
 // per length bucket, with the forward time per document.
 //
 //   mita-eval-documents --model=models/repository/texlive-doc-mita --corpus=build/texlive-doc-corpus \
-//       --budgets=4x16,8x32,16x64,32x128 --first_tokens=512 --threads=2
+//       --budgets=4x16,8x32,16x64,32x128 --first_tokens=512,4096@16x64 --threads=2
 // Reads the corpus split written by tools/build_document_corpus.py, validates and tokenizes every document with
 // the package's own tokenizer (as the server does), cuts it to the model's max_tokens, and classifies it with
 // each budget (expert_count x expert_width, applied to each document's length with ApplyBudget) and with full
 // attention, in packed batches of at most --batch_tokens tokens (0: one document per forward, so that the time
 // per document is its own forward). Prints, per budget, the accuracy in each length bucket (under 4K, 4K-16K,
 // 16K-32K, 32K-64K tokens, counted after the cut to max_tokens) and overall, and the mean forward time per
-// document in each bucket; with --first_tokens=N also the same model on each document's first N tokens only
-// (full attention), the truncation baseline; then the majority-class baseline (the training split's most
+// document in each bucket; with --first_tokens=N[@budget],... also the same model on each document's first N tokens
+// only (full attention unless a budget is named), the truncation baselines; then the majority-class baseline (the training split's most
 // frequent class, predicted for every document). --full_attention_max_tokens leaves full attention out on
 // longer documents (its time grows as N^2): their cells then count only the documents it ran on;
 // --full_attention=false leaves it out altogether. --write_accuracy_order then rewrites the package's config.json
@@ -31,6 +31,7 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -46,7 +47,9 @@ ABSL_FLAG(std::string, budgets, "8x32,16x64,32x128",
           "comma-separated expert_count x expert_width budgets (full attention: --full_attention)");
 ABSL_FLAG(int64_t, batch_tokens, 65536,
           "largest packed batch, tokens (a longer document runs alone; 0: one document per forward)");
-ABSL_FLAG(int64_t, first_tokens, 0, "also classify each document's first N tokens with full attention (0: no)");
+ABSL_FLAG(std::string, first_tokens, "",
+          "also classify each document's first N tokens only: comma-separated N or N@budget (budget MxK or full; "
+          "full attention when left out), e.g. 512,4096@16x64 (empty: no)");
 ABSL_FLAG(bool, full_attention, true, "also evaluate full attention on the same weights");
 ABSL_FLAG(int64_t, full_attention_max_tokens, 0, "full attention only on documents of at most N tokens (0: all)");
 ABSL_FLAG(bool, write_accuracy_order, false,
@@ -179,9 +182,18 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < budgets.size(); ++i) {
     runs.push_back({names[i], budgets[i], 0, budgets[i].full_attention ? absl::GetFlag(FLAGS_full_attention_max_tokens) : 0});
   }
-  if (absl::GetFlag(FLAGS_first_tokens) > 0) {
-    runs.push_back({absl::StrCat("first ", absl::GetFlag(FLAGS_first_tokens), " tokens only, full attention"),
-                    {true, 0, 0}, absl::GetFlag(FLAGS_first_tokens), 0});
+  for (absl::string_view entry : absl::StrSplit(absl::GetFlag(FLAGS_first_tokens), ',', absl::SkipEmpty())) {
+    const std::vector<absl::string_view> parts = absl::StrSplit(entry, absl::MaxSplits('@', 1));
+    int64_t first_tokens = 0;
+    absl::StatusOr<mita::models::AttentionBudget> budget = mita::models::ParseBudget(parts.size() > 1 ? parts[1] : "full");
+    if (!absl::SimpleAtoi(parts[0], &first_tokens) || first_tokens < 1 || !budget.ok() ||
+        !mita::models::CheckBudget(model.description().knobs, *budget).ok()) {
+      std::fprintf(stderr, "--first_tokens: '%s' is not N or N@budget (N >= 1; budget MxK within the model's knobs, "
+                   "or full)\n", std::string(entry).c_str());
+      return 1;
+    }
+    runs.push_back({absl::StrCat("first ", first_tokens, " tokens only, ", mita::models::BudgetName(*budget)),
+                    *budget, first_tokens, 0});
   }
   // Length buckets of the classified tokens (after the cut to max_tokens).
   const std::vector<std::pair<int64_t, std::string>> buckets = {

@@ -34,6 +34,30 @@ def sequence_landmarks(q: torch.Tensor, expert_count: int) -> torch.Tensor:
     return pooled.transpose(1, 2).reshape(b, h, expert_count, d)
 
 
+def expert_keys(scores: torch.Tensor, width: int) -> torch.Tensor:
+    """The `width` key indices of each row of `scores` [..., N] with the largest values, ties broken toward the
+    lower key index: the set the first `width` entries of a stable descending sort give, the kernels' rule
+    (docs/design.md section 2.2; torch.topk alone promises no tie order). Returns int64 [..., min(width, N)] in
+    increasing index order; O(N) per row beyond torch.topk; no autograd."""
+    with torch.no_grad():
+        width = min(width, scores.shape[-1])
+        threshold = scores.topk(width, dim=-1).values[..., -1:]
+        above = scores > threshold
+        equal = scores == threshold
+        # Of the keys equal to the k-th value, the lowest indices take the places the keys above it leave.
+        room = width - above.sum(dim=-1, keepdim=True)
+        chosen = above | (equal & (equal.cumsum(dim=-1) <= room))
+        return chosen.nonzero()[:, -1].reshape(*scores.shape[:-1], width)
+
+
+def full_attention(q, k, v):
+    """softmax(q k^T / sqrt(d)) v for q, k, v: [B, H, N, d]; PyTorch's fused scaled_dot_product_attention (O(N)
+    memory) where this torch has it (2.0 and later), else the explicit [N, N] product."""
+    if hasattr(F, "scaled_dot_product_attention"):
+        return F.scaled_dot_product_attention(q, k, v)
+    return torch.softmax((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5, dim=-1) @ v
+
+
 def mita_attention(q, k, v, landmarks, expert_width: int):
     """q, k, v: [B, H, N, d]; landmarks: [B, H, M, d] -> output [B, H, N, d].
 
@@ -46,12 +70,10 @@ def mita_attention(q, k, v, landmarks, expert_width: int):
     n = k.shape[2]
     width = min(expert_width, n)
     scores = landmarks @ k.transpose(-1, -2)  # [B, H, M, N], no scale
-    # torch.topk does not promise the kernels' tie rule (higher score, then lower index); exact float ties
-    # between keys of trained weights are rare, and the C++ tests use their own float64 loop for ties.
-    expert_keys = scores.topk(width, dim=-1).indices  # [B, H, M, k]
+    keys = expert_keys(scores, width)  # [B, H, M, k], the kernels' tie rule
     # A tensor source, not the scalar True: TorchScript's tracer has no scatter_ with a bool scalar.
-    expert_mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, expert_keys, torch.ones_like(
-        expert_keys, dtype=torch.bool))
+    expert_mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, keys, torch.ones_like(
+        keys, dtype=torch.bool))
     shared = torch.softmax(scores * scale, dim=-1) @ v  # [B, H, M, d]
     gate = landmarks @ q.transpose(-1, -2)  # [B, H, M, N], no scale
     expert_of_query = gate.argmax(dim=2)  # [B, H, N]
@@ -213,16 +235,21 @@ def load_safetensors(path: str) -> dict:
 #                               a convolutional position encoding (CPVT, Chu et al. 2021) that is defined at any N
 #   depth x [x + attn(norm1(x)); x + mlp(norm2(x))]    attn: qkv -> MiTA per head with sequence landmarks
 #                                                      (adaptive 1-D average pooling of q) or full attention
-#   logits = head(mean over the N tokens of norm(x))
+#   logits = head(pool(norm(x)))   pool: the mean over the N tokens, or attention pooling (AttentionPooling)
 # A budget (m, k) is applied as (min(m, N), min(k, N)), as the server's ApplyDocumentBudget does.
 
 
 class DocumentAttention(nn.Module):
-    def __init__(self, dim, heads):
+    """qkv -> per-head MiTA (sequence landmarks) or full attention -> proj. `attention` computes MiTA from
+    (q, k, v, landmarks, expert width): the dense twin mita_attention by default, or a drop-in with the same
+    result (tools/mita_sparse.py sparse_mita_attention, for training on long windows)."""
+
+    def __init__(self, dim, heads, attention=None):
         super().__init__()
         self.heads = heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
+        self.attention = attention or mita_attention
 
     def forward(self, x, budget):
         b, n, c = x.shape
@@ -230,17 +257,57 @@ class DocumentAttention(nn.Module):
         qkv = self.qkv(x).reshape(b, n, 3, self.heads, d).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
         if budget is None:
-            out = torch.softmax((q @ k.transpose(-1, -2)) * d ** -0.5, dim=-1) @ v
+            out = full_attention(q, k, v)
         else:
             expert_count, expert_width = min(budget[0], n), min(budget[1], n)
-            out = mita_attention(q, k, v, sequence_landmarks(q, expert_count), expert_width)
+            out = self.attention(q, k, v, sequence_landmarks(q, expert_count), expert_width)
         return self.proj(out.transpose(1, 2).reshape(b, n, c))
 
 
-class MitaDocument(nn.Module):
-    """MiTA long-document classifier. forward(ids [B, N] int64, budget (m, k) or None for full) -> [B, classes]."""
+def position_buckets(positions: torch.Tensor, buckets: int) -> torch.Tensor:
+    """Logarithmic position bucket of each token position n >= 0 (counted from the document's start):
+    min(floor(log2(n + 1)), buckets - 1), so bucket 0 is the first token, bucket 1 the next two, bucket 16 tokens
+    65,535 - 131,069. Integer arithmetic (the bit length of n + 1, less one), as the C++ forward computes it."""
+    value = positions + 1
+    bucket = torch.zeros_like(positions)
+    for shift in range(1, 63):
+        if buckets <= shift:
+            break
+        bucket += (value >> shift > 0).long()
+    return bucket.clamp(max=buckets - 1)
 
-    def __init__(self, cfg):
+
+class AttentionPooling(nn.Module):
+    """Multi-head attention pooling over a document's tokens: head p scores token n as
+    s[n, p] = x_n . score.weight[p] + score.bias[p] + position_bias[p, bucket(n)] (position_buckets above; no
+    position term when buckets is 0), takes softmax over the tokens, and averages its channel group
+    (channels p C/P .. (p + 1) C/P - 1) with those weights. x: [B, N, C], positions: [B, N] int64 -> [B, C]."""
+
+    def __init__(self, dim, heads, buckets):
+        super().__init__()
+        self.heads = heads
+        self.score = nn.Linear(dim, heads)
+        nn.init.zeros_(self.score.weight)
+        nn.init.zeros_(self.score.bias)
+        self.position_bias = nn.Parameter(torch.zeros(heads, buckets)) if buckets > 0 else None
+
+    def forward(self, x, positions):
+        b, n, c = x.shape
+        scores = self.score(x)  # [B, N, P]
+        if self.position_bias is not None:
+            scores = scores + self.position_bias.t()[position_buckets(positions, self.position_bias.shape[1])]
+        weights = torch.softmax(scores, dim=1)  # over the tokens
+        grouped = x.reshape(b, n, self.heads, c // self.heads)
+        return (weights.unsqueeze(-1) * grouped).sum(dim=1).reshape(b, c)
+
+
+class MitaDocument(nn.Module):
+    """MiTA long-document classifier. forward(ids [B, N] int64, budget (m, k) or None for full, start [B] int64:
+    the position of each row's first token in its document, default 0) -> [B, classes]. `attention`: see
+    DocumentAttention. config.json "pooling": {"type": "mean"} (the default when absent) or {"type": "attention",
+    "heads": P, "position_buckets": B} (AttentionPooling)."""
+
+    def __init__(self, cfg, attention=None):
         super().__init__()
         dim = cfg["embed_dim"]
         kernel = cfg["position_encoding"]["kernel_size"]
@@ -249,26 +316,36 @@ class MitaDocument(nn.Module):
         self.position_conv = nn.Conv1d(dim, dim, kernel, padding=kernel // 2, groups=dim)
         eps = cfg["layer_norm_eps"]
         self.blocks = nn.ModuleList(
-            [Block(dim, cfg["mlp_hidden_dim"], eps, DocumentAttention(dim, cfg["num_heads"]))
+            [Block(dim, cfg["mlp_hidden_dim"], eps, DocumentAttention(dim, cfg["num_heads"], attention))
              for _ in range(cfg["depth"])])
         self.norm = nn.LayerNorm(dim, eps=eps)
+        pooling = cfg.get("pooling", {"type": "mean"})
+        self.pool = (AttentionPooling(dim, pooling["heads"], pooling.get("position_buckets", 0))
+                     if pooling["type"] == "attention" else None)
         self.head = nn.Linear(dim, cfg["num_classes"])
 
-    def features(self, ids, budget):
+    def features(self, ids, budget, start=None):
         x = self.token_embedding(ids)
         x = x + self.position_conv(x.transpose(1, 2)).transpose(1, 2)
         for block in self.blocks:
             x = block(x, budget)
-        return self.norm(x).mean(1)
+        x = self.norm(x)
+        if self.pool is None:
+            return x.mean(1)
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        if start is not None:
+            positions = positions + start.view(-1, 1)
+        return self.pool(x, positions.expand(ids.shape[0], -1))
 
-    def forward(self, ids, budget):
-        return self.head(self.features(ids, budget))
+    def forward(self, ids, budget, start=None):
+        return self.head(self.features(ids, budget, start))
 
 
 def document_config(vocab_size, num_classes, tokenizer="bytes", embed_dim=128, depth=2, num_heads=4,
-                    mlp_hidden_dim=256, kernel_size=9, max_tokens=65536):
-    """config.json of a document package (the embedded model's sizes by default)."""
-    return {
+                    mlp_hidden_dim=256, kernel_size=9, max_tokens=65536, pooling=None):
+    """config.json of a document package (the embedded model's sizes by default). pooling: None for the mean, or
+    a "pooling" object such as {"type": "attention", "heads": 4, "position_buckets": 17}."""
+    cfg = {
         "architecture": "mita_document",
         "task": "document_classification",
         "vocab_size": vocab_size, "embed_dim": embed_dim, "depth": depth, "num_heads": num_heads,
@@ -287,3 +364,6 @@ def document_config(vocab_size, num_classes, tokenizer="bytes", embed_dim=128, d
             "max_expert_width": 1024,
         },
     }
+    if pooling is not None:
+        cfg["pooling"] = pooling
+    return cfg

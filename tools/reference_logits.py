@@ -16,9 +16,11 @@ Four commands (run with the Debian python, /usr/bin/python3, which has torch):
       is compared against independent single-item runs.
 
   make-document-package --out DIR [--seed S] [--noise X] [--tokenizer bytes] [--max-tokens N] [--num-classes C]
+                        [--pooling mean|attention]
       Writes a randomly initialised MiTA long-document package (architecture "mita_document", tokenizer "bytes":
-      vocabulary of the 256 byte values; embed dim 32, 2 blocks, 2 heads, MLP 64, position conv kernel 5) for
-      tests of the serving side before (and besides) the trained model. Noise as for make-package.
+      vocabulary of the 256 byte values; embed dim 32, 2 blocks, 2 heads, MLP 64, position conv kernel 5; mean
+      pooling, or attention pooling with 4 heads and 17 position buckets) for tests of the serving side before
+      (and besides) the trained model. Noise as for make-package.
 
   document-logits --package DIR --tokens FILE --lengths FILE --budgets FILE --out FILE
       tokens: raw little-endian int64 [T], the B documents back to back; lengths: JSON list of B token counts
@@ -103,8 +105,10 @@ def compute_logits(args):
 
 def make_document_package(args):
     torch.manual_seed(args.seed)
+    pooling = {"type": "attention", "heads": 4, "position_buckets": 17} if args.pooling == "attention" else None
     cfg = document_config(vocab_size=256, num_classes=args.num_classes, tokenizer=args.tokenizer, embed_dim=32,
-                          depth=2, num_heads=2, mlp_hidden_dim=64, kernel_size=5, max_tokens=args.max_tokens)
+                          depth=2, num_heads=2, mlp_hidden_dim=64, kernel_size=5, max_tokens=args.max_tokens,
+                          pooling=pooling)
     write_random_package(MitaDocument(cfg), cfg, args, "make-document-package", "topic")
 
 
@@ -149,6 +153,7 @@ def main():
     make_document.add_argument("--tokenizer", default="bytes", choices=["bytes"])
     make_document.add_argument("--max-tokens", type=int, default=65536)
     make_document.add_argument("--num-classes", type=int, default=4)
+    make_document.add_argument("--pooling", default="mean", choices=["mean", "attention"])
     document = commands.add_parser("document-logits")
     document.add_argument("--package", required=True)
     document.add_argument("--tokens", required=True)
