@@ -330,6 +330,8 @@ def tokenize(out, splits, vocab_size, tokenizer):
     if tokenizer:
         if os.path.abspath(tokenizer) != os.path.abspath(prefix + ".model"):
             shutil.copyfile(tokenizer, prefix + ".model")
+        # The vocabulary too, as spm_train writes it (tools/train_document.py sizes the model by it).
+        subprocess.run(["spm_export_vocab", f"--model={prefix}.model", f"--output={prefix}.vocab"], check=True)
     else:
         # spm_train reads one sentence per line: the training texts' lines (spm_train skips very long lines).
         lines_file = os.path.join(out, "spm_training_lines.txt")

@@ -134,7 +134,7 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm Transformer block (timm names: norm1, attn, norm2, mlp.fc1, mlp.fc2) around `attention`."""
 
-    def __init__(self, dim, mlp_hidden, eps, attention):
+    def __init__(self, dim, mlp_hidden, eps, attention, dropout=0.0):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=eps)
         self.attn = attention
@@ -143,10 +143,12 @@ class Block(nn.Module):
         self.mlp.add_module("fc1", nn.Linear(dim, mlp_hidden))
         self.mlp.add_module("act", nn.GELU())
         self.mlp.add_module("fc2", nn.Linear(mlp_hidden, dim))
+        # Residual dropout: training only (identity in eval mode and in the C++ forward), no weights.
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x, budget):
-        x = x + self.attn(self.norm1(x), budget)
-        return x + self.mlp(self.norm2(x))
+        x = x + self.dropout(self.attn(self.norm1(x), budget))
+        return x + self.dropout(self.mlp(self.norm2(x)))
 
 
 class PatchEmbed(nn.Module):
@@ -304,10 +306,10 @@ class AttentionPooling(nn.Module):
 class MitaDocument(nn.Module):
     """MiTA long-document classifier. forward(ids [B, N] int64, budget (m, k) or None for full, start [B] int64:
     the position of each row's first token in its document, default 0) -> [B, classes]. `attention`: see
-    DocumentAttention. config.json "pooling": {"type": "mean"} (the default when absent) or {"type": "attention",
+    DocumentAttention; `dropout`: on the embedded tokens and the blocks' residual branches, training only. config.json "pooling": {"type": "mean"} (the default when absent) or {"type": "attention",
     "heads": P, "position_buckets": B} (AttentionPooling)."""
 
-    def __init__(self, cfg, attention=None):
+    def __init__(self, cfg, attention=None, dropout=0.0):
         super().__init__()
         dim = cfg["embed_dim"]
         kernel = cfg["position_encoding"]["kernel_size"]
@@ -315,8 +317,9 @@ class MitaDocument(nn.Module):
         nn.init.normal_(self.token_embedding.weight, std=0.02)
         self.position_conv = nn.Conv1d(dim, dim, kernel, padding=kernel // 2, groups=dim)
         eps = cfg["layer_norm_eps"]
+        self.dropout = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
-            [Block(dim, cfg["mlp_hidden_dim"], eps, DocumentAttention(dim, cfg["num_heads"], attention))
+            [Block(dim, cfg["mlp_hidden_dim"], eps, DocumentAttention(dim, cfg["num_heads"], attention), dropout)
              for _ in range(cfg["depth"])])
         self.norm = nn.LayerNorm(dim, eps=eps)
         pooling = cfg.get("pooling", {"type": "mean"})
@@ -326,7 +329,7 @@ class MitaDocument(nn.Module):
 
     def features(self, ids, budget, start=None):
         x = self.token_embedding(ids)
-        x = x + self.position_conv(x.transpose(1, 2)).transpose(1, 2)
+        x = self.dropout(x + self.position_conv(x.transpose(1, 2)).transpose(1, 2))
         for block in self.blocks:
             x = block(x, budget)
         x = self.norm(x)
