@@ -58,7 +58,6 @@
 #include <grpc/grpc.h>
 #include <google/protobuf/stubs/logging.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
@@ -98,6 +97,7 @@
 #include "server/mita_v1_service.h"
 #include "server/open_inference_service.h"
 #include "server/message_limits.h"
+#include "server/health_service.h"
 #include "server/listen_address.h"
 #include "server/metrics.h"
 #include "server/metrics_http_server.h"
@@ -452,7 +452,8 @@ int main(int argc, char** argv) {
   // Open Inference Protocol (KServe V2) on the same port, on the same engine.
   mita::server::OpenInferenceService open_inference(engine->get(), &metrics, front_end, "0.1.0");
 
-  grpc::EnableDefaultHealthCheckService(true);
+  // grpc.health.v1, served by the server itself (server/health_service.h), open without a token.
+  mita::server::HealthService health(front_end);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int selected_port = 0;
@@ -469,6 +470,9 @@ int main(int argc, char** argv) {
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   front_end.message_size->ConfigureServer(builder);
+  // Compressed requests reach the services as sent, and are inflated after authentication within the limit.
+  mita::server::ConfigureTransport(builder);
+  builder.RegisterService(&health);
   builder.RegisterService(&mita_v1);
   builder.RegisterService(&open_inference);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -476,12 +480,9 @@ int main(int argc, char** argv) {
     return Fail(absl::StrCat("cannot listen on '", listen,
                              "' (flag --listen): the address is not local, or the port is in use"));
   }
-  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-  if (health != nullptr) {
-    health->SetServingStatus(true);
-    health->SetServingStatus(mita::v1::MitaService::service_full_name(), true);
-    health->SetServingStatus(inference::GRPCInferenceService::service_full_name(), true);
-  }
+  health.SetServingStatus("", true);
+  health.SetServingStatus(mita::v1::MitaService::service_full_name(), true);
+  health.SetServingStatus(inference::GRPCInferenceService::service_full_name(), true);
   open_inference.SetReady(true);
   std::string metrics_line = "metrics disabled";
   if (metrics_server != nullptr) {
@@ -507,11 +508,7 @@ int main(int argc, char** argv) {
   sigwait(&shutdown_signals, &signal_number);
   Log(absl::StrCat("received ", signal_number == SIGTERM ? "SIGTERM" : "SIGINT", "; draining (up to ", drain_timeout_s,
                    " s)"));
-  if (health != nullptr) {
-    health->SetServingStatus(false);
-    health->SetServingStatus(mita::v1::MitaService::service_full_name(), false);
-    health->SetServingStatus(inference::GRPCInferenceService::service_full_name(), false);
-  }
+  health.SetServingStatus(false);
   open_inference.SetReady(false);
   const absl::Time drain_start = absl::Now();
   const absl::Time drain_deadline = drain_start + absl::Seconds(drain_timeout_s);
@@ -525,6 +522,8 @@ int main(int argc, char** argv) {
   // them a second. Otherwise calls still running at the drain deadline are cancelled now (their handlers take
   // queued work back and answer).
   const absl::Time stop_deadline = idle ? std::min(drain_deadline, absl::Now() + absl::Seconds(1)) : absl::Now();
+  // Open health watches end now (they have seen NOT_SERVING), instead of holding the stop until its deadline.
+  health.Shutdown();
   server->Shutdown(absl::ToChronoTime(stop_deadline));
   (*engine)->Shutdown();
   server->Wait();

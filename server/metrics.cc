@@ -349,4 +349,20 @@ void ServerMetrics::CountRequest(RpcMethod method, const ModelMetrics* model, ab
   counters[index]->Increment();
 }
 
+void ServerMetrics::CallFinished() {
+  absl::MutexLock lock(&uncounted_mu_);
+  ++uncounted_calls_;
+}
+
+void ServerMetrics::CallCounted() {
+  absl::MutexLock lock(&uncounted_mu_);
+  --uncounted_calls_;
+}
+
+bool ServerMetrics::AwaitFinishedCallsCounted(absl::Duration bound) const {
+  absl::MutexLock lock(&uncounted_mu_);
+  const auto all_counted = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(uncounted_mu_) { return uncounted_calls_ <= 0; };
+  return uncounted_mu_.AwaitWithTimeout(absl::Condition(&all_counted), bound);
+}
+
 }  // namespace mita::server

@@ -238,6 +238,14 @@ class ServerMetrics {
   // ignored for server-wide methods (model=""). Codes outside 0..16 count as UNKNOWN.
   void CountRequest(RpcMethod method, const ModelMetrics* model, absl::StatusCode code);
 
+  // A call is counted when gRPC is done with it (UnaryCallReactor::OnDone), which can be just after its client has
+  // the answer. CallFinished notes a call whose status went to gRPC; CallCounted (after CountRequest) one counted.
+  void CallFinished();
+  void CallCounted();
+  // Waits until every call noted by CallFinished is counted, at most `bound`; returns whether they all are. For
+  // readers of the counts that have their answers (tests).
+  bool AwaitFinishedCallsCounted(absl::Duration bound = absl::Seconds(30)) const;
+
   // Sets mita_preparation_memory_bytes.
   void SetPreparationMemory(int64_t bytes) { preparation_memory_->Set(static_cast<double>(bytes)); }
 
@@ -252,6 +260,8 @@ class ServerMetrics {
   // mita_requests_total with model="unknown" (model methods) and model="" (server-wide ones), by RpcMethod.
   std::array<CodeCounters, kNumRpcMethods> other_requests_{};
   prometheus::Gauge* preparation_memory_ = nullptr;
+  mutable absl::Mutex uncounted_mu_;
+  int64_t uncounted_calls_ ABSL_GUARDED_BY(uncounted_mu_) = 0;  // finished, not yet counted
 };
 
 // The gRPC name of a status code ("OK", "INVALID_ARGUMENT", ...; "UNKNOWN" for codes outside 0..16).

@@ -239,6 +239,7 @@ TEST(BearerTokenTest, CallsWithoutTheRightTokenAreUnauthenticated) {
   EXPECT_EQ(HealthCheckCode(server->target), grpc::StatusCode::OK);
   // Rejections are counted.
   double unauthenticated = 0;
+  server->metrics->AwaitFinishedCallsCounted();
   for (const prometheus::MetricFamily& family : server->metrics->registry()->Collect()) {
     if (family.name != "mita_requests_total") continue;
     for (const prometheus::ClientMetric& metric : family.metric) {
@@ -305,6 +306,7 @@ TEST(BearerTokenTest, EveryOpenInferenceCallNeedsTheToken) {
               }),
               expected);
   }
+  server->metrics->AwaitFinishedCallsCounted();
   for (const char* method : {"ServerLive", "ServerReady", "ServerMetadata"}) {
     EXPECT_EQ(test_util::MetricValue(*server->metrics->registry(), "mita_requests_total",
                                      {{"method", method}, {"model", ""}, {"code", "UNAUTHENTICATED"}}),
