@@ -35,7 +35,7 @@
 //                                          larger gets RESOURCE_EXHAUSTED naming the limit and this flag
 //                                          (server/message_limits.h).
 //   --max_send_message_bytes=4194304       Largest response message (4 MiB); likewise.
-//   --drain_timeout_s=20                   On SIGTERM/SIGINT: how long admitted requests may take to finish.
+//   --drain_timeout_s=20                   On SIGTERM/SIGINT/SIGHUP: how long admitted requests may take.
 //   --tls_cert_file, --tls_key_file        PEM certificate chain and key: serve gRPC over TLS (both or neither).
 //   --tls_client_ca_file                   PEM CA: require client certificates signed by it (mutual TLS).
 //   --auth_token_file                      File holding a bearer token: mita.v1 calls must send
@@ -48,8 +48,9 @@
 //
 // The gRPC port is bound exclusively: a second server on a port in use fails to start.
 //
-// Shutdown: on SIGTERM or SIGINT the health status goes NOT_SERVING (health checks keep being answered while
-// draining), new Classify calls get UNAVAILABLE, the batchers run what is queued without waiting for batches
+// Shutdown: on SIGTERM, SIGINT or SIGHUP (unless the server started with SIGHUP ignored, as under nohup) the
+// health status goes NOT_SERVING (health checks keep being answered while draining; open Watch calls end after
+// it), new Classify calls get UNAVAILABLE, the batchers run what is queued without waiting for batches
 // to fill, and admitted requests get their answers; after at most --drain_timeout_s the gRPC server stops
 // (calls still running are cancelled; when the drain ended early, new calls keep getting UNAVAILABLE for
 // 250 ms more before it stops), and the process exits 0. The last log line counts the requests
@@ -163,7 +164,8 @@ ABSL_FLAG(int32_t, planning_slack_percentile, 99,
           "Latency targets and deadline admission plan with time left less this percentile of how much later "
           "than predicted recent requests were answered (per model and lane), so that a request admitted at "
           "the edge of its deadline still meets it; 0: plan with the prediction alone.");
-ABSL_FLAG(int32_t, drain_timeout_s, 20, "On SIGTERM/SIGINT, seconds admitted requests may take to finish.");
+ABSL_FLAG(int32_t, drain_timeout_s, 20,
+          "On SIGTERM, SIGINT or SIGHUP, seconds admitted requests may take to finish.");
 ABSL_FLAG(std::string, tls_cert_file, "", "PEM certificate chain of the gRPC port; with --tls_key_file enables TLS.");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
 ABSL_FLAG(std::string, tls_client_ca_file, "",
@@ -196,13 +198,30 @@ int Fail(const std::string& message) {
   return 1;
 }
 
-// The shutdown signals, blocked in every thread; the main thread waits for them with sigwait.
+// The shutdown signals, blocked in every thread; the main thread waits for them with sigwait: SIGTERM, SIGINT and
+// SIGHUP (a hangup drains like SIGTERM), but not SIGHUP when the process started with it ignored (nohup, or a
+// launcher's SIG_IGN, which exec keeps): it stays ignored then.
 sigset_t ShutdownSignals() {
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  struct sigaction hangup {};
+  if (sigaction(SIGHUP, nullptr, &hangup) != 0 || hangup.sa_handler != SIG_IGN) sigaddset(&signals, SIGHUP);
   return signals;
+}
+
+const char* SignalName(int signal_number) {
+  switch (signal_number) {
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGINT:
+      return "SIGINT";
+    case SIGHUP:
+      return "SIGHUP";
+    default:
+      return "a signal";
+  }
 }
 
 // Blocks the shutdown signals before any shared library's initialisers run, for a server started directly
@@ -274,11 +293,13 @@ int main(int argc, char** argv) {
   // Both addresses' forms are checked before the models load (seconds); binding happens after.
   const std::string listen = absl::GetFlag(FLAGS_listen);
   const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);  // empty: no /metrics endpoint
-  for (const absl::Status& status :
-       {mita::server::ParseListenAddress(listen, "--listen").status(),
-        metrics_listen.empty() ? absl::OkStatus()
-                               : mita::server::ParseListenAddress(metrics_listen, "--metrics_listen").status()}) {
-    if (!status.ok()) return Fail(std::string(status.message()));
+  absl::StatusOr<mita::server::ListenAddress> listen_address = mita::server::ParseListenAddress(listen, "--listen");
+  if (!listen_address.ok()) return Fail(std::string(listen_address.status().message()));
+  if (!metrics_listen.empty()) {
+    if (absl::Status status = mita::server::ParseListenAddress(metrics_listen, "--metrics_listen").status();
+        !status.ok()) {
+      return Fail(std::string(status.message()));
+    }
   }
   const int32_t max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
   const int32_t max_connection_idle_s = absl::GetFlag(FLAGS_max_connection_idle_s);
@@ -457,7 +478,7 @@ int main(int argc, char** argv) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int selected_port = 0;
-  builder.AddListeningPort(listen, *credentials, &selected_port);
+  builder.AddListeningPort(mita::server::GrpcListenTarget(*listen_address), *credentials, &selected_port);
   // Without this gRPC sets SO_REUSEPORT, and a second server on the same port would start and share it.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, max_concurrent_streams);
@@ -506,7 +527,7 @@ int main(int argc, char** argv) {
 
   int signal_number = 0;
   sigwait(&shutdown_signals, &signal_number);
-  Log(absl::StrCat("received ", signal_number == SIGTERM ? "SIGTERM" : "SIGINT", "; draining (up to ", drain_timeout_s,
+  Log(absl::StrCat("received ", SignalName(signal_number), "; draining (up to ", drain_timeout_s,
                    " s)"));
   health.SetServingStatus(false);
   open_inference.SetReady(false);
