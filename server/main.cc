@@ -31,6 +31,10 @@
 //   --keep_freed_memory=true               Keep freed memory in the C heap for the next request instead of
 //                                          unmapping it (kernels/runtime_environment.h; resident memory stays
 //                                          at its high-water mark).
+//   --keep_freed_memory_limit_bytes=536870912
+//                                          With --keep_freed_memory, the most resident memory the heap keeps free
+//                                          (checked every second); above it, the freed memory is returned to the
+//                                          system (kernels::FreedMemoryLimit). 0: no limit.
 //   --max_receive_message_bytes=4194304    Largest request message (4 MiB), and so largest encoded image;
 //                                          larger gets RESOURCE_EXHAUSTED naming the limit and this flag
 //                                          (server/message_limits.h).
@@ -146,6 +150,9 @@ ABSL_FLAG(int64_t, preparation_memory_bytes, int64_t{1} << 30,
 ABSL_FLAG(bool, keep_freed_memory, true,
           "Keep freed memory in the C heap for reuse by the next request (no per-block mmap, no trimming): long "
           "documents skip re-faulting their buffers in; resident memory stays at its high-water mark.");
+ABSL_FLAG(int64_t, keep_freed_memory_limit_bytes, int64_t{512} << 20,
+          "With --keep_freed_memory: the most resident memory the heap keeps free for reuse, bytes (512 MiB); above "
+          "it (checked every second) the freed memory is returned to the system. 0: no limit.");
 ABSL_FLAG(int64_t, max_receive_message_bytes, mita::server::MessageSizeLimits::kDefaultBytes,
           "Largest request message, bytes (4 MiB); larger gets RESOURCE_EXHAUSTED naming this flag.");
 ABSL_FLAG(int64_t, max_send_message_bytes, mita::server::MessageSizeLimits::kDefaultBytes,
@@ -329,7 +336,9 @@ int main(int argc, char** argv) {
         CheckFlagRange("max_concurrent_streams", max_concurrent_streams, 1, 1 << 20),
         CheckFlagRange("max_connection_idle_s", max_connection_idle_s, 0, 86400 * 365),
         CheckFlagRange("keepalive_time_s", keepalive_time_s, 1, 86400 * 365),
-        CheckFlagRange("keepalive_timeout_s", keepalive_timeout_s, 1, 3600)}) {
+        CheckFlagRange("keepalive_timeout_s", keepalive_timeout_s, 1, 3600),
+        CheckFlagRange("keep_freed_memory_limit_bytes", absl::GetFlag(FLAGS_keep_freed_memory_limit_bytes),
+                       int64_t{0}, std::numeric_limits<int64_t>::max())}) {
     if (!status.ok()) return Fail(std::string(status.message()));
   }
   if (!(cuda_memory_fraction > 0 && cuda_memory_fraction <= 1)) {
@@ -340,6 +349,7 @@ int main(int argc, char** argv) {
   const int blas_threads = mita::kernels::SetIntraOpThreads(torch_threads);
   const bool keep_freed_memory =
       absl::GetFlag(FLAGS_keep_freed_memory) && mita::kernels::KeepFreedMemoryForReuse();
+  const int64_t freed_memory_limit_bytes = absl::GetFlag(FLAGS_keep_freed_memory_limit_bytes);
   // Debian's Abseil is built without NDEBUG, so absl::Mutex records every lock order in a global graph to detect
   // deadlocks (GraphCycles showed in server profiles under load); a serving process does not pay for that.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
@@ -454,6 +464,20 @@ int main(int argc, char** argv) {
   }
 
   mita::server::ServerMetrics metrics(mita::server::MetricsModelInfos(**registry));
+  // What the calibration batches freed goes back to the system now, and the heap keeps at most the limit free from
+  // here on (kernels::FreedMemoryLimit, checked every second; its figures in mita_heap_*).
+  std::unique_ptr<mita::kernels::FreedMemoryLimit> freed_memory_limit;
+  int64_t returned_at_start = 0;
+  if (keep_freed_memory && freed_memory_limit_bytes > 0) {
+    freed_memory_limit = std::make_unique<mita::kernels::FreedMemoryLimit>(
+        freed_memory_limit_bytes, absl::Seconds(1), [&metrics](const mita::kernels::FreedMemoryLimit::Stats& stats) {
+          metrics.SetHeapMemory(stats.kept_bytes, stats.returned_bytes);
+        });
+    returned_at_start = freed_memory_limit->stats().returned_bytes;
+  } else {
+    returned_at_start = mita::kernels::ReturnFreedMemory();
+  }
+  metrics.SetHeapMemory(0, returned_at_start);
   front_end.message_size = std::make_shared<mita::server::MessageSizeGuard>(message_limits, metrics.registry().get());
   std::unique_ptr<mita::server::MetricsHttpServer> metrics_server;
   if (!metrics_listen.empty()) {
@@ -523,7 +547,9 @@ int main(int argc, char** argv) {
                    " batch_threads=", options.batching.num_batch_threads,
                    " long_document_tokens=", options.long_document_tokens, " torch_threads=", at::get_num_threads(),
                    " blas_threads=", blas_threads, " preparation_threads=", preparation_threads,
-                   " keep_freed_memory=", keep_freed_memory ? "true" : "false"));
+                   " keep_freed_memory=", keep_freed_memory ? "true" : "false",
+                   keep_freed_memory ? absl::StrCat(" keep_freed_memory_limit_bytes=", freed_memory_limit_bytes) : "",
+                   "; returned ", returned_at_start >> 20, " MiB of freed memory to the system after start-up"));
 
   int signal_number = 0;
   sigwait(&shutdown_signals, &signal_number);

@@ -249,6 +249,10 @@ class ServerMetrics {
   // Sets mita_preparation_memory_bytes.
   void SetPreparationMemory(int64_t bytes) { preparation_memory_->Set(static_cast<double>(bytes)); }
 
+  // Sets mita_heap_kept_free_bytes, and mita_heap_returned_bytes_total to `returned_bytes`, a running total
+  // (kernels::FreedMemoryLimit::Stats).
+  void SetHeapMemory(int64_t kept_free_bytes, int64_t returned_bytes);
+
   // The registry to serve (MetricsHttpServer) or collect in tests.
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
@@ -260,6 +264,9 @@ class ServerMetrics {
   // mita_requests_total with model="unknown" (model methods) and model="" (server-wide ones), by RpcMethod.
   std::array<CodeCounters, kNumRpcMethods> other_requests_{};
   prometheus::Gauge* preparation_memory_ = nullptr;
+  prometheus::Gauge* heap_kept_free_ = nullptr;
+  prometheus::Counter* heap_returned_ = nullptr;
+  absl::Mutex heap_mu_;  // SetHeapMemory's read and increment of heap_returned_
   mutable absl::Mutex uncounted_mu_;
   int64_t uncounted_calls_ ABSL_GUARDED_BY(uncounted_mu_) = 0;  // finished, not yet counted
 };
