@@ -7,13 +7,14 @@
 #include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/support/proto_buffer_writer.h>
 
-#include <memory>
+#include <deque>
 #include <vector>
 
 #include "google/protobuf/io/zero_copy_stream_impl.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 
 #include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
 
 namespace grpc::internal {
 
@@ -104,7 +105,8 @@ const char* EncodingName(grpc_compression_algorithm algorithm) {
 absl::Status ReceiveRequest(const FrontEndOptions& options, const grpc::ServerContextBase& context,
                             const grpc::ByteBuffer& wire, google::protobuf::Message* request) {
   if (!wire.Valid()) {
-    // gRPC hands a unary handler no message when the stream ended (or was reset) before a whole one arrived.
+    // gRPC hands a unary handler no message when the stream ended, or was reset, before a whole one arrived (a
+    // connection closed mid-message looks like an end here; the call is counted CANCELLED once gRPC is done).
     if (context.IsCancelled()) {
       return absl::CancelledError("the client reset the stream before its request message was complete");
     }
@@ -116,31 +118,26 @@ absl::Status ReceiveRequest(const FrontEndOptions& options, const grpc::ServerCo
   const int64_t wire_bytes = static_cast<int64_t>(wire.Length());
   const grpc_compression_algorithm compression = grpc::internal::GrpcByteBufferPeer(&wire).compression();
   if (absl::Status size = guard.CheckRequestBytes(wire_bytes); !size.ok()) return size;
-  std::vector<grpc::Slice> slices;
-  if (!wire.Dump(&slices).ok()) return absl::InvalidArgumentError("the request message could not be read");
-  std::vector<absl::string_view> pieces;
-  pieces.reserve(slices.size());
-  for (const grpc::Slice& slice : slices) {
-    pieces.emplace_back(reinterpret_cast<const char*>(slice.begin()), slice.size());
-  }
   // gRPC itself treats an empty message flagged compressed as uncompressed; so does the server.
-  std::vector<std::string> inflated;
   const bool compressed = compression != GRPC_COMPRESS_NONE && wire_bytes > 0;
-  if (compressed) {
-    if (absl::Status status = guard.InflateRequest(EncodingName(compression), pieces, &inflated); !status.ok()) {
-      return status;
-    }
-  }
   int64_t bytes = wire_bytes;
   bool parsed = false;
   if (compressed) {
+    std::vector<grpc::Slice> slices;
+    if (!wire.Dump(&slices).ok()) return absl::InvalidArgumentError("the request message could not be read");
+    std::vector<absl::string_view> pieces;
+    for (const grpc::Slice& slice : slices) {
+      pieces.emplace_back(reinterpret_cast<const char*>(slice.begin()), slice.size());
+    }
+    std::vector<std::string> inflated;
+    RETURN_IF_ERROR(guard.InflateRequest(EncodingName(compression), pieces, &inflated));
     bytes = 0;
-    std::vector<std::unique_ptr<google::protobuf::io::ArrayInputStream>> arrays;
+    std::deque<google::protobuf::io::ArrayInputStream> arrays;  // stays in place as it grows
     std::vector<google::protobuf::io::ZeroCopyInputStream*> streams;
     for (const std::string& piece : inflated) {
       bytes += static_cast<int64_t>(piece.size());
-      arrays.push_back(std::make_unique<google::protobuf::io::ArrayInputStream>(piece.data(), static_cast<int>(piece.size())));
-      streams.push_back(arrays.back().get());
+      arrays.emplace_back(piece.data(), static_cast<int>(piece.size()));
+      streams.push_back(&arrays.back());
     }
     google::protobuf::io::ConcatenatingInputStream stream(streams.data(), static_cast<int>(streams.size()));
     parsed = request->ParseFromZeroCopyStream(&stream);
