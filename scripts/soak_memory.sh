@@ -17,14 +17,17 @@
 #              and oversized messages among them
 # Output (OUT, a temporary folder unless set): rss.csv (seconds since the loads started, VmRSS MiB, the heap's
 # kept-free MiB and returned MiB from /metrics), the logs and reports of every part, and on stdout the curve
-# (one line a minute) and the verdict: the RSS after the first minute, the largest and smallest RSS of the last
-# 10 minutes, their ratio to the first minute's, and the least-squares slope of the last 10 minutes (MiB/min).
-# "flat" means the last 10 minutes' maximum is within 1.5x of the first minute's level and their trend moves less
-# than 5% of that level over the 10 minutes. Exit 0 when flat and the fuzzer saw no INTERNAL or UNKNOWN.
+# (one line a minute) and the verdict: the RSS after the first minute, the largest and smallest RSS of the
+# last 10 minutes and their ratio to the first minute's, their mean against the 10 minutes before, and their
+# least-squares trend. "flat": the last 10 minutes' maximum is within 1.5x of the first minute's RSS and their
+# mean at most 5% over the 10 minutes before (the heap's returns make a sawtooth, so a trend over 10 minutes
+# says little). Exit 0 when flat and the fuzzer saw no INTERNAL or UNKNOWN. `scripts/soak_memory.sh --analyze OUT`
+# prints the curve and verdict of an earlier run's OUT again.
 # Environment: MINUTES (30), IMAGE_RATE (10), DOCUMENT_RATE (2), LONG_RATE (0.1), FUZZ_RATE (5), OUT, and
 # SERVER_FLAGS (added to the server's flags).
 set -euo pipefail
 build=${1:-build}
+[ "$build" = "--analyze" ] && build=build
 source_dir=$(cd "$(dirname "$0")/.." && pwd)
 minutes=${MINUTES:-30}
 image_rate=${IMAGE_RATE:-10}
@@ -35,6 +38,34 @@ out=${OUT:-$(mktemp -d /tmp/soak_memory.XXXXXX)}
 mkdir -p "$out"
 python=/usr/bin/python3
 seconds=$((minutes * 60))
+
+# The curve and the verdict from rss.csv: analyze RSS_CSV FUZZ_EXIT_STATUS.
+analyze() {
+  "$python" - "$1" "$2" <<'EOF'
+import csv, sys
+rows = [(float(r["seconds"]), float(r["rss_mib"]), r["kept_free_mib"], r["returned_mib"])
+        for r in csv.DictReader(open(sys.argv[1]))]
+print("| minute | VmRSS MiB | heap kept free MiB | returned so far MiB |\n|---:|---:|---:|---:|")
+for t, rss, kept, returned in rows:
+    if int(t) % 60 < 10:
+        print(f"| {t / 60:.0f} | {rss:.1f} | {kept} | {returned} |")
+level = next(rss for t, rss, _, _ in rows if t >= 60)
+end = rows[-1][0]
+last = [(t, rss) for t, rss, _, _ in rows if t >= end - 600]
+before = [rss for t, rss, _, _ in rows if end - 1200 <= t < end - 600] or [level]
+mean_last, mean_before = sum(r for _, r in last) / len(last), sum(before) / len(before)
+mean_t = sum(t for t, _ in last) / len(last)
+slope = sum((t - mean_t) * (r - mean_last) for t, r in last) / max(1e-9, sum((t - mean_t) ** 2 for t, _ in last)) * 60
+high, low = max(r for _, r in last), min(r for _, r in last)
+flat = high <= 1.5 * level and mean_last <= 1.05 * mean_before
+print(f"soak: RSS after the first minute {level:.1f} MiB; last 10 minutes: {low:.1f}-{high:.1f} MiB "
+      f"({low / level:.2f}x-{high / level:.2f}x of it), mean {mean_last:.1f} MiB against {mean_before:.1f} MiB in the "
+      f"10 minutes before ({(mean_last / mean_before - 1) * 100:+.1f}%), least-squares trend {slope:+.2f} MiB/min: "
+      f"{'flat' if flat else 'NOT flat'}; fuzzer exit status {sys.argv[2]}")
+sys.exit(0 if flat and sys.argv[2] == "0" else 1)
+EOF
+}
+if [ "${1:-}" = "--analyze" ]; then analyze "$2/rss.csv" 0; exit $?; fi
 pids=()
 server_pid=
 cleanup() {
@@ -158,24 +189,4 @@ kill -TERM "$server_pid"; wait "$server_pid" || true; server_pid=
 for part in images documents long; do echo "soak: $part: $(grep -m1 '^RESULT' "$out/$part.report" || tail -1 "$out/$part.report")"; done
 echo "soak: fuzz: $(tail -1 "$out/fuzz.report")"
 echo "soak: server: $(tail -1 "$out/server.log")"
-"$python" - "$out/rss.csv" "$fuzz_status" <<'EOF'
-import csv, sys
-rows = [(float(r["seconds"]), float(r["rss_mib"]), r["kept_free_mib"], r["returned_mib"]) for r in csv.DictReader(open(sys.argv[1]))]
-print("| minute | VmRSS MiB | heap kept free MiB | returned so far MiB |\n|---:|---:|---:|---:|")
-for t, rss, kept, returned in rows:
-    if int(t) % 60 < 10:
-        print(f"| {t / 60:.0f} | {rss:.1f} | {kept} | {returned} |")
-level = next(rss for t, rss, _, _ in rows if t >= 60)
-end = rows[-1][0]
-last = [(t, rss) for t, rss, _, _ in rows if t >= end - 600]
-n = len(last)
-mean_t = sum(t for t, _ in last) / n
-mean_r = sum(r for _, r in last) / n
-slope = sum((t - mean_t) * (r - mean_r) for t, r in last) / max(1e-9, sum((t - mean_t) ** 2 for t, _ in last)) * 60
-high, low = max(r for _, r in last), min(r for _, r in last)
-flat = high <= 1.5 * level and abs(slope * 10) <= 0.05 * level
-print(f"soak: RSS after the first minute {level:.1f} MiB; last 10 minutes: {low:.1f}-{high:.1f} MiB "
-      f"({low / level:.2f}x-{high / level:.2f}x), trend {slope:+.2f} MiB/min ({slope * 10 / level * 100:+.1f}% over "
-      f"10 min): {'flat' if flat else 'NOT flat'}; fuzzer exit status {sys.argv[2]}")
-sys.exit(0 if flat and sys.argv[2] == "0" else 1)
-EOF
+analyze "$out/rss.csv" "$fuzz_status"
