@@ -3,7 +3,7 @@
 // metrics over HTTP.
 //
 // Flags (defaults):
-//   --listen=0.0.0.0:50051                 gRPC address.
+//   --listen=0.0.0.0:50051                 gRPC address; :PORT listens on every address (IPv4 and IPv6).
 //   --model_repository=models/repository   One sub-folder per model package; the folder name is the model name.
 //   --device=cpu                           Where models run: cpu or cuda:N, for every model, or per model as
 //                                          MODEL=DEVICE entries (server/placement.h). cuda:N without a visible
@@ -111,7 +111,8 @@
 #include "server/placement.h"
 #include "server/security.h"
 
-ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC listening address, host:port.");
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
+          "gRPC listening address: host:port, [ipv6]:port, or :port for every address (IPv4 and IPv6).");
 ABSL_FLAG(std::string, model_repository, "models/repository",
           "Directory holding one model package folder per model; the folder name is the model name.");
 ABSL_FLAG(std::string, device, "cpu",
