@@ -9,8 +9,9 @@
 // generator, an input from the manifest, a budget from --budgets and a deadline from --deadlines_ms.
 //
 // Inputs (--manifest, CSV, paths relative to the manifest's folder, '#' comments and empty lines skipped):
-//   kind,path[,model]      kind is image (PNG/JPEG bytes) or document (UTF-8 text file); model overrides
-//                          --model for that line (e.g. a document model next to an image model)
+//   kind,path[,model]      kind is image (PNG/JPEG bytes) or document (UTF-8 text file; --truncate cuts one over
+//                          the model's maximum tokens); model overrides --model for that line (e.g. a document
+//                          model next to an image model)
 //   path,label_index       the manifest mita-export-images writes (images; the label is ignored)
 //
 // Report (stdout): throughput (answers/s and OK/s), client latency p50/p95/p99 of OK calls (and of all
@@ -81,6 +82,9 @@ ABSL_FLAG(std::string, deadlines_ms, "10000", "Comma list the deadline of each c
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the input, budget, deadline and arrival draws.");
 ABSL_FLAG(int32_t, server_pid, 0, "Server process id: report its resident memory (VmRSS) over the run.");
 ABSL_FLAG(double, rss_interval_s, 1.0, "With --server_pid: seconds between resident-memory samples.");
+ABSL_FLAG(bool, truncate, false,
+          "Documents: set document.truncate, so that a document longer than the model's maximum tokens is classified "
+          "on its first tokens instead of refused.");
 ABSL_FLAG(std::string, label, "", "Name of this run, printed in the report and the RESULT line.");
 
 namespace {
@@ -340,6 +344,7 @@ int main(int argc, char** argv) {
       request.set_model(in.model);
       if (in.document) {
         request.mutable_document()->set_text(in.bytes);
+        if (absl::GetFlag(FLAGS_truncate)) request.mutable_document()->set_truncate(true);
       } else {
         request.set_image(in.bytes);
       }

@@ -1,10 +1,19 @@
 // Runtime environment of serving and benchmark processes: OpenMP's wait policy, the intra-op thread count
-// shared by LibTorch and the BLAS library, and how the C heap keeps freed memory.
+// shared by LibTorch and the BLAS library, and how the C heap keeps freed memory, up to a bound.
 //
 // LibTorch's OpenMP runtime here (libgomp) makes idle worker threads spin before they sleep, and reads
 // OMP_WAIT_POLICY only once, when the library is loaded. With OpenBLAS's own threads also active, spinning
 // threads fight for the cores and batch-1 latency suffers (measured: docs/image_model.md).
 #pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 
 namespace mita::kernels {
 
@@ -32,7 +41,58 @@ int SetIntraOpThreads(int threads);
 // Why: LibTorch's CPU tensors come from malloc, and glibc maps every block over 32 MiB (its largest mmap
 // threshold) afresh and unmaps it when freed, so a long document's multi-MiB activations are page-faulted in again
 // at every layer of every request. The process keeps its high-water heap instead, which it reuses for the next
-// request (measured: docs/long_documents.md).
+// request (measured: docs/long_documents.md). With nothing else, the heap never shrinks: pair it with
+// FreedMemoryLimit.
 bool KeepFreedMemoryForReuse();
+
+// The process's memory as the C heap and the kernel see it.
+struct HeapMemory {
+  int64_t in_use_bytes = 0;              // allocated by malloc and not freed (mallinfo2: uordblks + hblkhd)
+  int64_t resident_anonymous_bytes = 0;  // resident memory not backed by a file (/proc/self/statm: resident - shared)
+};
+HeapMemory ReadHeapMemory();
+
+// Returns every free page of the C heap to the system (malloc_trim(0): the free pages inside every arena, and the
+// top of the main heap). Returns by how much the resident anonymous memory went down, bytes (0 when it did not).
+int64_t ReturnFreedMemory();
+
+// The bound of KeepFreedMemoryForReuse: a thread that, every `interval`, estimates the resident memory the C heap
+// holds free (resident anonymous memory less the heap's bytes in use, less that same difference right after the
+// last return: what no return gives back, thread stacks and libraries' data among it) and returns it all
+// (ReturnFreedMemory) when it is over `limit_bytes`. Memory freed by one request and reused by the next stays
+// resident as long as the heap holds at most the limit free; a burst, a fragmented heap or a one-off large
+// request (e.g. a packed batch of long documents) no longer keeps the process at its high-water mark. Starts by
+// returning what the heap holds free then (e.g. the start-up's calibration batches). Thread-safe.
+class FreedMemoryLimit {
+ public:
+  struct Stats {
+    int64_t kept_bytes = 0;      // the estimate at the last check (after its return, if any)
+    int64_t returns = 0;         // returns made (the one at start included)
+    int64_t returned_bytes = 0;  // resident memory those returns gave back
+  };
+
+  // `limit_bytes` >= 0; `on_check` (optional) is called after every check, on the limit's thread.
+  FreedMemoryLimit(int64_t limit_bytes, absl::Duration interval, std::function<void(const Stats&)> on_check = {});
+  // Stops the thread.
+  ~FreedMemoryLimit();
+  FreedMemoryLimit(const FreedMemoryLimit&) = delete;
+  FreedMemoryLimit& operator=(const FreedMemoryLimit&) = delete;
+
+  // One check now (the thread's; for tests): returns the freed memory when the estimate is over the limit.
+  Stats Check();
+  Stats stats() const;
+
+ private:
+  void Run();
+
+  const int64_t limit_bytes_;
+  const absl::Duration interval_;
+  const std::function<void(const Stats&)> on_check_;
+  mutable absl::Mutex mu_;
+  int64_t baseline_ ABSL_GUARDED_BY(mu_) = 0;  // resident anonymous - in use, right after the last return
+  Stats stats_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
 
 }  // namespace mita::kernels

@@ -24,6 +24,7 @@ PACKAGES=(
   python3 python3-numpy python3-torch  # python3-torch: training, and the tests' independent PyTorch reference
   libopenblas0-pthread  # BLAS for python3-torch: training is ~7x slower on the reference BLAS (docs/long_documents.md)
   python3-grpcio python3-protobuf python3-yaml
+  python3-h2  # raw HTTP/2 frames in the transport tests (tests/transport_edges_test.py)
   python3-venv python3-dev python3-pip  # the peers' venv; torch.compile's generated C++ includes Python.h
   python3-sklearn xz-utils  # TF-IDF baseline (tools/tfidf_baseline.py); the shipped held-out texts (data/*.xz)
   poppler-utils  # pdftotext: building the TeX Live documentation corpus (tools/build_document_corpus.py)

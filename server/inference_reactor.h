@@ -1,7 +1,8 @@
 // The reactor of a front end's inference call on gRPC's callback API: it submits the neutral request to the
 // InferenceEngine, gives the request up when gRPC cancels the call (OnCancel: the client cancelled or the
-// deadline passed), and deletes itself when gRPC is done with it. A front end derives from it and turns the
-// engine's answer into its own response in Answer, which ends by finishing the call (FinishCall).
+// deadline passed), and is counted and deleted when gRPC is done with it (UnaryCallReactor). A front end derives
+// from it and turns the engine's answer into its own response in Answer, which ends by finishing the call
+// (FinishCall).
 #pragma once
 
 #include <grpcpp/support/byte_buffer.h>
@@ -20,28 +21,30 @@
 
 namespace mita::server {
 
-class InferenceReactor : public grpc::ServerUnaryReactor {
+class InferenceReactor : public UnaryCallReactor {
  public:
+  InferenceReactor(const grpc::CallbackServerContext* context, ServerMetrics* metrics, RpcMethod method)
+      : UnaryCallReactor(context, metrics, method) {}
+
   void OnCancel() override {
     absl::MutexLock lock(&mu_);
     if (call_ != nullptr) call_->Cancel();
   }
-  void OnDone() override { delete this; }
 
  protected:
   ~InferenceReactor() override = default;
 
-  // Authenticates the call and parses the bytes the client sent into `*request` (ReceiveRequest: the size limit
-  // first). Returns false when the call is already answered: an unauthenticated one finished at once and counted
-  // with model "unknown" (its request is not trusted), one whose bytes do not parse through Answer.
-  bool Receive(const FrontEndOptions& options, ServerMetrics& metrics, RpcMethod method,
-               const grpc::CallbackServerContext& context, const grpc::ByteBuffer& wire_request,
+  // Authenticates the call, then receives the bytes the client sent into `*request` (ReceiveRequest: a whole
+  // message, inflated within the size limit, parsed). Returns false when the call is already answered: an
+  // unauthenticated one finished at once and counted with model "unknown" (its request is not trusted, nor
+  // inflated or parsed), one whose bytes are refused through Answer.
+  bool Receive(const FrontEndOptions& options, const grpc::ByteBuffer& wire_request,
                google::protobuf::Message* request) {
-    if (absl::Status status = Authenticate(options, context); !status.ok()) {
-      FinishCall(this, metrics, method, "", status);
+    if (absl::Status status = Authenticate(options, context()); !status.ok()) {
+      FinishCall("", status);
       return false;
     }
-    if (absl::Status received = ReceiveRequest(options, wire_request, request); !received.ok()) {
+    if (absl::Status received = ReceiveRequest(options, context(), wire_request, request); !received.ok()) {
       Answer(received);
       return false;
     }

@@ -4,9 +4,10 @@
 // The server links LibTorch with CUDA; the dynamic loader takes one to two seconds to map and relocate it before
 // any code of the server runs, and a SIGTERM in that time would kill the process (exit by signal, not the
 // drain and exit 0 of any other time). This launcher links only libc, so within a millisecond of exec it
-// blocks SIGTERM and SIGINT (the blocked mask and pending signals survive execve: the server takes them with
-// sigwait once it serves) and sets OMP_WAIT_POLICY=passive unless set (OpenMP reads it when libgomp loads;
-// idle threads then sleep instead of spinning), then executes the server with the same arguments.
+// blocks SIGTERM, SIGINT and SIGHUP (SIGHUP unless it is ignored, as under nohup; the blocked mask and pending
+// signals survive execve: the server takes them with sigwait once it serves) and sets OMP_WAIT_POLICY=passive
+// unless set (OpenMP reads it when libgomp loads; idle threads then sleep instead of spinning), then executes the
+// server with the same arguments.
 #include <errno.h>
 #include <limits.h>
 #include <signal.h>
@@ -21,6 +22,9 @@ int main(int argc, char** argv) {
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  struct sigaction hangup;
+  memset(&hangup, 0, sizeof(hangup));
+  if (sigaction(SIGHUP, nullptr, &hangup) != 0 || hangup.sa_handler != SIG_IGN) sigaddset(&signals, SIGHUP);
   sigprocmask(SIG_BLOCK, &signals, nullptr);
   setenv("OMP_WAIT_POLICY", "passive", /*overwrite=*/0);
   // mita-server-core in the folder of this binary's real path.

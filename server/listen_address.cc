@@ -38,4 +38,10 @@ absl::StatusOr<ListenAddress> ParseListenAddress(absl::string_view address, absl
   return parsed;
 }
 
+std::string GrpcListenTarget(const ListenAddress& address) {
+  if (address.host.empty() || address.host == "*") return absl::StrCat("[::]:", address.port);
+  if (address.host.find(':') != std::string::npos) return absl::StrCat("[", address.host, "]:", address.port);
+  return absl::StrCat(address.host, ":", address.port);
+}
+
 }  // namespace mita::server

@@ -19,4 +19,9 @@ struct ListenAddress {
 // number, a port out of range [0, 65535], an empty or unbalanced IPv6 bracket).
 absl::StatusOr<ListenAddress> ParseListenAddress(absl::string_view address, absl::string_view flag);
 
+// The address gRPC is given to listen on `address`: "[::]:PORT" for every address (host "" or "*"; gRPC binds a
+// wildcard address on IPv6 and IPv4, or IPv4 alone where the machine has no IPv6), "[HOST]:PORT" for an IPv6 host,
+// "HOST:PORT" otherwise. (gRPC itself refuses ":PORT".)
+std::string GrpcListenTarget(const ListenAddress& address);
+
 }  // namespace mita::server

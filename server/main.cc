@@ -3,7 +3,7 @@
 // metrics over HTTP.
 //
 // Flags (defaults):
-//   --listen=0.0.0.0:50051                 gRPC address.
+//   --listen=0.0.0.0:50051                 gRPC address; :PORT listens on every address (IPv4 and IPv6).
 //   --model_repository=models/repository   One sub-folder per model package; the folder name is the model name.
 //   --device=cpu                           Where models run: cpu or cuda:N, for every model, or per model as
 //                                          MODEL=DEVICE entries (server/placement.h). cuda:N without a visible
@@ -31,11 +31,15 @@
 //   --keep_freed_memory=true               Keep freed memory in the C heap for the next request instead of
 //                                          unmapping it (kernels/runtime_environment.h; resident memory stays
 //                                          at its high-water mark).
+//   --keep_freed_memory_limit_bytes=536870912
+//                                          With --keep_freed_memory, the most resident memory the heap keeps free
+//                                          (checked every second); above it, the freed memory is returned to the
+//                                          system (kernels::FreedMemoryLimit). 0: no limit.
 //   --max_receive_message_bytes=4194304    Largest request message (4 MiB), and so largest encoded image;
 //                                          larger gets RESOURCE_EXHAUSTED naming the limit and this flag
 //                                          (server/message_limits.h).
 //   --max_send_message_bytes=4194304       Largest response message (4 MiB); likewise.
-//   --drain_timeout_s=20                   On SIGTERM/SIGINT: how long admitted requests may take to finish.
+//   --drain_timeout_s=20                   On SIGTERM/SIGINT/SIGHUP: how long admitted requests may take.
 //   --tls_cert_file, --tls_key_file        PEM certificate chain and key: serve gRPC over TLS (both or neither).
 //   --tls_client_ca_file                   PEM CA: require client certificates signed by it (mutual TLS).
 //   --auth_token_file                      File holding a bearer token: mita.v1 calls must send
@@ -48,8 +52,9 @@
 //
 // The gRPC port is bound exclusively: a second server on a port in use fails to start.
 //
-// Shutdown: on SIGTERM or SIGINT the health status goes NOT_SERVING (health checks keep being answered while
-// draining), new Classify calls get UNAVAILABLE, the batchers run what is queued without waiting for batches
+// Shutdown: on SIGTERM, SIGINT or SIGHUP (unless the server started with SIGHUP ignored, as under nohup) the
+// health status goes NOT_SERVING (health checks keep being answered while draining; open Watch calls end after
+// it), new Classify calls get UNAVAILABLE, the batchers run what is queued without waiting for batches
 // to fill, and admitted requests get their answers; after at most --drain_timeout_s the gRPC server stops
 // (calls still running are cancelled; when the drain ended early, new calls keep getting UNAVAILABLE for
 // 250 ms more before it stops), and the process exits 0. The last log line counts the requests
@@ -58,7 +63,6 @@
 #include <grpc/grpc.h>
 #include <google/protobuf/stubs/logging.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
@@ -98,6 +102,7 @@
 #include "server/mita_v1_service.h"
 #include "server/open_inference_service.h"
 #include "server/message_limits.h"
+#include "server/health_service.h"
 #include "server/listen_address.h"
 #include "server/metrics.h"
 #include "server/metrics_http_server.h"
@@ -106,7 +111,8 @@
 #include "server/placement.h"
 #include "server/security.h"
 
-ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC listening address, host:port.");
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
+          "gRPC listening address: host:port, [ipv6]:port, or :port for every address (IPv4 and IPv6).");
 ABSL_FLAG(std::string, model_repository, "models/repository",
           "Directory holding one model package folder per model; the folder name is the model name.");
 ABSL_FLAG(std::string, device, "cpu",
@@ -145,6 +151,9 @@ ABSL_FLAG(int64_t, preparation_memory_bytes, int64_t{1} << 30,
 ABSL_FLAG(bool, keep_freed_memory, true,
           "Keep freed memory in the C heap for reuse by the next request (no per-block mmap, no trimming): long "
           "documents skip re-faulting their buffers in; resident memory stays at its high-water mark.");
+ABSL_FLAG(int64_t, keep_freed_memory_limit_bytes, int64_t{512} << 20,
+          "With --keep_freed_memory: the most resident memory the heap keeps free for reuse, bytes (512 MiB); above "
+          "it (checked every second) the freed memory is returned to the system. 0: no limit.");
 ABSL_FLAG(int64_t, max_receive_message_bytes, mita::server::MessageSizeLimits::kDefaultBytes,
           "Largest request message, bytes (4 MiB); larger gets RESOURCE_EXHAUSTED naming this flag.");
 ABSL_FLAG(int64_t, max_send_message_bytes, mita::server::MessageSizeLimits::kDefaultBytes,
@@ -163,7 +172,8 @@ ABSL_FLAG(int32_t, planning_slack_percentile, 99,
           "Latency targets and deadline admission plan with time left less this percentile of how much later "
           "than predicted recent requests were answered (per model and lane), so that a request admitted at "
           "the edge of its deadline still meets it; 0: plan with the prediction alone.");
-ABSL_FLAG(int32_t, drain_timeout_s, 20, "On SIGTERM/SIGINT, seconds admitted requests may take to finish.");
+ABSL_FLAG(int32_t, drain_timeout_s, 20,
+          "On SIGTERM, SIGINT or SIGHUP, seconds admitted requests may take to finish.");
 ABSL_FLAG(std::string, tls_cert_file, "", "PEM certificate chain of the gRPC port; with --tls_key_file enables TLS.");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
 ABSL_FLAG(std::string, tls_client_ca_file, "",
@@ -196,13 +206,30 @@ int Fail(const std::string& message) {
   return 1;
 }
 
-// The shutdown signals, blocked in every thread; the main thread waits for them with sigwait.
+// The shutdown signals, blocked in every thread; the main thread waits for them with sigwait: SIGTERM, SIGINT and
+// SIGHUP (a hangup drains like SIGTERM), but not SIGHUP when the process started with it ignored (nohup, or a
+// launcher's SIG_IGN, which exec keeps): it stays ignored then.
 sigset_t ShutdownSignals() {
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  struct sigaction hangup {};
+  if (sigaction(SIGHUP, nullptr, &hangup) != 0 || hangup.sa_handler != SIG_IGN) sigaddset(&signals, SIGHUP);
   return signals;
+}
+
+const char* SignalName(int signal_number) {
+  switch (signal_number) {
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGINT:
+      return "SIGINT";
+    case SIGHUP:
+      return "SIGHUP";
+    default:
+      return "a signal";
+  }
 }
 
 // Blocks the shutdown signals before any shared library's initialisers run, for a server started directly
@@ -274,11 +301,13 @@ int main(int argc, char** argv) {
   // Both addresses' forms are checked before the models load (seconds); binding happens after.
   const std::string listen = absl::GetFlag(FLAGS_listen);
   const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);  // empty: no /metrics endpoint
-  for (const absl::Status& status :
-       {mita::server::ParseListenAddress(listen, "--listen").status(),
-        metrics_listen.empty() ? absl::OkStatus()
-                               : mita::server::ParseListenAddress(metrics_listen, "--metrics_listen").status()}) {
-    if (!status.ok()) return Fail(std::string(status.message()));
+  absl::StatusOr<mita::server::ListenAddress> listen_address = mita::server::ParseListenAddress(listen, "--listen");
+  if (!listen_address.ok()) return Fail(std::string(listen_address.status().message()));
+  if (!metrics_listen.empty()) {
+    if (absl::Status status = mita::server::ParseListenAddress(metrics_listen, "--metrics_listen").status();
+        !status.ok()) {
+      return Fail(std::string(status.message()));
+    }
   }
   const int32_t max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
   const int32_t max_connection_idle_s = absl::GetFlag(FLAGS_max_connection_idle_s);
@@ -308,7 +337,9 @@ int main(int argc, char** argv) {
         CheckFlagRange("max_concurrent_streams", max_concurrent_streams, 1, 1 << 20),
         CheckFlagRange("max_connection_idle_s", max_connection_idle_s, 0, 86400 * 365),
         CheckFlagRange("keepalive_time_s", keepalive_time_s, 1, 86400 * 365),
-        CheckFlagRange("keepalive_timeout_s", keepalive_timeout_s, 1, 3600)}) {
+        CheckFlagRange("keepalive_timeout_s", keepalive_timeout_s, 1, 3600),
+        CheckFlagRange("keep_freed_memory_limit_bytes", absl::GetFlag(FLAGS_keep_freed_memory_limit_bytes),
+                       int64_t{0}, std::numeric_limits<int64_t>::max())}) {
     if (!status.ok()) return Fail(std::string(status.message()));
   }
   if (!(cuda_memory_fraction > 0 && cuda_memory_fraction <= 1)) {
@@ -319,6 +350,7 @@ int main(int argc, char** argv) {
   const int blas_threads = mita::kernels::SetIntraOpThreads(torch_threads);
   const bool keep_freed_memory =
       absl::GetFlag(FLAGS_keep_freed_memory) && mita::kernels::KeepFreedMemoryForReuse();
+  const int64_t freed_memory_limit_bytes = absl::GetFlag(FLAGS_keep_freed_memory_limit_bytes);
   // Debian's Abseil is built without NDEBUG, so absl::Mutex records every lock order in a global graph to detect
   // deadlocks (GraphCycles showed in server profiles under load); a serving process does not pay for that.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
@@ -433,6 +465,20 @@ int main(int argc, char** argv) {
   }
 
   mita::server::ServerMetrics metrics(mita::server::MetricsModelInfos(**registry));
+  // What the calibration batches freed goes back to the system now, and the heap keeps at most the limit free from
+  // here on (kernels::FreedMemoryLimit, checked every second; its figures in mita_heap_*).
+  std::unique_ptr<mita::kernels::FreedMemoryLimit> freed_memory_limit;
+  int64_t returned_at_start = 0;
+  if (keep_freed_memory && freed_memory_limit_bytes > 0) {
+    freed_memory_limit = std::make_unique<mita::kernels::FreedMemoryLimit>(
+        freed_memory_limit_bytes, absl::Seconds(1), [&metrics](const mita::kernels::FreedMemoryLimit::Stats& stats) {
+          metrics.SetHeapMemory(stats.kept_bytes, stats.returned_bytes);
+        });
+    returned_at_start = freed_memory_limit->stats().returned_bytes;
+  } else {
+    returned_at_start = mita::kernels::ReturnFreedMemory();
+  }
+  metrics.SetHeapMemory(0, returned_at_start);
   front_end.message_size = std::make_shared<mita::server::MessageSizeGuard>(message_limits, metrics.registry().get());
   std::unique_ptr<mita::server::MetricsHttpServer> metrics_server;
   if (!metrics_listen.empty()) {
@@ -452,11 +498,12 @@ int main(int argc, char** argv) {
   // Open Inference Protocol (KServe V2) on the same port, on the same engine.
   mita::server::OpenInferenceService open_inference(engine->get(), &metrics, front_end, "0.1.0");
 
-  grpc::EnableDefaultHealthCheckService(true);
+  // grpc.health.v1, served by the server itself (server/health_service.h), open without a token.
+  mita::server::HealthService health(front_end);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int selected_port = 0;
-  builder.AddListeningPort(listen, *credentials, &selected_port);
+  builder.AddListeningPort(mita::server::GrpcListenTarget(*listen_address), *credentials, &selected_port);
   // Without this gRPC sets SO_REUSEPORT, and a second server on the same port would start and share it.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, max_concurrent_streams);
@@ -469,6 +516,9 @@ int main(int argc, char** argv) {
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   front_end.message_size->ConfigureServer(builder);
+  // Compressed requests reach the services as sent, and are inflated after authentication within the limit.
+  mita::server::ConfigureTransport(builder);
+  builder.RegisterService(&health);
   builder.RegisterService(&mita_v1);
   builder.RegisterService(&open_inference);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -476,12 +526,9 @@ int main(int argc, char** argv) {
     return Fail(absl::StrCat("cannot listen on '", listen,
                              "' (flag --listen): the address is not local, or the port is in use"));
   }
-  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-  if (health != nullptr) {
-    health->SetServingStatus(true);
-    health->SetServingStatus(mita::v1::MitaService::service_full_name(), true);
-    health->SetServingStatus(inference::GRPCInferenceService::service_full_name(), true);
-  }
+  health.SetServingStatus("", true);
+  health.SetServingStatus(mita::v1::MitaService::service_full_name(), true);
+  health.SetServingStatus(inference::GRPCInferenceService::service_full_name(), true);
   open_inference.SetReady(true);
   std::string metrics_line = "metrics disabled";
   if (metrics_server != nullptr) {
@@ -501,17 +548,15 @@ int main(int argc, char** argv) {
                    " batch_threads=", options.batching.num_batch_threads,
                    " long_document_tokens=", options.long_document_tokens, " torch_threads=", at::get_num_threads(),
                    " blas_threads=", blas_threads, " preparation_threads=", preparation_threads,
-                   " keep_freed_memory=", keep_freed_memory ? "true" : "false"));
+                   " keep_freed_memory=", keep_freed_memory ? "true" : "false",
+                   keep_freed_memory ? absl::StrCat(" keep_freed_memory_limit_bytes=", freed_memory_limit_bytes) : "",
+                   "; returned ", returned_at_start >> 20, " MiB of freed memory to the system after start-up"));
 
   int signal_number = 0;
   sigwait(&shutdown_signals, &signal_number);
-  Log(absl::StrCat("received ", signal_number == SIGTERM ? "SIGTERM" : "SIGINT", "; draining (up to ", drain_timeout_s,
+  Log(absl::StrCat("received ", SignalName(signal_number), "; draining (up to ", drain_timeout_s,
                    " s)"));
-  if (health != nullptr) {
-    health->SetServingStatus(false);
-    health->SetServingStatus(mita::v1::MitaService::service_full_name(), false);
-    health->SetServingStatus(inference::GRPCInferenceService::service_full_name(), false);
-  }
+  health.SetServingStatus(false);
   open_inference.SetReady(false);
   const absl::Time drain_start = absl::Now();
   const absl::Time drain_deadline = drain_start + absl::Seconds(drain_timeout_s);
@@ -525,6 +570,8 @@ int main(int argc, char** argv) {
   // them a second. Otherwise calls still running at the drain deadline are cancelled now (their handlers take
   // queued work back and answer).
   const absl::Time stop_deadline = idle ? std::min(drain_deadline, absl::Now() + absl::Seconds(1)) : absl::Now();
+  // Open health watches end now (they have seen NOT_SERVING), instead of holding the stop until its deadline.
+  health.Shutdown();
   server->Shutdown(absl::ToChronoTime(stop_deadline));
   (*engine)->Shutdown();
   server->Wait();

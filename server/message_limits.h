@@ -13,10 +13,13 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <grpcpp/server_builder.h>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "google/protobuf/message_lite.h"
 #include "prometheus/counter.h"
 #include "prometheus/registry.h"
@@ -66,6 +69,16 @@ class MessageSizeGuard {
   // The checks on a size in bytes (what CheckRequest and CheckResponse apply to ByteSizeLong()).
   absl::Status CheckRequestBytes(int64_t bytes) const;
   absl::Status CheckResponseBytes(int64_t bytes) const;
+
+  // Inflates a request message the client compressed with `encoding` ("gzip": RFC 1952; "deflate": the zlib
+  // format of RFC 1950, as gRPC sends it) from `compressed` (its bytes as received, in pieces) into `*message` (in
+  // pieces of at most 256 KiB), stopping as soon as the output passes max_receive_bytes: however far the data would
+  // inflate, this costs at most the limit in memory and the time of inflating it. Errors: RESOURCE_EXHAUSTED (counted) "request message
+  // inflates to more than 4194304 bytes (gzip-compressed, 1061924 bytes on the wire), over the limit of 4194304
+  // bytes (flag --max_receive_message_bytes): ..."; INVALID_ARGUMENT when the bytes are not data of `encoding`
+  // (naming zlib's reason), end before its end, or go on after it; UNIMPLEMENTED for another encoding.
+  absl::Status InflateRequest(absl::string_view encoding, absl::Span<const absl::string_view> compressed,
+                              std::vector<std::string>* message) const;
 
  private:
   MessageSizeLimits limits_;

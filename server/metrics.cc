@@ -253,6 +253,18 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
                                    "their headers), bytes; bounded by --preparation_memory_bytes.")
                              .Register(*registry_)
                              .Add({});
+  heap_kept_free_ = &prometheus::BuildGauge()
+                         .Name("mita_heap_kept_free_bytes")
+                         .Help("Resident memory the C heap holds free for reuse (estimated every second); returned "
+                               "to the system when over --keep_freed_memory_limit_bytes.")
+                         .Register(*registry_)
+                         .Add({});
+  heap_returned_ = &prometheus::BuildCounter()
+                        .Name("mita_heap_returned_bytes_total")
+                        .Help("Resident memory the C heap returned to the system: once at start, after the cost "
+                              "calibration, and whenever it held more than --keep_freed_memory_limit_bytes free.")
+                        .Register(*registry_)
+                        .Add({});
 
   const Histogram::BucketBoundaries count_buckets = PowersOfTwo(12);  // up to 4096 experts
   const Histogram::BucketBoundaries width_buckets = PowersOfTwo(16);  // up to 65536 keys
@@ -347,6 +359,30 @@ void ServerMetrics::CountRequest(RpcMethod method, const ModelMetrics* model, ab
   const CodeCounters& counters =
       (model == nullptr || !IsModelMethod(method)) ? other_requests_[m] : model->requests_[m];
   counters[index]->Increment();
+}
+
+void ServerMetrics::SetHeapMemory(int64_t kept_free_bytes, int64_t returned_bytes) {
+  absl::MutexLock lock(&heap_mu_);
+  heap_kept_free_->Set(static_cast<double>(kept_free_bytes));
+  // The counter follows the running total it is given.
+  const double increase = static_cast<double>(returned_bytes) - heap_returned_->Value();
+  if (increase > 0) heap_returned_->Increment(increase);
+}
+
+void ServerMetrics::CallFinished() {
+  absl::MutexLock lock(&uncounted_mu_);
+  ++uncounted_calls_;
+}
+
+void ServerMetrics::CallCounted() {
+  absl::MutexLock lock(&uncounted_mu_);
+  --uncounted_calls_;
+}
+
+bool ServerMetrics::AwaitFinishedCallsCounted(absl::Duration bound) const {
+  absl::MutexLock lock(&uncounted_mu_);
+  const auto all_counted = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(uncounted_mu_) { return uncounted_calls_ <= 0; };
+  return uncounted_mu_.AwaitWithTimeout(absl::Condition(&all_counted), bound);
 }
 
 }  // namespace mita::server

@@ -238,8 +238,20 @@ class ServerMetrics {
   // ignored for server-wide methods (model=""). Codes outside 0..16 count as UNKNOWN.
   void CountRequest(RpcMethod method, const ModelMetrics* model, absl::StatusCode code);
 
+  // A call is counted when gRPC is done with it (UnaryCallReactor::OnDone), which can be just after its client has
+  // the answer. CallFinished notes a call whose status went to gRPC; CallCounted (after CountRequest) one counted.
+  void CallFinished();
+  void CallCounted();
+  // Waits until every call noted by CallFinished is counted, at most `bound`; returns whether they all are. For
+  // readers of the counts that have their answers (tests).
+  bool AwaitFinishedCallsCounted(absl::Duration bound = absl::Seconds(30)) const;
+
   // Sets mita_preparation_memory_bytes.
   void SetPreparationMemory(int64_t bytes) { preparation_memory_->Set(static_cast<double>(bytes)); }
+
+  // Sets mita_heap_kept_free_bytes, and mita_heap_returned_bytes_total to `returned_bytes`, a running total
+  // (kernels::FreedMemoryLimit::Stats).
+  void SetHeapMemory(int64_t kept_free_bytes, int64_t returned_bytes);
 
   // The registry to serve (MetricsHttpServer) or collect in tests.
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
@@ -252,6 +264,11 @@ class ServerMetrics {
   // mita_requests_total with model="unknown" (model methods) and model="" (server-wide ones), by RpcMethod.
   std::array<CodeCounters, kNumRpcMethods> other_requests_{};
   prometheus::Gauge* preparation_memory_ = nullptr;
+  prometheus::Gauge* heap_kept_free_ = nullptr;
+  prometheus::Counter* heap_returned_ = nullptr;
+  absl::Mutex heap_mu_;  // SetHeapMemory's read and increment of heap_returned_
+  mutable absl::Mutex uncounted_mu_;
+  int64_t uncounted_calls_ ABSL_GUARDED_BY(uncounted_mu_) = 0;  // finished, not yet counted
 };
 
 // The gRPC name of a status code ("OK", "INVALID_ARGUMENT", ...; "UNKNOWN" for codes outside 0..16).

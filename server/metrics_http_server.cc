@@ -23,6 +23,9 @@ constexpr char kTextFormat[] = "text/plain; version=0.0.4; charset=utf-8";
 constexpr char kPlainText[] = "text/plain; charset=utf-8";
 constexpr unsigned int kConnectionTimeoutS = 10;
 constexpr unsigned int kConnectionLimit = 256;
+// Per client address: one client holding idle connections cannot take the others' room (a scrape from another
+// address is answered at once); libmicrohttpd closes a connection over this limit as soon as it accepts it.
+constexpr unsigned int kConnectionLimitPerAddress = 16;
 
 // libmicrohttpd's request callback: answers at the first call, when the request head is in (a body, if any, is
 // not read).
@@ -99,7 +102,8 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   server->daemon_ = MHD_start_daemon(
       MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | (ipv6 ? MHD_USE_IPv6 : 0), 0, nullptr, nullptr,
       &AnswerRequest, server.get(), MHD_OPTION_LISTEN_SOCKET, *listen_fd, MHD_OPTION_CONNECTION_TIMEOUT,
-      kConnectionTimeoutS, MHD_OPTION_CONNECTION_LIMIT, kConnectionLimit, MHD_OPTION_END);
+      kConnectionTimeoutS, MHD_OPTION_CONNECTION_LIMIT, kConnectionLimit, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+      kConnectionLimitPerAddress, MHD_OPTION_END);
   if (server->daemon_ == nullptr) {
     close(*listen_fd);
     server->listen_fd_ = -1;

@@ -18,7 +18,9 @@ namespace mita::server {
 
 // Serves a registry in the Prometheus text format (version 0.0.4) at GET /metrics (HEAD too); other paths get
 // 404 and other methods 405. One event-driven thread serves all connections: idle and slow clients do not
-// delay others. A connection idle for 10 s is closed; at most 256 connections are open at once. Thread-safe.
+// delay others. A connection idle for 10 s is closed; at most 256 connections are open at once, and at most 16 from
+// one client address (more are closed as soon as they are accepted), so that one client cannot lock the others
+// out. Thread-safe.
 class MetricsHttpServer {
  public:
   // Listens on `address`, "host:port" ("0.0.0.0:9464", "127.0.0.1:0", "[::]:9464", "localhost:9464"; port 0

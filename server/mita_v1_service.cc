@@ -261,8 +261,10 @@ class MitaV1Service::ClassifyReactor final : public InferenceReactor {
  public:
   ClassifyReactor(MitaV1Service* service, grpc::CallbackServerContext* context, const grpc::ByteBuffer* wire_request,
                   grpc::ByteBuffer* wire_response)
-      : service_(service), wire_response_(wire_response) {
-    if (!Receive(service_->options_, *service_->metrics_, RpcMethod::kClassify, *context, *wire_request, &request_)) {
+      : InferenceReactor(context, service->metrics_, RpcMethod::kClassify),
+        service_(service),
+        wire_response_(wire_response) {
+    if (!Receive(service_->options_, *wire_request, &request_)) {
       return;
     }
     model_ = request_.model();
@@ -283,7 +285,7 @@ class MitaV1Service::ClassifyReactor final : public InferenceReactor {
       total = result->total;
       status = SendResponse(service_->options_, ToClassifyResponse(*result), wire_response_);
     }
-    FinishCall(this, *service_->metrics_, RpcMethod::kClassify, model_, WordForMitaV1(status), total);
+    FinishCall(model_, WordForMitaV1(status), total);
   }
 
   MitaV1Service* const service_;

@@ -625,9 +625,10 @@ class OpenInferenceService::InferReactor final : public InferenceReactor {
  public:
   InferReactor(OpenInferenceService* service, grpc::CallbackServerContext* context,
                const grpc::ByteBuffer* wire_request, grpc::ByteBuffer* wire_response)
-      : service_(service), wire_response_(wire_response) {
-    if (!Receive(service_->options_, *service_->metrics_, RpcMethod::kModelInfer, *context, *wire_request,
-                 &request_)) {
+      : InferenceReactor(context, service->metrics_, RpcMethod::kModelInfer),
+        service_(service),
+        wire_response_(wire_response) {
+    if (!Receive(service_->options_, *wire_request, &request_)) {
       return;
     }
     model_ = request_.model_name();
@@ -651,7 +652,7 @@ class OpenInferenceService::InferReactor final : public InferenceReactor {
       absl::StatusOr<inference::ModelInferResponse> response = ToModelInferResponse(request_, *result);
       status = response.ok() ? SendResponse(service_->options_, *response, wire_response_) : response.status();
     }
-    FinishCall(this, *service_->metrics_, RpcMethod::kModelInfer, model_, WordForOpenInference(status), total);
+    FinishCall(model_, WordForOpenInference(status), total);
   }
 
   OpenInferenceService* const service_;

@@ -155,9 +155,11 @@ TEST_F(CancellationTest, CallCancelledWhileItsBatchRunsIsNotCountedAsAnswered) {
   }));
   EXPECT_EQ(server->engine->admission_counts().ok, 0);
   EXPECT_EQ(server->engine->admission_counts().failed, 1);
-  EXPECT_EQ(MetricValue(metrics, "mita_requests_total",
-                        {{"method", "Classify"}, {"model", kDocumentModel}, {"code", "CANCELLED"}}),
-            1);
+  // Counted when gRPC is done with the call.
+  EXPECT_TRUE(WaitFor([&] {
+    return MetricValue(metrics, "mita_requests_total",
+                       {{"method", "Classify"}, {"model", kDocumentModel}, {"code", "CANCELLED"}}) == 1;
+  }));
   EXPECT_EQ(MetricValue(metrics, "mita_requests_total",
                         {{"method", "Classify"}, {"model", kDocumentModel}, {"code", "OK"}}),
             0);

@@ -46,6 +46,7 @@
 #include "server/message_limits.h"
 #include "server/metrics.h"
 #include "server/model_registry.h"
+#include "server/unary_call.h"
 #include "tests/server_test_util.h"
 #include "tests/test_util.h"
 #include "tools/fashion_mnist.h"
@@ -133,6 +134,94 @@ TEST(MessageSizeGuardTest, LimitIsInclusiveAndTheErrorNamesTheLimitAndTheFlag) {
   EXPECT_TRUE(guard.CheckResponse(response).ok());
   response.mutable_model()->push_back('m');
   EXPECT_EQ(guard.CheckResponse(response).code(), absl::StatusCode::kResourceExhausted);
+}
+
+// zlib's compress2 (zlib format, "deflate" in gRPC) or a gzip member of `data`.
+std::string Compress(const std::string& data, bool gzip) {
+  z_stream stream{};
+  EXPECT_EQ(deflateInit2(&stream, 9, Z_DEFLATED, gzip ? 15 + 16 : 15, 8, Z_DEFAULT_STRATEGY), Z_OK);
+  std::string out(deflateBound(&stream, data.size()), '\0');
+  stream.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(data.data()));
+  stream.avail_in = static_cast<uInt>(data.size());
+  stream.next_out = reinterpret_cast<Bytef*>(out.data());
+  stream.avail_out = static_cast<uInt>(out.size());
+  EXPECT_EQ(deflate(&stream, Z_FINISH), Z_STREAM_END);
+  out.resize(stream.total_out);
+  deflateEnd(&stream);
+  return out;
+}
+
+std::string Joined(const std::vector<std::string>& pieces) {
+  std::string out;
+  for (const std::string& piece : pieces) out += piece;
+  return out;
+}
+
+// Inflation stops one byte past the limit, however far the data would go, and says why; gzip and deflate in any
+// split inflate to what was compressed; data that is not of its encoding, cut short or followed by more is named.
+TEST(MessageSizeGuardTest, InflationIsBoundedByTheLimitAndBadDataIsNamed) {
+  prometheus::Registry registry;
+  MessageSizeLimits limits;
+  limits.max_receive_bytes = 1 << 20;
+  MessageSizeGuard guard(limits, &registry);
+  std::string message(300000, '\0');
+  for (size_t i = 0; i < message.size(); ++i) message[i] = static_cast<char>((i * 7919) % 251);
+  for (const bool gzip : {true, false}) {
+    const std::string encoding = gzip ? "gzip" : "deflate";
+    SCOPED_TRACE(encoding);
+    const std::string compressed = Compress(message, gzip);
+    std::vector<std::string> out;
+    ASSERT_TRUE(guard.InflateRequest(encoding, {compressed}, &out).ok());
+    EXPECT_EQ(Joined(out), message);
+    EXPECT_GE(out.size(), 2u) << "pieces of at most 256 KiB";
+    // One byte per piece.
+    std::vector<std::string> bytes;
+    for (char c : compressed) bytes.emplace_back(1, c);
+    std::vector<absl::string_view> views(bytes.begin(), bytes.end());
+    ASSERT_TRUE(guard.InflateRequest(encoding, views, &out).ok());
+    EXPECT_EQ(Joined(out), message);
+    // Exactly the limit is served; one byte more is not.
+    ASSERT_TRUE(guard.InflateRequest(encoding, {Compress(std::string(1 << 20, 'a'), gzip)}, &out).ok());
+    EXPECT_EQ(Joined(out).size(), size_t{1} << 20);
+    const std::string over = Compress(std::string((1 << 20) + 1, 'a'), gzip);
+    ExpectStatusParts(guard.InflateRequest(encoding, {over}, &out), absl::StatusCode::kResourceExhausted,
+                      {"request message inflates to more than 1048576 bytes (" + encoding + "-compressed, " +
+                           std::to_string(over.size()) + " bytes on the wire), over the limit of 1048576 bytes",
+                       "flag --max_receive_message_bytes"});
+    EXPECT_TRUE(out.empty());
+    ExpectStatusParts(guard.InflateRequest(encoding, {compressed.substr(0, compressed.size() / 2)}, &out),
+                      absl::StatusCode::kInvalidArgument, {"end before the end of the " + encoding + " data"});
+    ExpectStatusParts(guard.InflateRequest(encoding, {compressed, "x"}, &out), absl::StatusCode::kInvalidArgument,
+                      {"go on after the end of the " + encoding + " data"});
+    ExpectStatusParts(guard.InflateRequest(encoding, {"hello world"}, &out), absl::StatusCode::kInvalidArgument,
+                      {"the request message is flagged " + encoding + "-compressed (grpc-encoding: " + encoding +
+                           "), but its 11 bytes are not " + encoding + " data: "});
+  }
+  // A bomb: 64 MiB of zeros in about 64 KiB stops at the limit.
+  const std::string bomb = Compress(std::string(64 << 20, '\0'), true);
+  EXPECT_LT(bomb.size(), 100000u);
+  std::vector<std::string> out;
+  EXPECT_EQ(guard.InflateRequest("gzip", {bomb}, &out).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(MetricValue(registry, "mita_oversized_messages_total", {{"direction", "request"}}), 3);
+  EXPECT_EQ(guard.InflateRequest("br", {bomb}, &out).code(), absl::StatusCode::kUnimplemented);
+}
+
+// A deadline beyond what std::chrono::system_clock represents (about 2262) is none: gRPC's own conversion wrapped
+// grpc-timeout 2562047H (grpc-go's longest) into the past, so requests were answered DEADLINE_EXCEEDED at once.
+TEST(DeadlineTest, DeadlinesBeyondTheClockAreNoneAndNearerOnesExact) {
+  EXPECT_EQ(DeadlineFromTimespec(gpr_inf_future(GPR_CLOCK_REALTIME)), absl::InfiniteFuture());
+  EXPECT_EQ(DeadlineFromTimespec(gpr_inf_future(GPR_CLOCK_MONOTONIC)), absl::InfiniteFuture());
+  for (const gpr_clock_type clock : {GPR_CLOCK_REALTIME, GPR_CLOCK_MONOTONIC}) {
+    for (const int64_t hours : {int64_t{2562047}, int64_t{2562048}, int64_t{99999999}}) {
+      const gpr_timespec deadline = gpr_time_add(gpr_now(clock), gpr_time_from_seconds(hours * 3600, GPR_TIMESPAN));
+      EXPECT_EQ(DeadlineFromTimespec(deadline), absl::InfiniteFuture()) << hours << "H, clock " << clock;
+    }
+    const absl::Time now = absl::Now();
+    const gpr_timespec far = gpr_time_add(gpr_now(clock), gpr_time_from_seconds(int64_t{2000000} * 3600, GPR_TIMESPAN));
+    EXPECT_LT(absl::AbsDuration(DeadlineFromTimespec(far) - (now + absl::Hours(2000000))), absl::Seconds(60));
+    const gpr_timespec near = gpr_time_add(gpr_now(clock), gpr_time_from_millis(1500, GPR_TIMESPAN));
+    EXPECT_LT(absl::AbsDuration(DeadlineFromTimespec(near) - (now + absl::Milliseconds(1500))), absl::Seconds(60));
+  }
 }
 
 TEST(MessageSizeGuardTest, LimitsOutOfRangeAreRejectedAndTheTransportLimitIsTwice) {

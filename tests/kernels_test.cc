@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -481,6 +482,44 @@ TEST(KeepFreedMemoryForReuse, SecondLargeBufferReusesThePagesOfTheFirst) {
         std::exit(default_refaults && kept_reuses ? 0 : 1);
       },
       ::testing::ExitedWithCode(0), "kept second");
+}
+
+// Touches and frees three 96 MiB buffers (288 MiB the heap then holds free).
+void TouchAndFree() {
+  constexpr size_t kBytes = size_t{96} << 20;
+  std::vector<char*> blocks;
+  for (int i = 0; i < 3; ++i) {
+    blocks.push_back(static_cast<char*>(std::malloc(kBytes)));
+    ASSERT_NE(blocks.back(), nullptr);
+    std::memset(blocks.back(), 1, kBytes);
+  }
+  for (char* block : blocks) std::free(block);
+}
+
+// FreedMemoryLimit: freed memory under the limit stays resident (the next request reuses it); over the limit it
+// is returned to the system, and the limit's start returns what was free then. Checks are called directly (the
+// limit's own thread checks once an hour here).
+TEST(FreedMemoryLimit, FreedMemoryOverTheLimitIsReturnedAndUnderItIsKept) {
+  if (!KeepFreedMemoryForReuse()) GTEST_SKIP() << "glibc refused the mallopt settings";
+  constexpr int64_t kMiB = int64_t{1} << 20;
+  FreedMemoryLimit generous(1024 * kMiB, absl::Hours(1));
+  TouchAndFree();
+  const FreedMemoryLimit::Stats kept = generous.Check();
+  EXPECT_GE(kept.kept_bytes, 250 * kMiB);
+  EXPECT_EQ(kept.returns, 1);  // the one at start
+  const int64_t resident_kept = ReadHeapMemory().resident_anonymous_bytes;
+
+  FreedMemoryLimit tight(64 * kMiB, absl::Hours(1));  // returns the 288 MiB the heap holds free
+  const int64_t resident_returned = ReadHeapMemory().resident_anonymous_bytes;
+  EXPECT_GE(resident_kept - resident_returned, 250 * kMiB);
+  const int64_t returned_at_start = tight.stats().returned_bytes;
+  EXPECT_GE(returned_at_start, 250 * kMiB);
+  TouchAndFree();
+  const FreedMemoryLimit::Stats returned = tight.Check();
+  EXPECT_EQ(returned.returns, 2);
+  EXPECT_EQ(returned.kept_bytes, 0);
+  EXPECT_GE(returned.returned_bytes - returned_at_start, 250 * kMiB);
+  EXPECT_LE(ReadHeapMemory().resident_anonymous_bytes - resident_returned, 64 * kMiB);
 }
 
 // Explicit random landmarks (not pooled from q) and M > N also work.

@@ -72,6 +72,7 @@ void SetString(inference::ModelInferRequest& request, const std::string& name, c
 // Calls of `method` about `model` answered with `code`, in mita_requests_total.
 double CallCount(const ServerMetrics& metrics, const std::string& method, const std::string& code,
                  const std::string& model = kModel) {
+  metrics.AwaitFinishedCallsCounted();
   return test_util::MetricValue(*metrics.registry(), "mita_requests_total",
                                 {{"method", method}, {"model", model}, {"code", code}});
 }

@@ -1,9 +1,12 @@
-// The edges of a real mita-server process: its listening port (exclusive, validated), SIGTERM during start-up,
-// and the threads held by calls that never send their request (stuck streams).
+// The edges of a real mita-server process: its listening port (exclusive, validated, ":PORT" on every address),
+// SIGTERM during start-up, SIGHUP, and the threads held by calls that never send their request (stuck streams).
 #include <grpcpp/create_channel.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -21,6 +24,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
@@ -148,6 +152,86 @@ TEST(ProcessEdgesTest, InvalidListenAddressesAreStartUpErrors) {
     ASSERT_TRUE(WIFEXITED(status));
     EXPECT_EQ(WEXITSTATUS(status), 1);
     EXPECT_THAT(ReadFile(log), HasSubstr(expected));
+  }
+}
+
+// The local addresses a client can reach the server at: 127.0.0.1, ::1 when the machine has IPv6 loopback, and
+// the machine's other IPv4 and global IPv6 addresses (getifaddrs), as gRPC targets ("ipv4:A:P", "ipv6:[A]:P").
+std::vector<std::string> LocalTargets(int port) {
+  std::vector<std::string> targets = {absl::StrCat("ipv4:127.0.0.1:", port)};
+  ifaddrs* addresses = nullptr;
+  if (getifaddrs(&addresses) != 0) return targets;
+  for (ifaddrs* a = addresses; a != nullptr; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr) continue;
+    char text[INET6_ADDRSTRLEN] = {};
+    if (a->ifa_addr->sa_family == AF_INET) {
+      const in_addr address = reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr;
+      if (ntohl(address.s_addr) == INADDR_LOOPBACK) continue;
+      inet_ntop(AF_INET, &address, text, sizeof(text));
+      targets.push_back(absl::StrCat("ipv4:", text, ":", port));
+    } else if (a->ifa_addr->sa_family == AF_INET6) {
+      const in6_addr& address = reinterpret_cast<sockaddr_in6*>(a->ifa_addr)->sin6_addr;
+      if (IN6_IS_ADDR_LINKLOCAL(&address)) continue;  // needs a scope id
+      inet_ntop(AF_INET6, &address, text, sizeof(text));
+      targets.push_back(absl::StrCat("ipv6:[", text, "]:", port));
+    }
+  }
+  freeifaddrs(addresses);
+  return targets;
+}
+
+// --listen=:PORT (the form the flag's own error message recommends) listens on every address, IPv4 and IPv6;
+// gRPC itself refuses ":PORT", and before 2026-12-05 the server loaded its models and then exited "cannot listen".
+TEST(ProcessEdgesTest, ListenOnColonPortServesEveryAddress) {
+  const std::string log = LogPath("colon_port");
+  const pid_t pid = StartServer({"--listen=:0"}, log);
+  const int port = WaitForPort(log);
+  ASSERT_GT(port, 0) << ReadFile(log);
+  const std::vector<std::string> targets = LocalTargets(port);
+  std::printf("--listen=:0 bound port %d; health checked at %s\n", port, absl::StrJoin(targets, ", ").c_str());
+  for (const std::string& target : targets) {
+    std::string bytes;
+    const grpc::Status status = server::HealthCheckCall(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()),
+                                                        "", std::chrono::seconds(10), &bytes);
+    EXPECT_TRUE(status.ok()) << target << ": " << status.error_message();
+    EXPECT_EQ(bytes, std::string("\x08\x01", 2)) << target;
+  }
+  StopAndExpectZero(pid, log);
+}
+
+// SIGHUP drains like SIGTERM (health NOT_SERVING, admitted requests answered, exit 0): before 2026-12-05 it killed
+// the server at once. A server started with SIGHUP ignored (nohup) keeps ignoring it.
+TEST(ProcessEdgesTest, SighupDrainsLikeSigtermUnlessStartedIgnoringIt) {
+  {
+    const std::string log = LogPath("sighup");
+    const pid_t pid = StartServer({"--listen=127.0.0.1:0"}, log);
+    ASSERT_GT(WaitForPort(log), 0) << ReadFile(log);
+    kill(pid, SIGHUP);
+    const int status = WaitForExit(pid, absl::Seconds(60));
+    ASSERT_TRUE(WIFEXITED(status)) << "wait status " << status << "\n" << ReadFile(log);
+    EXPECT_EQ(WEXITSTATUS(status), 0) << ReadFile(log);
+    EXPECT_THAT(ReadFile(log), HasSubstr("received SIGHUP; draining"));
+    EXPECT_THAT(ReadFile(log), HasSubstr("stopped after draining"));
+  }
+  {
+    const std::string log = LogPath("nohup");
+    struct sigaction ignore {}, previous {};
+    ignore.sa_handler = SIG_IGN;
+    sigaction(SIGHUP, &ignore, &previous);
+    const pid_t pid = StartServer({"--listen=127.0.0.1:0"}, log);  // inherits SIG_IGN, as under nohup
+    sigaction(SIGHUP, &previous, nullptr);
+    const int port = WaitForPort(log);
+    ASSERT_GT(port, 0) << ReadFile(log);
+    kill(pid, SIGHUP);
+    std::string bytes;
+    EXPECT_TRUE(server::HealthCheckCall(grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
+                                                            grpc::InsecureChannelCredentials()),
+                                        "", std::chrono::seconds(10), &bytes)
+                    .ok());
+    EXPECT_EQ(bytes, std::string("\x08\x01", 2)) << "still SERVING after the ignored SIGHUP";
+    StopAndExpectZero(pid, log);
+    EXPECT_THAT(ReadFile(log), Not(HasSubstr("received SIGHUP")));
+    EXPECT_THAT(ReadFile(log), HasSubstr("received SIGTERM; draining"));
   }
 }
 

@@ -7,7 +7,6 @@
 #include <grpcpp/completion_queue.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 #include <grpcpp/support/byte_buffer.h>
@@ -158,7 +157,7 @@ InProcessServer::InProcessServer(const server::ModelRegistry* registry, InProces
         std::make_unique<server::OpenInferenceService>(engine_.get(), metrics_.get(), options.front_end, "test");
     open_inference_->SetReady(true);
   }
-  if (options.health) grpc::EnableDefaultHealthCheckService(true);
+  if (options.health) health_ = std::make_unique<server::HealthService>(options.front_end);
   if (options.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
@@ -166,6 +165,8 @@ InProcessServer::InProcessServer(const server::ModelRegistry* registry, InProces
       "127.0.0.1:0", options.credentials != nullptr ? options.credentials : grpc::InsecureServerCredentials(), &port);
   if (guard != nullptr) guard->ConfigureServer(builder);
   if (options.max_receive_message_bytes > 0) builder.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
+  server::ConfigureTransport(builder);  // as mita-server: compressed requests are inflated by the services
+  if (health_ != nullptr) builder.RegisterService(health_.get());
   builder.RegisterService(mita_v1_.get());
   if (open_inference_ != nullptr) builder.RegisterService(open_inference_.get());
   server_ = builder.BuildAndStart();
@@ -173,9 +174,9 @@ InProcessServer::InProcessServer(const server::ModelRegistry* registry, InProces
     status_ = absl::UnavailableError("cannot start the gRPC server on 127.0.0.1:0");
     return;
   }
-  if (options.health) {
-    server_->GetHealthCheckService()->SetServingStatus(true);
-    server_->GetHealthCheckService()->SetServingStatus(v1::MitaService::service_full_name(), true);
+  if (health_ != nullptr) {
+    health_->SetServingStatus("", true);
+    health_->SetServingStatus(v1::MitaService::service_full_name(), true);
   }
   target_ = absl::StrCat("127.0.0.1:", port);
   if (options.credentials == nullptr) client_ = client::MitaClient::Connect(target_);

@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "client/mita_client.h"
 #include "prometheus/registry.h"
+#include "server/health_service.h"
 #include "server/unary_call.h"
 #include "server/inference_engine.h"
 #include "server/mita_v1_service.h"
@@ -58,7 +59,8 @@ struct InProcessServerOptions {
   // Set: message size limits as mita-server sets them up (a MessageSizeGuard counting rejections in this
   // server's registry, front_end.message_size, and gRPC's transport limits from it).
   std::optional<server::MessageSizeLimits> message_limits;
-  // grpc.health.v1 (gRPC's default service), SERVING for the server and for mita.v1.MitaService.
+  // grpc.health.v1 (server/health_service.h, as mita-server serves it), SERVING for the server and for
+  // mita.v1.MitaService.
   bool health = false;
   // Server reflection (a process-wide gRPC plugin: every server started after it has reflection).
   bool reflection = false;
@@ -92,7 +94,12 @@ class InProcessServer {
   server::InferenceEngine& engine() { return *engine_; }
   server::OpenInferenceService* open_inference() { return open_inference_.get(); }
   server::ServerMetrics& metrics() { return *metrics_; }
-  const prometheus::Registry& registry() const { return *metrics_->registry(); }
+  // The registry, once every call whose answer went out is counted (calls are counted when gRPC is done with them,
+  // which can be just after the client has its answer; ServerMetrics::AwaitFinishedCallsCounted).
+  const prometheus::Registry& registry() const {
+    metrics_->AwaitFinishedCallsCounted();
+    return *metrics_->registry();
+  }
   // The /metrics port (options.metrics_http), else 0.
   int metrics_port() const { return metrics_server_ != nullptr ? metrics_server_->port() : 0; }
   grpc::Server* grpc_server() { return server_.get(); }
@@ -104,6 +111,7 @@ class InProcessServer {
   std::unique_ptr<server::InferenceEngine> engine_;
   std::unique_ptr<server::MitaV1Service> mita_v1_;
   std::unique_ptr<server::OpenInferenceService> open_inference_;
+  std::unique_ptr<server::HealthService> health_;
   std::unique_ptr<grpc::Server> server_;
   std::string target_;
   std::unique_ptr<client::MitaClient> client_;

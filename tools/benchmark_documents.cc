@@ -14,7 +14,8 @@
 // Memory: with --keep_freed_memory (default) each child calls mita::kernels::KeepFreedMemoryForReuse()
 // (mallopt(M_MMAP_MAX, 0), mallopt(M_TRIM_THRESHOLD, max)), as mita-server does by default, so that multi-MiB
 // buffers are reused from the heap instead of being mapped and page-faulted in again at every layer (a fresh
-// 64 MiB buffer costs ~220 ms of page faults on this machine); the same setting applies to every case.
+// 64 MiB buffer costs ~220 ms of page faults on this machine); the same setting applies to every case. Above
+// --keep_freed_memory_limit_bytes of freed memory (checked every second) the heap returns it, as mita-server's does.
 // --pack=P adds, per case, one packed forward of P copies of the document (the server's packed batch) timed
 // alternately with the P forwards one after another; --full=false leaves out full attention.
 // --device=cuda:N (--weights_dtype=bfloat16) runs the children on a CUDA device (ids copied from pinned memory;
@@ -31,6 +32,7 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -64,6 +66,9 @@ ABSL_FLAG(int, threads, 2, "LibTorch intra-op threads");
 ABSL_FLAG(std::string, device, "cpu", "where the model runs: cpu or cuda:N");
 ABSL_FLAG(std::string, weights_dtype, "float32", "float32, or bfloat16 on a CUDA device");
 ABSL_FLAG(bool, keep_freed_memory, true, "mallopt: keep freed memory in the heap for reuse (see the file comment)");
+ABSL_FLAG(int64_t, keep_freed_memory_limit_bytes, int64_t{512} << 20,
+          "with --keep_freed_memory: the most resident memory the heap keeps free, as mita-server's flag of the same "
+          "name (checked every second, returned above it; kernels::FreedMemoryLimit); 0: no limit");
 // Internal: run one case and print one result line.
 ABSL_FLAG(bool, child, false, "internal: run one case (used by the parent process)");
 ABSL_FLAG(std::string, ids_file, "", "internal: token ids, raw int64");
@@ -81,7 +86,12 @@ int64_t MaxRssKilobytes() {
 
 // One case in this (child) process: prints "RESULT median_ms=... baseline_kb=... peak_kb=...".
 int RunChild() {
-  if (absl::GetFlag(FLAGS_keep_freed_memory)) mita::kernels::KeepFreedMemoryForReuse();
+  std::unique_ptr<mita::kernels::FreedMemoryLimit> freed_memory_limit;
+  if (absl::GetFlag(FLAGS_keep_freed_memory) && mita::kernels::KeepFreedMemoryForReuse() &&
+      absl::GetFlag(FLAGS_keep_freed_memory_limit_bytes) > 0) {
+    freed_memory_limit = std::make_unique<mita::kernels::FreedMemoryLimit>(
+        absl::GetFlag(FLAGS_keep_freed_memory_limit_bytes), absl::Seconds(1));
+  }
   mita::kernels::SetIntraOpThreads(absl::GetFlag(FLAGS_threads));
   absl::StatusOr<mita::models::Placement> placement =
       mita::models::ParsePlacement(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_weights_dtype));
@@ -274,7 +284,8 @@ int main(int argc, char** argv) {
           " --full_repeats=", absl::GetFlag(FLAGS_full_repeats), " --pack=", absl::GetFlag(FLAGS_pack),
           " --device=", absl::GetFlag(FLAGS_device),
           " --weights_dtype=", absl::GetFlag(FLAGS_weights_dtype),
-          " --keep_freed_memory=", absl::GetFlag(FLAGS_keep_freed_memory) ? "true" : "false");
+          " --keep_freed_memory=", absl::GetFlag(FLAGS_keep_freed_memory) ? "true" : "false",
+          " --keep_freed_memory_limit_bytes=", absl::GetFlag(FLAGS_keep_freed_memory_limit_bytes));
       FILE* pipe = popen(command.c_str(), "r");
       CaseResult result;
       char line[512];

@@ -69,6 +69,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <memory>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -109,6 +110,9 @@ ABSL_FLAG(bool, keep_freed_memory, true,
           "keep freed memory in the C heap for the next run, as mita-server does by default "
           "(kernels/runtime_environment.h); false: glibc's default, which maps and faults in every block over its "
           "mmap threshold afresh each run");
+ABSL_FLAG(int64_t, keep_freed_memory_limit_bytes, int64_t{512} << 20,
+          "with --keep_freed_memory: the most resident memory the heap keeps free, as mita-server's flag of the same "
+          "name (checked every second, returned above it; kernels::FreedMemoryLimit); 0: no limit");
 ABSL_FLAG(bool, phases, false, "also print the CPU kernel's time per phase (one extra run per row)");
 
 namespace {
@@ -234,6 +238,12 @@ int main(int argc, char** argv) {
   mita::kernels::SetIntraOpThreads(threads);
   const bool keep_freed_memory =
       absl::GetFlag(FLAGS_keep_freed_memory) && mita::kernels::KeepFreedMemoryForReuse();
+  const int64_t freed_memory_limit_bytes = absl::GetFlag(FLAGS_keep_freed_memory_limit_bytes);
+  std::unique_ptr<mita::kernels::FreedMemoryLimit> freed_memory_limit;
+  if (keep_freed_memory && freed_memory_limit_bytes > 0) {
+    freed_memory_limit =
+        std::make_unique<mita::kernels::FreedMemoryLimit>(freed_memory_limit_bytes, absl::Seconds(1));
+  }
   at::NoGradGuard no_grad;
 
   std::vector<int64_t> token_counts = ParseIntegers(absl::GetFlag(FLAGS_tokens));
@@ -248,11 +258,12 @@ int main(int argc, char** argv) {
   std::sort(token_counts.begin(), token_counts.end());  // extrapolation uses smaller N
 
   const double gemm_rate = MeasureGemmRate(absl::GetFlag(FLAGS_gemm_size));
-  std::printf("batch size %lld, threads %d, OMP_WAIT_POLICY=%s, keep_freed_memory=%s, fp32 GEMM rate (at::mm "
-              "%lld^3, best of 5) %.1f GFLOP/s\n\n",
+  std::printf("batch size %lld, threads %d, OMP_WAIT_POLICY=%s, keep_freed_memory=%s (limit %lld bytes), fp32 "
+              "GEMM rate (at::mm %lld^3, best of 5) %.1f GFLOP/s\n\n",
               static_cast<long long>(std::max<int64_t>(1, absl::GetFlag(FLAGS_batch_size))), threads,
               std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "(unset)",
               keep_freed_memory ? "true" : "false",
+              static_cast<long long>(freed_memory_limit != nullptr ? freed_memory_limit_bytes : 0),
               static_cast<long long>(absl::GetFlag(FLAGS_gemm_size)), gemm_rate);
   std::printf(
       "| N | d | H | m | k | MiTA ms | faults | GFLOP/s | GEMM | %%GEMM | full ms | x full | ref ms | x ref "
