@@ -9,7 +9,10 @@ random weights (no download; noise on every parameter so that none keeps a const
   2. PyTorch eager logits on 224x224 RGB images (PNG, made here) at three budgets (the official default m = 25,
      k = 25, and m = 9, k = 16 and m = 49, k = 64) and full attention;
   3. the C++ forward of the converted package (build/tools/mita-forward, all budgets mixed in one batch) must give
-     the same logits within 1e-4;
+     the same logits within 1e-4 plus twice the reference's own rounding sensitivity (|float32 - float64 PyTorch
+     logits|): random weights put the k-th and (k+1)-th landmark scores, or the top two gate scores, within a
+     float32 ulp of each other somewhere, and there the chosen keys depend on the order of summation (a few of
+     9 MiTA rows per model; their count is bounded and printed);
   4. mita-server serves the package: the PNGs sent through Triton's client (tritonclient.grpc) at each budget
      must come back with softmax(PyTorch logits) as scores (log-scores within 1e-4 of log-softmax), the server's
      decoding and normalisation included.
@@ -17,6 +20,7 @@ A stock timm DeiT-Tiny (timm's own attention, fused scaled_dot_product_attention
 --full_attention_default and runs with full attention: the C++ logits equal timm's own within 1e-4, and its
 MiTA preset runs.
 """
+import copy
 import os
 import re
 import signal
@@ -103,8 +107,15 @@ def served_scores(client, model, png_path, budget):
     return torch.from_numpy(result.as_numpy("scores").copy())
 
 
-def check_served(client, model, paths, reference_logits):
-    """The served scores of each (image, budget) against softmax of the reference logits [images, budgets, C]."""
+def allowed_difference(reference, reference64):
+    """Per (image, budget): TOLERANCE plus twice the largest |float32 - float64| reference logit difference, the
+    width of the rounding-decided key choices (see the module doc). reference*: [images, budgets, C]."""
+    return TOLERANCE + 2 * (reference - reference64).abs().amax(dim=-1)
+
+
+def check_served(client, model, paths, reference_logits, allowed):
+    """The served scores of each (image, budget) against softmax of the reference logits [images, budgets, C],
+    within allowed[image, budget]."""
     worst = 0.0
     for i, path in enumerate(paths):
         for j, budget in enumerate(BUDGETS if reference_logits.shape[1] == len(BUDGETS) else [None]):
@@ -112,7 +123,7 @@ def check_served(client, model, paths, reference_logits):
             expected = torch.log_softmax(reference_logits[i, j].double(), dim=0)
             difference = (scores.double().log() - expected).abs().max().item()
             worst = max(worst, difference)
-            assert difference <= TOLERANCE, (model, path, budget, difference)
+            assert difference <= allowed[i, j], (model, path, budget, difference, allowed[i, j].item())
     print(f"{model}: served log-scores within {worst:.2e} of PyTorch's log-softmax")
 
 
@@ -132,13 +143,24 @@ def main():
             package = os.path.join(repository, name.replace("_", "-"))
             convert(checkpoint, package, heads)
 
+            model64 = copy.deepcopy(model).double()
             with torch.no_grad():
-                reference = []
+                reference, reference64 = [], []
                 for budget in BUDGETS:
                     set_budget(model, budget)
+                    set_budget(model64, budget)
                     reference.append(model(inputs))
+                    reference64.append(model64(inputs.double()).float())
             reference = torch.stack(reference, dim=1)  # [images, budgets, 1000]
-            references[name] = reference
+            allowed = allowed_difference(reference, torch.stack(reference64, dim=1))
+            # Full attention has no key choice: its rows stay at TOLERANCE; a few MiTA rows at most are
+            # rounding-decided, or the test would no longer check the kernel.
+            assert (allowed[:, 3] <= 1.1 * TOLERANCE).all(), allowed
+            rounding_decided = int((allowed > 1.1 * TOLERANCE).sum())
+            assert rounding_decided <= 3, allowed
+            print(f"{name}: {rounding_decided} of {allowed[:, :3].numel()} MiTA rows rounding-decided "
+                  f"(float32 and float64 PyTorch differ by more than {TOLERANCE / 20:.0e})")
+            references[name] = (reference, allowed)
             # One C++ batch: every image at every budget, mixed.
             items = [(i, j) for i in range(inputs.shape[0]) for j in range(len(BUDGETS))]
             logits = cpp_logits(package, inputs[[i for i, _ in items]],
@@ -147,8 +169,8 @@ def main():
                 difference = (logits[row] - reference[i, j]).abs().max().item()
                 scale = reference[i, j].abs().max().item()
                 print(f"{name} image {i} budget {cpp_budget(BUDGETS[j])}: max |C++ - PyTorch| = {difference:.2e} "
-                      f"(logits up to {scale:.2f})")
-                assert difference <= TOLERANCE, (name, i, BUDGETS[j], difference)
+                      f"(logits up to {scale:.2f}, allowed {allowed[i, j]:.2e})")
+                assert difference <= allowed[i, j], (name, i, BUDGETS[j], difference, allowed[i, j].item())
             # Different budgets are different computations: the comparison would catch a budget not applied.
             assert (reference[:, 0] - reference[:, 3]).abs().max() > 100 * TOLERANCE
 
@@ -171,9 +193,10 @@ def main():
         process, port = start_server(BUILD_DIR, repository, work)
         try:
             client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-            for name, reference in references.items():
-                check_served(client, name.replace("_", "-"), paths, reference)
-            check_served(client, "deit-tiny-stock", paths, stock_reference[:, None])
+            for name, (reference, allowed) in references.items():
+                check_served(client, name.replace("_", "-"), paths, reference, allowed)
+            check_served(client, "deit-tiny-stock", paths, stock_reference[:, None],
+                         torch.full((len(paths), 1), TOLERANCE))
             # The stock model's default budget is full attention, its preset "mita" the converter's MiTA budget.
             tensor = grpcclient.InferInput("image", [1], "BYTES")
             tensor.set_data_from_numpy(np.array([open(paths[0], "rb").read()], dtype=np.object_))
