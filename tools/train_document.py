@@ -1,9 +1,10 @@
 """Trains a MiTA document classifier package on a corpus from tools/build_document_corpus.py.
 
-Usage (reproduces models/repository/texlive-doc-mita, the main job's document model; the command, its time and
-its figures are in docs/long_documents.md):
-  OMP_WAIT_POLICY=passive /opt/mita/peers/bin/python tools/train_document.py --corpus build/texlive-doc-corpus \\
-      --out models/repository/texlive-doc-mita --steps 2400 --window 4096 --threads 2
+Usage (reproduces models/repository/texlive-doc-mita, the main job's document model, in two stages: the first
+model's 256-token recipe, then long windows from its weights; commands, time and figures in
+docs/long_documents.md "Model and training"):
+  OMP_WAIT_POLICY=passive /opt/mita/peers/bin/python tools/train_document.py --corpus build/texlive-doc-corpus \
+      --out models/repository/texlive-doc-mita --init FIRST_STAGE_PACKAGE --seed 1 --max-minutes 50
 
 What a step is: --batch training documents, each cut to a window of at most --window tokens (a document that
 short is taken whole); with probability --start-rate the window is the document's beginning, otherwise it
@@ -15,12 +16,13 @@ same weights serve every budget and full attention. The model pools with attenti
 and logarithmic position buckets: tools/mita_reference.py AttentionPooling; the window's tokens carry their
 position in the document) or with the mean (--pooling mean, the earlier packages).
 
---validation-fraction F holds out the training documents of a fraction F of the source groups (a CTAN package's
-folder, read from the corpus' source column) and evaluates whole documents (cut to max_tokens) at the default
-budget on them every --checkpoint-every steps, writing the package of the best one so far; with F = 0 (the
-default) the package is rewritten at every checkpoint. The held-out split is never read. --resume continues a run
-from its --state file (model, optimizer, schedule, random state), written at every checkpoint, so a run stopped
-by --max-minutes or killed can go on.
+--validation-fraction F holds out the training documents of a fraction F of the source groups (a CTAN package, as
+the corpus builder groups them for its held-out split, read from the corpus' source column) and evaluates whole
+documents (cut to max_tokens) at the default budget on them every --checkpoint-every steps, writing the package of
+the best one so far; with F = 0 (the default) the package is rewritten at every checkpoint. The held-out split is
+never read. --resume continues a run from its --state file (model, optimizer, schedule, random state), written at
+every checkpoint, so a run stopped by --max-minutes or killed can go on. --init starts from a package's weights (the
+same sizes; attention pooling's scores start at zero, so a mean-pooling package starts as it was).
 """
 import argparse
 import hashlib
@@ -34,16 +36,27 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mita_reference import MitaDocument, document_config, mita_attention, save_safetensors
+from mita_reference import MitaDocument, document_config, load_safetensors, mita_attention, save_safetensors
 from mita_sparse import sparse_mita_attention
 
 # Budgets of the MiTA steps: the presets (fast, default/balanced, accurate) and others around them.
 TRAIN_BUDGETS = [(4, 16), (8, 32), (16, 64), (32, 128), (16, 32), (64, 64), (8, 128), (32, 32)]
 
 
+def source_group(source):
+    """The group of a document's source, as tools/build_document_corpus.py groups the TeX Live documentation
+    (`package:tree/ctan-package/.../x.pdf` -> `tree/ctan-package`, `latex-dev` read as `latex`; `package:tree/x.pdf`
+    -> `tree`): the unit a CTAN package's manuals, translations and examples share, which its held-out split never
+    cuts. A source without that form (JSON lines) is its own group."""
+    if ":" not in source:
+        return source
+    parts = source.split(":", 1)[1].split("/")
+    tree = parts[0].removesuffix("-dev")
+    return f"{tree}/{parts[1]}" if len(parts) > 2 else tree
+
+
 def read_split(corpus, split):
-    """(ids, labels, groups) of a corpus split; a document's group is its source's folder (`package:path/x.pdf`
-    -> `path`, a leading `latex-dev` read as `latex`), the unit a CTAN package's translations share."""
+    """(ids, labels, groups) of a corpus split (groups: source_group of each document's source)."""
     with open(os.path.join(corpus, f"{split}.tsv")) as f:
         rows = [line.rstrip("\n").split("\t") for line in f if line.strip()]
     with open(os.path.join(corpus, f"{split}.ids")) as f:
@@ -53,12 +66,9 @@ def read_split(corpus, split):
         tokens = torch.tensor([int(t) for t in line.split()], dtype=torch.long)
         if tokens.numel() == 0:
             continue
-        source = row[2] if len(row) > 2 else row[0]
-        folder = os.path.dirname(source.split(":", 1)[-1]) or source
-        first, _, rest = folder.partition("/")
         ids.append(tokens)
         labels.append(int(row[1]))
-        groups.append("/".join(part for part in (first.removesuffix("-dev"), rest) if part))
+        groups.append(source_group(row[2] if len(row) > 2 else row[0]))
     return ids, torch.tensor(labels), groups
 
 
@@ -115,32 +125,35 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=2400)
-    parser.add_argument("--batch", type=int, default=8, help="documents per step (with --min-window: the most)")
-    parser.add_argument("--window", type=int, default=4096, help="longest training window, tokens")
-    parser.add_argument("--min-window", type=int, default=0,
-                        help="when set, each step draws its window length log-uniformly from [--min-window, --window] "
-                             "and takes --tokens-per-step / length documents (at most --batch)")
-    parser.add_argument("--tokens-per-step", type=int, default=32768)
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--batch", type=int, default=32, help="documents per step (with --min-window: the most)")
+    parser.add_argument("--window", type=int, default=8192, help="longest training window, tokens")
+    parser.add_argument("--min-window", type=int, default=256,
+                        help="each step draws its window length log-uniformly from [--min-window, --window] and takes "
+                             "--tokens-per-step / length documents (at most --batch); 0: every window --window long, "
+                             "--batch documents")
+    parser.add_argument("--tokens-per-step", type=int, default=24576)
     parser.add_argument("--start-rate", type=float, default=0.5, help="share of windows at a document's start")
     parser.add_argument("--full-every", type=int, default=8, help="every N-th step runs full attention (0: never)")
-    parser.add_argument("--full-window", type=int, default=2048, help="longest window of a full-attention step")
+    parser.add_argument("--full-window", type=int, default=4096, help="longest window of a full-attention step")
     parser.add_argument("--attention", choices=["sparse", "dense"], default="sparse",
                         help="MiTA for training: sparse (tools/mita_sparse.py) or the dense twin (N^2 memory)")
     parser.add_argument("--pooling", choices=["attention", "mean"], default="attention")
     parser.add_argument("--pool-heads", type=int, default=4)
     parser.add_argument("--position-buckets", type=int, default=17, help="attention pooling's position buckets")
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--weight-decay", type=float, default=0.05)
-    parser.add_argument("--token-dropout", type=float, default=0.0,
+    parser.add_argument("--token-dropout", type=float, default=0.1,
                         help="training only: share of window tokens dropped (a regulariser)")
-    parser.add_argument("--dropout", type=float, default=0.0,
+    parser.add_argument("--dropout", type=float, default=0.1,
                         help="training only: dropout on the embedded tokens and the blocks' residual branches")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--checkpoint-every", type=int, default=200)
+    parser.add_argument("--checkpoint-every", type=int, default=250)
     parser.add_argument("--max-minutes", type=float, default=88, help="stop (after a checkpoint) past this time")
     parser.add_argument("--validation-fraction", type=float, default=0.0)
+    parser.add_argument("--init", help="start from this package's weights (same sizes; a mean-pooling package "
+                        "starts attention pooling at its zero-initialised scores, i.e. at the mean)")
     parser.add_argument("--state", help="resumable training state (default: OUT/../<name>.state.pt, not packaged)")
     parser.add_argument("--resume", action="store_true", help="continue from --state")
     parser.add_argument("--embed-dim", type=int, default=64)
@@ -172,6 +185,13 @@ def main():
                           pooling=pooling)
     model = MitaDocument(cfg, attention=sparse_mita_attention if args.attention == "sparse" else mita_attention,
                          dropout=args.dropout)
+    if args.init:
+        weights = load_safetensors(os.path.join(args.init, "model.safetensors"))
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if unexpected or any(not name.startswith("pool.") for name in missing):
+            raise SystemExit(f"--init {args.init}: the package does not fit these sizes (missing {missing}, "
+                             f"unexpected {unexpected})")
+        print(f"initialised from {args.init} (new: {', '.join(missing) or 'nothing'})", flush=True)
     print(f"{len(training)} training and {len(validation)} validation documents ({len(set(groups))} groups), "
           f"{len(labels)} classes, {sum(p.numel() for p in model.parameters())} parameters", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
