@@ -63,6 +63,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/Context.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -134,6 +135,23 @@ std::vector<int64_t> ParseIntegers(const std::string& text) {
     values.push_back(value);
   }
   return values;
+}
+
+// Whether the largest group's q, k, v and output (4 float32 tensors [B, H, N, d]) fit in the machine's physical
+// memory; if not, says so on stderr naming the flags (a refused allocation would abort the run in LibTorch).
+bool InputsFitInMemory(int64_t tokens, const std::vector<int64_t>& head_dims, const std::vector<int64_t>& heads,
+                       int64_t batch_size) {
+  const double needed = 4.0 * sizeof(float) * static_cast<double>(batch_size) * static_cast<double>(tokens) *
+                        static_cast<double>(*std::max_element(head_dims.begin(), head_dims.end())) *
+                        static_cast<double>(*std::max_element(heads.begin(), heads.end()));
+  const double physical = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+  if (needed <= physical) return true;
+  std::fprintf(stderr,
+               "--tokens=%lld with --batch_size=%lld and the largest --heads and --head_dims needs %.1f GiB for q, k, "
+               "v and the output; this machine has %.1f GiB of memory\n",
+               static_cast<long long>(tokens), static_cast<long long>(batch_size), needed / (1 << 30),
+               physical / (1 << 30));
+  return false;
 }
 
 std::vector<std::pair<int64_t, int64_t>> ParseBudgets(const std::string& text) {
@@ -232,6 +250,11 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "MiTA CPU kernel vs GEMM rate, full attention and the reference kernel. Flags below.");
   absl::ParseCommandLine(argc, argv);
+  if (absl::GetFlag(FLAGS_threads) < 0 || absl::GetFlag(FLAGS_batch_size) < 1) {
+    std::fprintf(stderr, "--threads must be >= 0 (0: all cores) and --batch_size >= 1 (got %d and %lld)\n",
+                 absl::GetFlag(FLAGS_threads), static_cast<long long>(absl::GetFlag(FLAGS_batch_size)));
+    return 2;
+  }
 
   int threads = absl::GetFlag(FLAGS_threads);
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -256,11 +279,12 @@ int main(int argc, char** argv) {
     head_counts = {4};
   }
   std::sort(token_counts.begin(), token_counts.end());  // extrapolation uses smaller N
+  if (!InputsFitInMemory(token_counts.back(), head_dims, head_counts, absl::GetFlag(FLAGS_batch_size))) return 2;
 
   const double gemm_rate = MeasureGemmRate(absl::GetFlag(FLAGS_gemm_size));
   std::printf("batch size %lld, threads %d, OMP_WAIT_POLICY=%s, keep_freed_memory=%s (limit %lld bytes), fp32 "
               "GEMM rate (at::mm %lld^3, best of 5) %.1f GFLOP/s\n\n",
-              static_cast<long long>(std::max<int64_t>(1, absl::GetFlag(FLAGS_batch_size))), threads,
+              static_cast<long long>(absl::GetFlag(FLAGS_batch_size)), threads,
               std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "(unset)",
               keep_freed_memory ? "true" : "false",
               static_cast<long long>(freed_memory_limit != nullptr ? freed_memory_limit_bytes : 0),
@@ -277,7 +301,7 @@ int main(int argc, char** argv) {
   const double full_limit = absl::GetFlag(FLAGS_full_max_seconds);
   const double reference_limit = absl::GetFlag(FLAGS_reference_max_seconds);
   const int repeats = std::max(1, absl::GetFlag(FLAGS_repeats));
-  const int64_t batch_size = std::max<int64_t>(1, absl::GetFlag(FLAGS_batch_size));
+  const int64_t batch_size = absl::GetFlag(FLAGS_batch_size);
   const Clock::time_point run_start = Clock::now();
   const int max_warm_up_runs = absl::GetFlag(FLAGS_max_warm_up_runs);
   // The q, k, v of each (N, d, H) group while a later group at 4 N may still need them (x N/4).
@@ -340,7 +364,12 @@ int main(int argc, char** argv) {
         }
 
         for (const auto& [expert_count, width] : budgets) {
-          if (expert_count > tokens || width > tokens) continue;
+          if (expert_count > tokens || width > tokens) {
+            std::fprintf(stderr, "no row for m=%lld k=%lld at N=%lld: a budget larger than N runs as min(m, N), "
+                         "min(k, N)\n", static_cast<long long>(expert_count), static_cast<long long>(width),
+                         static_cast<long long>(tokens));
+            continue;
+          }
           absl::StatusOr<at::Tensor> landmarks = mita::kernels::SequenceLandmarks(q, expert_count);
           Check(landmarks.status(), "landmarks");
           std::vector<mita::kernels::MitaItem> items;
