@@ -176,6 +176,15 @@ def near_duplicates(texts, threshold=0.5, bands=16):
     return dropped
 
 
+def texlive_group(relative):
+    """The group of a PDF at `relative` (a path under usr/share/doc/texlive-doc/): its CTAN package's folder
+    (`tree/package/.../x.pdf` -> `tree/package`, `latex-dev` read as `latex`; `tree/x.pdf` -> `tree`), the unit a
+    package's manuals, translations and examples share and the held-out split never cuts."""
+    parts = relative.split(os.sep)
+    tree = parts[0].removesuffix("-dev")
+    return f"{tree}/{parts[1]}" if len(parts) > 2 else tree
+
+
 def texlive_documents(args):
     """[(label, group, source, text)] of the TeX Live documentation PDFs that pass the filters."""
     if shutil.which("pdftotext") is None:
@@ -192,9 +201,7 @@ def texlive_documents(args):
                     continue
                 path = os.path.join(directory, name)
                 relative = os.path.relpath(path, doc_root)
-                parts = relative.split(os.sep)
-                tree = parts[0].removesuffix("-dev")
-                group = f"{tree}/{parts[1]}" if len(parts) > 2 else tree
+                group = texlive_group(relative)
                 jobs.append((path, os.path.join(args.work, "text", package, relative + ".txt")))
                 meta.append((label, group, f"{package}:{relative}"))
     print(f"{len(jobs)} PDFs; pdftotext with {args.jobs} processes", flush=True)

@@ -36,6 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from build_document_corpus import texlive_group
 from mita_reference import MitaDocument, document_config, load_safetensors, mita_attention, save_safetensors
 from mita_sparse import sparse_mita_attention
 
@@ -44,15 +45,12 @@ TRAIN_BUDGETS = [(4, 16), (8, 32), (16, 64), (32, 128), (16, 32), (64, 64), (8, 
 
 
 def source_group(source):
-    """The group of a document's source, as tools/build_document_corpus.py groups the TeX Live documentation
-    (`package:tree/ctan-package/.../x.pdf` -> `tree/ctan-package`, `latex-dev` read as `latex`; `package:tree/x.pdf`
-    -> `tree`): the unit a CTAN package's manuals, translations and examples share, which its held-out split never
-    cuts. A source without that form (JSON lines) is its own group."""
+    """The group of a document's source column: for the TeX Live documentation (`package:relative/path.pdf`) the
+    corpus builder's own grouping (build_document_corpus.texlive_group, the unit its held-out split never cuts); a
+    source without that form (JSON lines) is its own group."""
     if ":" not in source:
         return source
-    parts = source.split(":", 1)[1].split("/")
-    tree = parts[0].removesuffix("-dev")
-    return f"{tree}/{parts[1]}" if len(parts) > 2 else tree
+    return texlive_group(source.split(":", 1)[1])
 
 
 def read_split(corpus, split):
