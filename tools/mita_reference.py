@@ -306,8 +306,9 @@ class AttentionPooling(nn.Module):
 class MitaDocument(nn.Module):
     """MiTA long-document classifier. forward(ids [B, N] int64, budget (m, k) or None for full, start [B] int64:
     the position of each row's first token in its document, default 0) -> [B, classes]. `attention`: see
-    DocumentAttention; `dropout`: on the embedded tokens and the blocks' residual branches, training only. config.json "pooling": {"type": "mean"} (the default when absent) or {"type": "attention",
-    "heads": P, "position_buckets": B} (AttentionPooling)."""
+    DocumentAttention; `dropout`: on the embedded tokens and the blocks' residual branches, training only.
+    config.json "pooling": {"type": "mean"} (the default when absent) or {"type": "attention", "heads": P,
+    "position_buckets": B} (AttentionPooling)."""
 
     def __init__(self, cfg, attention=None, dropout=0.0):
         super().__init__()
