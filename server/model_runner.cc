@@ -4,6 +4,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <cmath>
 #include <exception>
 #include <utility>
 #include <vector>
@@ -160,10 +161,17 @@ absl::Duration ModelRunner::PlanningSlackOf(size_t lane, absl::Time now) {
   return load_[lane].slack.SlackAt(now);
 }
 
-absl::Duration ModelRunner::PredictedBatchFill(size_t lane) const {
+double ModelRunner::LaneLoad::BatchSizeAt(absl::Time now) const {
+  if (now <= last_batch_start) return recent_batch_size;
+  const double fade = std::exp(-absl::FDivDuration(now - last_batch_start, kRecentFade));
+  return 1 + (recent_batch_size - 1) * fade;
+}
+
+absl::Duration ModelRunner::PredictedBatchFill(size_t lane, absl::Time now) const {
   absl::MutexLock lock(&load_mu_);
   const LaneLoad& load = load_[lane];
-  const int64_t batch = std::min<int64_t>(load.options.max_batch_size, std::llround(load.recent_batch_size));
+  const int64_t batch =
+      std::min<int64_t>(load.options.max_batch_size, std::llround(load.BatchSizeAt(now)));
   const int64_t ahead_in_batch = load.queued_tasks % load.options.max_batch_size;
   return load.recent_task_compute * std::max<int64_t>(0, batch - 1 - ahead_in_batch);
 }
@@ -222,7 +230,7 @@ absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, uint64_t* tick
   if (planned) {
     const std::vector<models::AttentionBudget> allowed = AllowedOf(admitted);
     const absl::Duration wait = PredictedWait(lane, now);
-    const absl::Duration fill = PredictedBatchFill(lane);
+    const absl::Duration fill = PredictedBatchFill(lane, now);
     const absl::Duration slack = PlanningSlackOf(lane, now);
     metrics_->SetPlanningSlack(slack);
     const BudgetChoice choice =
@@ -364,7 +372,8 @@ void ModelRunner::ProcessBatch(size_t lane, Batch<BatchTask> batch) {
     LaneLoad& load = load_[lane];
     load.running_ends.push_back(start + predicted_compute);
     constexpr double kWeight = 0.2;
-    load.recent_batch_size = (1 - kWeight) * load.recent_batch_size + kWeight * static_cast<double>(batch_size);
+    load.recent_batch_size = (1 - kWeight) * load.BatchSizeAt(start) + kWeight * static_cast<double>(batch_size);
+    load.last_batch_start = std::max(load.last_batch_start, start);
     load.recent_task_compute = (1 - kWeight) * load.recent_task_compute +
                                kWeight * (predicted_compute - cost_.BatchOverhead()) / batch_size;
   }

@@ -117,8 +117,10 @@ class ModelRunner {
   absl::Duration PredictedWait(size_t lane, absl::Time now) const;
   // Predicted compute the requests admitted after one admitted now to `lane` add to its batch: the lane's
   // recent batch size, less the queued tasks ahead of it in its batch, times the recent compute per task (a
-  // request waits for its whole batch, which under load fills with later arrivals).
-  absl::Duration PredictedBatchFill(size_t lane) const;
+  // request waits for its whole batch, which under load fills with later arrivals). The recent batch size fades
+  // toward 1 with the time since the lane's last batch start (LaneLoad::BatchSizeAt), so a lane that went quiet
+  // after a burst does not plan with the burst's batches forever (a refused request starts no batch).
+  absl::Duration PredictedBatchFill(size_t lane, absl::Time now) const;
   // What admission to `lane` subtracts from a request's time left: the lane's PlanningSlack (0 when
   // planning_.slack_percentile is 0).
   absl::Duration PlanningSlackOf(size_t lane, absl::Time now);
@@ -134,9 +136,12 @@ class ModelRunner {
     int64_t queued_tasks = 0;
     std::vector<absl::Time> running_ends;  // predicted end of each running batch
     // Moving averages (weight 0.2) over the batches started: requests per batch, predicted compute per request
-    // without the batch's fixed cost.
+    // without the batch's fixed cost; and when the last batch started.
     double recent_batch_size = 1;
     absl::Duration recent_task_compute;
+    absl::Time last_batch_start = absl::InfinitePast();
+    // recent_batch_size faded toward 1 (an idle lane's batch) by exp(-(now - last_batch_start) / kRecentFade).
+    double BatchSizeAt(absl::Time now) const;
     // How late the lane's planned requests were answered against their predictions.
     PlanningSlack slack;
   };
@@ -153,6 +158,8 @@ class ModelRunner {
   // The planned requests per lane whose lateness the slack is taken over: the last 512 answered in 2 s.
   static constexpr size_t kSlackWindow = 512;
   static constexpr absl::Duration kSlackHorizon = absl::Seconds(2);
+  // The time constant with which a lane's recent batch size fades when no batch starts: the slack's horizon.
+  static constexpr absl::Duration kRecentFade = kSlackHorizon;
   // lanes_[0]: every input, or those of at most long_input_tokens_ tokens; lanes_[1]: the longer ones.
   std::vector<std::unique_ptr<DynamicBatcher<BatchTask>>> lanes_;
   int64_t long_input_tokens_ = 0;

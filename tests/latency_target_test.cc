@@ -454,6 +454,44 @@ TEST_F(LatencyTargetTest, AdmissionPlansWithTheRecentLateness) {
   EXPECT_EQ(MetricValue(*metrics_->registry(), "mita_planning_slack_seconds", {{"model", kModel}}), 0);
 }
 
+// The batch fill fades with time when no batch starts (issue 33's lock-up: a refused request starts no batch, so
+// estimates that moved only at batch start kept refusing a reachable target forever). A burst of one batch of 1
+// and one of 15 (64 tokens at 32x64: 93.75 ms of compute each) leaves a recent batch size of 0.8 + 0.2 x 15 = 3.8
+// and a recent compute per request of 0.8 x 0.2 x 93.75 + 0.2 x 93.75 = 33.75 ms. Right after it (1.42 s after the
+// batch of 15 started) the size has faded to 1 + 2.8 exp(-0.71) = 2.38, so a request admitted now expects one
+// later arrival in its batch (+33.75 ms): a 110 ms target is lowered to 16x32 (62.5 + 33.75 ms). 3 s later
+// (exp(-2.21): 1.31, rounded to 1) it expects none and gets 32x64 (109.375 ms).
+TEST_F(LatencyTargetTest, TheBatchFillFadesWhenNoBatchStarts) {
+  classifier_->Hold(true);
+  std::vector<std::shared_ptr<Outcome>> burst{Submit(64, Fixed(32, 64))};
+  ASSERT_TRUE(classifier_->WaitForBatches(1));
+  for (int i = 0; i < 15; ++i) burst.push_back(Submit(64, Fixed(32, 64)));
+  ASSERT_TRUE(WaitForQueued(15));
+  classifier_->Hold(false);
+  for (const auto& outcome : burst) {
+    ASSERT_TRUE(outcome->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+    ASSERT_TRUE(outcome->result.ok()) << outcome->result.status();
+  }
+  ASSERT_EQ(classifier_->batches().size(), 2u);
+  ASSERT_EQ(classifier_->batches()[1].size(), 15u);
+
+  std::shared_ptr<Outcome> lowered = Submit(64, Target(absl::Milliseconds(110)));
+  ASSERT_TRUE(lowered->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ASSERT_TRUE(lowered->result.ok()) << lowered->result.status();
+  EXPECT_EQ(lowered->result->budget.budget, Experts(16, 32));
+  EXPECT_EQ(lowered->result->budget_reason, BudgetReason::kLoweredAtAdmission);
+  ExpectMicroseconds(lowered->result->predicted,
+                     ReferenceCompute({{64, Experts(16, 32)}}) + absl::Milliseconds(33.75));
+
+  clock_.Advance(absl::Seconds(3));
+  std::shared_ptr<Outcome> admitted = Submit(64, Target(absl::Milliseconds(110)));
+  ASSERT_TRUE(admitted->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ASSERT_TRUE(admitted->result.ok()) << admitted->result.status();
+  EXPECT_EQ(admitted->result->budget.budget, Experts(32, 64));
+  EXPECT_EQ(admitted->result->budget_reason, BudgetReason::kMostAccurate);
+  ExpectMicroseconds(admitted->result->predicted, ReferenceCompute({{64, Experts(32, 64)}}));
+}
+
 // The slack with planning_slack_percentile 0: the prediction alone (the same 150 ms target keeps 32x64).
 TEST_F(LatencyTargetTest, NoSlackWithPercentileZero) {
   server::EngineOptions options;
