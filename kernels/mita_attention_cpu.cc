@@ -1,4 +1,4 @@
-// Production CPU MiTA forward (DESIGN.md section 2; arXiv 2602.01219), float32 and float64.
+// Production CPU MiTA forward (docs/design.md section 2; arXiv 2602.01219), float32 and float64.
 //
 // Work is split over (batch item, head) pairs with at::parallel_for; each pair runs MitaHead on raw pointers to
 // contiguous rows of d values (q, k, v each with its own row stride, so a fused qkv projection is read in
@@ -843,7 +843,7 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work, i
 // of step 3 (compressed: q . l s^2 = G s^2) and from S at its expert's keys (routed: q . k s); one
 // max-subtracted softmax; then the output from two GEMMs with dense weight matrices, Wc [N, M] x A and
 // W [N, N] x V, W zero outside each query's expert keys. The same logits and weights as RoutedExpertOutput, up to
-// float rounding (DESIGN.md section 2).
+// float rounding (docs/design.md section 2).
 template <typename T>
 void SmallInputOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
   const int64_t tokens = problem.tokens, head_dim = problem.head_dim, expert_count = problem.expert_count;
@@ -1077,8 +1077,8 @@ bool SmallInputPathApplies(int64_t tokens, int64_t head_dim, int64_t expert_coun
          tokens * tokens * head_dim <= kSingleThreadGemmVolume;
 }
 
-// Per-item statistics: each head's load, entropy, pruning and overlap, averaged over heads (DESIGN.md
-// section 2, "Statistics that come for free").
+// Per-item statistics: each head's load, entropy, pruning and overlap, averaged over heads (docs/design.md
+// section 2.8).
 MitaItemStatistics AverageOverHeads(absl::Span<const HeadCounts> heads, int64_t tokens) {
   MitaItemStatistics statistics;
   const int64_t expert_count = static_cast<int64_t>(heads.front().queries_per_expert.size());

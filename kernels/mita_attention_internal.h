@@ -58,7 +58,7 @@ struct MitaGemmTotals {
 struct MitaForwardOptions {
   // Testing hook. When false the compressed (shared-expert) logits are left out of the softmax, so each query
   // attends only to its routed expert's keys. With expert width N every query then attends to all N keys:
-  // exactly full attention softmax(q k^T s) v (DESIGN.md section 2.7).
+  // exactly full attention softmax(q k^T s) v (docs/design.md section 2.7).
   bool include_shared_expert = true;
   // When not null, resized to B * H and filled with the routing of item b, head h at index b * H + h.
   std::vector<MitaHeadRouting>* routing = nullptr;
@@ -98,7 +98,7 @@ struct HeadCounts {
 };
 
 // Per-item statistics from the counts of its H heads: each head's load imbalance, entropy, pruning and overlap
-// (formulas at MitaItemStatistics), averaged over heads (DESIGN.md section 2, "Statistics that come for free").
+// (formulas at MitaItemStatistics), averaged over heads (docs/design.md section 2.8).
 MitaItemStatistics AverageOverHeads(absl::Span<const HeadCounts> heads, int64_t tokens);
 
 // `tensor` ([B, H, N, d]) itself when each (item, head, token) row of d values is contiguous and rows do not
