@@ -8,60 +8,8 @@
 // unknown model is counted with model="unknown"); code is the gRPC status code name ("OK",
 // "INVALID_ARGUMENT", ...); method is the RPC name; layer is the transformer block index "0" .. depth-1.
 //
-// Series (seconds and counts; histograms export _bucket, _sum and _count):
-//   mita_requests_total{method,model,code}          counter   RPCs answered, by method (mita.v1 and Open
-//                                                             Inference Protocol names) and final status;
-//                                                             server-wide methods have model="". Requests
-//                                                             that do not parse are counted too; those gRPC's
-//                                                             transport refuses (over twice the receive
-//                                                             limit) never reach the server.
-//   mita_request_latency_seconds{model}             histogram Time in the server from receipt to answer of
-//                                                             successful Classify and ModelInfer RPCs.
-//   mita_queue_delay_seconds{model}                 histogram Admission to the start of the request's batch.
-//   mita_compute_seconds{model}                     histogram Model forward time of the request's batch
-//                                                             (observed per request).
-//   mita_batch_size{model}                          histogram Requests per batch run (observed per batch).
-//   mita_queue_depth{model}                         gauge     Requests queued in the model's batcher, not yet
-//                                                             in a batch.
-//   mita_queue_compute_units{model}                 gauge     Compute units queued in the model's batcher
-//                                                             (tokens x attention width: M + k for MiTA, N for
-//                                                             full attention; models/budget.h).
-//   mita_rejected_requests_total{model,reason}      counter   Classify requests refused at admission, by
-//                                                             reason: queue_tasks (--queue_capacity),
-//                                                             queue_compute_units (--queue_compute_units),
-//                                                             task_over_queue_compute_units (one request costs
-//                                                             more than the whole queue), shutting_down.
-//   mita_preparation_memory_bytes                   gauge     Working memory taken by the inputs being decoded
-//                                                             or tokenized (header estimates), bytes.
-//   mita_request_tokens{model}                      histogram Tokens of each admitted request (image: patches
-//                                                             + cls; document: after truncation).
-//   mita_batch_tokens{model}                        histogram Tokens per packed batch run (one observation per
-//                                                             batch).
-//   mita_work_executed_after_cancel_total{model}    counter   Requests whose batch ran although their caller
-//                                                             had given up (cancelled, deadline passed) before
-//                                                             the batch started. 0 by design: the guard of the
-//                                                             drop-before-run guarantee.
-//   mita_compute_after_caller_left_seconds_total{model} counter Forward time spent for callers who had left
-//                                                             while their batch ran: from when each left to
-//                                                             when its work stopped (between layers), by its
-//                                                             share of the batch's tokens.
-//   mita_requested_expert_count{model}              histogram Expert count m admitted MiTA requests asked
-//                                                             for (after the model's defaults and presets).
-//   mita_requested_expert_width{model}              histogram Expert width k they asked for.
-//   mita_applied_expert_count{model}                histogram Expert count m applied to their input (at most
-//                                                             its tokens).
-//   mita_applied_expert_width{model}                histogram Expert width k applied.
-//   mita_full_attention_requests_total{model}       counter   Admitted requests that asked for full attention.
-//   mita_attention_expert_load_imbalance{model,layer} histogram max/mean queries per expert (1 = balanced),
-//                                                             averaged over heads; one observation per request
-//                                                             that ran MiTA, per layer.
-//   mita_attention_routing_entropy{model,layer}     histogram Normalised routing entropy in [0, 1] (1 = uniform).
-//   mita_attention_pruned_key_fraction{model,layer} histogram Fraction of keys selected by no routed expert
-//                                                             (emergent token pruning), in [0, 1].
-//   mita_gpu_memory_allocated_bytes{device}         gauge     CUDA devices only (the families exist only when a
-//   mita_gpu_memory_reserved_bytes{device}          gauge     model runs on one): bytes in tensors / held by
-//                                                             LibTorch's caching allocator (cached included), as
-//                                                             after the last batch on the device (and at start).
+// The series, their types, labels and meaning: docs/metrics.md (the one list; tests/metrics_docs_test.cc checks it
+// against a live scrape).
 // Attention statistics are always computed by the server for these metrics; they are returned to a client
 // only when it asks (ClassifyRequest.return_statistics).
 #pragma once
