@@ -73,16 +73,6 @@ bool IsModelMethod(RpcMethod method) {
   return false;
 }
 
-const char* StatusCodeName(absl::StatusCode code) {
-  static constexpr const char* kNames[kNumStatusCodes] = {
-      "OK",        "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
-      "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-      "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
-      "DATA_LOSS", "UNAUTHENTICATED"};
-  const int index = static_cast<int>(code);
-  return (index >= 0 && index < kNumStatusCodes) ? kNames[index] : "UNKNOWN";
-}
-
 void ModelMetrics::ObserveBudget(const models::AttentionBudget& requested, const models::AttentionBudget& applied) {
   if (requested.full_attention) {
     full_attention_->Increment();
@@ -239,7 +229,7 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
     for (int code = 0; code < kNumStatusCodes; ++code) {
       counters[code] = &requests.Add({{"method", kMethodNames[static_cast<int>(method)]},
                                       {"model", model},
-                                      {"code", StatusCodeName(static_cast<absl::StatusCode>(code))}});
+                                      {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(code))}});
     }
     return counters;
   };

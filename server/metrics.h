@@ -219,7 +219,4 @@ class ServerMetrics {
   int64_t uncounted_calls_ ABSL_GUARDED_BY(uncounted_mu_) = 0;  // finished, not yet counted
 };
 
-// The gRPC name of a status code ("OK", "INVALID_ARGUMENT", ...; "UNKNOWN" for codes outside 0..16).
-const char* StatusCodeName(absl::StatusCode code);
-
 }  // namespace mita::server
