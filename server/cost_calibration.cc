@@ -146,12 +146,13 @@ absl::StatusOr<CostProfile> CalibrateCostModel(const models::Classifier& classif
   absl::StatusOr<CostFeatures> fitted = FitCostCoefficients(samples);
   if (fitted.ok() && samples.size() >= static_cast<size_t>(kNumCostFeatures)) {
     profile.coefficients = *fitted;
-    // A feature no timed batch had (e.g. full attention when even its cheapest batch did not fit the limit)
-    // keeps the prior, scaled to this machine, instead of costing nothing.
+    // A feature no timed batch had (e.g. full attention when even its cheapest batch did not fit the limit), or
+    // one the non-negative fit priced at 0 (timings slowed by other work let the other features absorb it), keeps
+    // the prior, scaled to this machine, instead of costing nothing: every feature is real work.
     for (int i = 0; i < kNumCostFeatures; ++i) {
       const bool seen = std::any_of(samples.begin(), samples.end(),
                                     [i](const CostSample& sample) { return sample.features[i] > 0; });
-      if (!seen) profile.coefficients[i] = PriorCostCoefficients()[i] * prior_ratio;
+      if (!seen || profile.coefficients[i] <= 0) profile.coefficients[i] = PriorCostCoefficients()[i] * prior_ratio;
     }
   } else {
     profile.correction = prior_ratio;
