@@ -269,7 +269,7 @@ class SentencePieceTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!HasProgram("spm_train") || !HasProgram("spm_encode")) {
-      GTEST_SKIP() << "spm_train/spm_encode not installed (Debian package sentencepiece)";
+      MITA_MISSING_DEPENDENCY("spm_train/spm_encode not installed (Debian package sentencepiece)");
     }
     work_ = MakeTempDirectory("sentencepiece");
     std::ostringstream text;
@@ -777,7 +777,7 @@ class TrainedDocumentPackageTest : public ::testing::TestWithParam<TrainedPackag
 TEST_P(TrainedDocumentPackageTest, LoadsAndMatchesPython) {
   const std::string directory = SourceDirectory() + "/models/repository/" + GetParam().name;
   if (!std::filesystem::exists(directory + "/model.safetensors")) {
-    GTEST_SKIP() << "no trained package at " << directory << " (train it with tools/train_document.py)";
+    MITA_MISSING_DEPENDENCY("no trained package at " << directory << " (train it with tools/train_document.py)");
   }
   absl::StatusOr<std::unique_ptr<DocumentClassifier>> model = LoadDocumentClassifier(directory);
   ASSERT_TRUE(model.ok()) << model.status();

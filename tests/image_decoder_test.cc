@@ -504,7 +504,7 @@ TEST(DecodeImageTest, RequestedChannelsMustBeOneOrThree) {
 
 TEST(DecodeImageTest, FashionMnistImageRoundTripsThroughPng) {
   absl::StatusOr<datasets::FashionMnist> data = datasets::ReadFashionMnist("t10k");
-  if (!data.ok()) GTEST_SKIP() << "Fashion-MNIST not installed: " << data.status();
+  if (!data.ok()) MITA_MISSING_DEPENDENCY("Fashion-MNIST not installed: " << data.status());
   EXPECT_EQ(data->count, 10000);
   const std::vector<uint8_t> first(data->pixels.begin(), data->pixels.begin() + 28 * 28);
   absl::StatusOr<std::string> png = datasets::EncodePng(first, 28, 28, 1);

@@ -1025,7 +1025,7 @@ void CompareWithPython(const VitClassifier& model, const std::string& package_di
 
 TEST_P(PythonTwinTest, LogitsMatchOnFashionMnistAtThreeBudgets) {
   absl::StatusOr<at::Tensor> images = FashionMnistBatch(model_->config(), 6);
-  if (!images.ok()) GTEST_SKIP() << "Fashion-MNIST not installed: " << images.status();
+  if (!images.ok()) MITA_MISSING_DEPENDENCY("Fashion-MNIST not installed: " << images.status());
   for (const AttentionBudget budget : {AttentionBudget{false, 9, 16}, AttentionBudget{false, 4, 8},
                                        AttentionBudget{false, 16, 32}, AttentionBudget{true, 0, 0}}) {
     CompareWithPython(*model_, package_, *images, std::vector<AttentionBudget>(6, budget), work_, 1e-4);
@@ -1034,7 +1034,7 @@ TEST_P(PythonTwinTest, LogitsMatchOnFashionMnistAtThreeBudgets) {
 
 TEST_P(PythonTwinTest, LogitsMatchWithDifferentBudgetsInOneBatch) {
   absl::StatusOr<at::Tensor> images = FashionMnistBatch(model_->config(), 9);
-  if (!images.ok()) GTEST_SKIP() << "Fashion-MNIST not installed: " << images.status();
+  if (!images.ok()) MITA_MISSING_DEPENDENCY("Fashion-MNIST not installed: " << images.status());
   const std::vector<AttentionBudget> budgets = {{false, 4, 8},  {false, 16, 32}, {true, 0, 0},
                                                 {false, 9, 16}, {false, 49, 50}, {false, 1, 1},
                                                 {false, 25, 5}, {true, 0, 0},    {false, 9, 16}};
@@ -1111,13 +1111,13 @@ INSTANTIATE_TEST_SUITE_P(Dwc, PythonTwinTest, ::testing::Values(false, true),
 TEST(TrainedPackageTest, MatchesPythonAndClassifiesFashionMnist) {
   const std::string directory = SourceDirectory() + "/models/repository/fashion-mnist-vit";
   if (!std::filesystem::exists(directory + "/model.safetensors")) {
-    GTEST_SKIP() << "no trained package at " << directory << " (train it with tools/train_image.py)";
+    MITA_MISSING_DEPENDENCY("no trained package at " << directory << " (train it with tools/train_image.py)");
   }
   absl::StatusOr<std::unique_ptr<VitClassifier>> package = LoadVitClassifier(directory);
   ASSERT_TRUE(package.ok()) << package.status();
   EXPECT_EQ((*package)->description().labels, datasets::FashionMnistLabels());
   absl::StatusOr<datasets::FashionMnist> data = datasets::ReadFashionMnist("t10k");
-  if (!data.ok()) GTEST_SKIP() << "Fashion-MNIST not installed: " << data.status();
+  if (!data.ok()) MITA_MISSING_DEPENDENCY("Fashion-MNIST not installed: " << data.status());
   constexpr int64_t kCount = 200;
   absl::StatusOr<at::Tensor> images = FashionMnistBatch((*package)->config(), kCount);
   ASSERT_TRUE(images.ok()) << images.status();

@@ -38,15 +38,24 @@ std::string MakeTempDirectory(const std::string& name);
 inline constexpr char kPython[] = "/usr/bin/python3";
 // Whether kPython can import torch (checked once).
 bool PythonHasTorch();
-// In a test (or SetUp) that compares with a PyTorch twin run by kPython: when that Python has no torch, the test
-// fails if the environment sets CI (a comparison must not pass unchecked there) and is skipped elsewhere.
-#define MITA_REQUIRE_PYTHON_TORCH()                                                                           \
-  do {                                                                                                         \
-    if (!::mita::test_util::PythonHasTorch()) {                                                                \
-      if (std::getenv("CI") != nullptr) FAIL() << ::mita::test_util::kPython << " cannot import torch (CI set)"; \
-      GTEST_SKIP() << ::mita::test_util::kPython << " cannot import torch: the comparison with the PyTorch twin " \
-                      "needs python3-torch";                                                                   \
-    }                                                                                                          \
+// For a test whose independent reference or data is missing here (a Debian package, Fashion-MNIST, a trained
+// package): fails when the environment sets CI (a comparison must not pass unchecked there), is skipped
+// elsewhere. `message` is streamed (e.g. `MITA_MISSING_DEPENDENCY("no spm_encode: " << why)`). Use it in the test
+// body or SetUp, where GTEST_SKIP and FAIL return.
+#define MITA_MISSING_DEPENDENCY(message)                        \
+  do {                                                          \
+    if (std::getenv("CI") != nullptr) FAIL() << message << " (CI set)"; \
+    GTEST_SKIP() << message;                                    \
+  } while (0)
+
+// In a test (or SetUp) that compares with a PyTorch twin run by kPython: MITA_MISSING_DEPENDENCY when that Python
+// has no torch.
+#define MITA_REQUIRE_PYTHON_TORCH()                                                                              \
+  do {                                                                                                            \
+    if (!::mita::test_util::PythonHasTorch()) {                                                                   \
+      MITA_MISSING_DEPENDENCY(::mita::test_util::kPython << " cannot import torch: the comparison with the "   \
+                                                            "PyTorch twin needs python3-torch");                 \
+    }                                                                                                             \
   } while (0)
 
 // Expects `status` to have `code` and a message containing `message_part`.
