@@ -216,7 +216,7 @@ absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::T
     // Per (item, head), queries go in chunks through two buffers allocated once per call: scores [chunk, N]
     // of at most 2^20 elements (4 MiB in float32) whatever N is, and their softmax. Fresh multi-MiB tensors per
     // chunk would be returned to the OS and page-faulted in again each time, which costs more than the math
-    // on a CPU (measured: docs/kernels.md).
+    // on a CPU (the same effect measured on the MiTA kernel: docs/kernels.md "History", fifth round).
     constexpr int64_t kMaxScoreElements = int64_t{1} << 20;
     const int64_t chunk = std::clamp<int64_t>(kMaxScoreElements / tokens, 1, tokens);
     const at::Tensor scores = at::empty({chunk, tokens}, q.options());
