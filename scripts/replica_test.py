@@ -18,7 +18,8 @@ each client policy (--policies) a fresh set of replicas is started and:
 Policies: "documented" (round_robin, client-side health checking, 5 attempts: docs/deploy.md), "no_retries"
 (round_robin and health checking), "retries_only" (round_robin and 5 attempts, no health checking, as a client
 whose gRPC library does not watch health), "round_robin" (alone), "no_notice" (round_robin alone against servers with
---drain_notice_ms=0, the server's drain before it had a notice).
+--drain_notice_ms=0, the server's drain before it had a notice), "health_no_notice" (round_robin and health
+checking, no retries, against such servers).
 
 Checks (exit status 1 when one fails): every policy balanced within --max_imbalance, every restart done within the
 restart run, readiness false within 1 s of every SIGTERM while liveness stays true, both true under load, no failed
@@ -46,6 +47,7 @@ POLICIES = {
     "retries_only": (["--load_balancing=round_robin", "--max_attempts=5"], []),
     "round_robin": (["--load_balancing=round_robin"], []),
     "no_notice": (["--load_balancing=round_robin"], ["--drain_notice_ms=0"]),
+    "health_no_notice": (["--load_balancing=round_robin", "--client_health_check"], ["--drain_notice_ms=0"]),
 }
 
 
@@ -250,7 +252,8 @@ def main():
     parser.add_argument("--settle_s", type=float, default=2)
     parser.add_argument("--images", type=int, default=64)
     parser.add_argument("--max_imbalance", type=float, default=0.2)
-    parser.add_argument("--policies", default="documented,no_retries,retries_only,round_robin,no_notice")
+    parser.add_argument("--policies",
+                        default="documented,no_retries,retries_only,round_robin,no_notice,health_no_notice")
     parser.add_argument("--require_no_failures", default="documented")
     parser.add_argument("--require_retries", default="retries_only",
                         help="policies under which some calls must reach a replica as a retry")
