@@ -15,7 +15,9 @@
 //   path,label_index       the manifest mita-export-images writes (images; the label is ignored)
 //
 // Report (stdout): throughput (answers/s and OK/s), client latency p50/p95/p99 of OK calls (and of all
-// calls), mean server batch size, counts per gRPC status code; against the deadlines: goodput (OK answers
+// calls), mean server batch size, counts per gRPC status code, OK answers per server (the peer that answered: with
+// --server listing replicas and --load_balancing=round_robin, how evenly calls spread) and each error message with
+// its count; against the deadlines: goodput (OK answers
 // within their call's deadline per second of the measured window), the deadline-miss rate (calls without an
 // answer by their deadline: DEADLINE_EXCEEDED at or after it, and OK answers later than it, over the measured
 // calls sent) and the rejection rate (RESOURCE_EXHAUSTED, UNAVAILABLE, and DEADLINE_EXCEEDED answered before the
@@ -361,6 +363,9 @@ int main(int argc, char** argv) {
   if (measuring && requests == 0) measure_end = measure_start + absl::Seconds(duration_s);
   int64_t measured_started = 0;
   std::map<grpc::StatusCode, int64_t> codes;
+  // Measured answers by the server (peer address) that gave them, and errors by code and message.
+  std::map<std::string, int64_t> answers_by_server;
+  std::map<std::string, int64_t> errors_by_message;
   std::vector<double> ok_latencies_ms, all_latencies_ms;
   double batch_size_sum = 0;
   DeadlineTally tally;
@@ -425,6 +430,13 @@ int main(int argc, char** argv) {
       if (call->measured) {
         const double latency_ms = absl::ToDoubleMilliseconds(absl::Now() - call->start);
         ++codes[call->status.error_code()];
+        if (call->status.ok()) {
+          ++answers_by_server[call->context.peer()];
+        } else {
+          ++errors_by_message[absl::StrCat(absl::StatusCodeToString(static_cast<absl::StatusCode>(
+                                               call->status.error_code())),
+                                           ": ", call->status.error_message())];
+        }
         all_latencies_ms.push_back(latency_ms);
         tally.Add(*call, latency_ms);
         if (call->status.ok()) {
@@ -474,6 +486,14 @@ int main(int argc, char** argv) {
   }
   if (not_sent > 0) absl::StrAppend(&code_text, ", not sent (over --max_in_flight) ", not_sent);
   std::cout << "status codes: " << (code_text.empty() ? "none" : code_text) << "\n";
+  std::string server_text, server_keys;
+  for (const auto& [server, count] : answers_by_server) {
+    absl::StrAppend(&server_text, server_text.empty() ? "" : ", ", server, " ", count,
+                    absl::StrFormat(" (%.1f%%)", ok_count > 0 ? 100.0 * count / static_cast<double>(ok_count) : 0));
+    absl::StrAppend(&server_keys, server_keys.empty() ? "" : ";", server, "=", count);
+  }
+  std::cout << "OK answers by server: " << (server_text.empty() ? "none" : server_text) << "\n";
+  for (const auto& [message, count] : errors_by_message) std::cout << "error " << count << "x " << message << "\n";
   // Rates over the measured calls sent (all answered: the run waits for every call in flight).
   const double sent = std::max<double>(1, static_cast<double>(answered));
   const double goodput = static_cast<double>(tally.ok_in_time) / seconds;
@@ -515,9 +535,10 @@ int main(int argc, char** argv) {
   std::cout << absl::StrFormat(
       "RESULT label=%s answered=%d ok=%d seconds=%.3f throughput=%.2f ok_throughput=%.2f "
       "p50_ms=%.3f p95_ms=%.3f p99_ms=%.3f mean_batch=%.3f%s goodput=%.2f miss_rate=%.5f reject_rate=%.5f "
-      "mean_m=%.3f mean_k=%.3f full_fraction=%.5f%s deadline_exceeded_p50_ms=%.3f refused=%d\n",
+      "mean_m=%.3f mean_k=%.3f full_fraction=%.5f%s deadline_exceeded_p50_ms=%.3f refused=%d servers=%s\n",
       label.empty() ? "-" : label, answered, ok_count, seconds, static_cast<double>(answered) / seconds,
       static_cast<double>(ok_count) / seconds, p50, p95, p99, mean_batch, rss_text, goodput, miss_rate, reject_rate,
-      mean_m, mean_k, full_fraction, reason_keys, Percentile(tally.deadline_exceeded_ms, 50), tally.refused);
+      mean_m, mean_k, full_fraction, reason_keys, Percentile(tally.deadline_exceeded_ms, 50), tally.refused,
+      server_keys.empty() ? "-" : server_keys);
   return 0;
 }

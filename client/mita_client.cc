@@ -1,8 +1,10 @@
 #include "client/mita_client.h"
 
+#include <arpa/inet.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
+#include <grpcpp/support/validate_service_config.h>
 
 #include <chrono>
 #include <filesystem>
@@ -12,7 +14,9 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace mita::client {
 namespace {
@@ -37,11 +41,74 @@ absl::StatusOr<std::string> ReadFileBytes(const std::string& path) {
   return bytes.str();
 }
 
+absl::StatusOr<std::string> ServiceConfigJson(const ReplicaPolicy& policy) {
+  if (policy.load_balancing != "round_robin" && policy.load_balancing != "pick_first") {
+    return absl::InvalidArgumentError(absl::StrCat("load balancing '", policy.load_balancing,
+                                                   "' is not one of round_robin, pick_first"));
+  }
+  if (policy.health_check && policy.load_balancing != "round_robin") {
+    return absl::InvalidArgumentError("client-side health checking needs round_robin (pick_first ignores it)");
+  }
+  if (policy.max_attempts < 1 || policy.max_attempts > 5) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max attempts ", policy.max_attempts, " is out of range: allowed [1, 5] (1: no retries)"));
+  }
+  std::string json = absl::StrCat(R"({"loadBalancingConfig":[{")", policy.load_balancing, R"(":{}}])");
+  if (policy.health_check) absl::StrAppend(&json, R"(,"healthCheckConfig":{"serviceName":""})");
+  if (policy.max_attempts > 1) {
+    absl::StrAppend(&json, R"(,"methodConfig":[{"name":[{"service":"mita.v1.MitaService"},)",
+                    R"({"service":"inference.GRPCInferenceService"}],"retryPolicy":{"maxAttempts":)",
+                    policy.max_attempts,
+                    R"(,"initialBackoff":"0.05s","maxBackoff":"1s","backoffMultiplier":2,)",
+                    R"("retryableStatusCodes":["UNAVAILABLE"]}}])");
+  }
+  absl::StrAppend(&json, "}");
+  return json;
+}
+
+absl::StatusOr<std::string> ResolveTarget(const std::string& target) {
+  if (target.find(',') == std::string::npos || target.find(':') == std::string::npos ||
+      absl::StrContains(target, "://") || absl::StartsWith(target, "ipv4:") || absl::StartsWith(target, "ipv6:")) {
+    return target;
+  }
+  bool v4 = false, v6 = false;
+  for (absl::string_view entry : absl::StrSplit(target, ',')) {
+    const size_t colon = entry.rfind(':');
+    int port = 0;
+    const bool has_port = colon != absl::string_view::npos && absl::SimpleAtoi(entry.substr(colon + 1), &port) &&
+                          port > 0 && port < 65536;
+    absl::string_view host = has_port ? entry.substr(0, colon) : absl::string_view();
+    unsigned char address[16];
+    if (has_port && inet_pton(AF_INET, std::string(host).c_str(), address) == 1) {
+      v4 = true;
+    } else if (has_port && host.size() > 2 && host.front() == '[' && host.back() == ']' &&
+               inet_pton(AF_INET6, std::string(host.substr(1, host.size() - 2)).c_str(), address) == 1) {
+      v6 = true;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("server list '", target, "': entry '", entry,
+                                                     "' is not an IP address with a port (a.b.c.d:PORT or "
+                                                     "[v6]:PORT); for host names use dns:///HOST:PORT"));
+    }
+  }
+  if (v4 && v6) {
+    return absl::InvalidArgumentError(absl::StrCat("server list '", target, "' mixes IPv4 and IPv6 addresses"));
+  }
+  return absl::StrCat(v4 ? "ipv4:" : "ipv6:", target);
+}
+
 absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateChannel(const ConnectionOptions& options) {
   if (options.target.empty()) return absl::InvalidArgumentError("the server address is empty");
+  absl::StatusOr<std::string> target = ResolveTarget(options.target);
+  if (!target.ok()) return target.status();
+  grpc::ChannelArguments arguments;
+  if (!options.service_config_json.empty()) {
+    const std::string error = grpc::experimental::ValidateServiceConfigJSON(options.service_config_json);
+    if (!error.empty()) return absl::InvalidArgumentError(absl::StrCat("the service config is not valid: ", error));
+    arguments.SetServiceConfigJSON(options.service_config_json);
+  }
   const bool tls = options.tls || !options.tls_ca_file.empty() || !options.tls_cert_file.empty() ||
                    !options.tls_key_file.empty() || !options.tls_server_name.empty();
-  if (!tls) return grpc::CreateChannel(options.target, grpc::InsecureChannelCredentials());
+  if (!tls) return grpc::CreateCustomChannel(*target, grpc::InsecureChannelCredentials(), arguments);
   if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
     return absl::InvalidArgumentError("set both the client certificate and its key, or neither");
   }
@@ -59,9 +126,8 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateChannel(const ConnectionOpt
     ssl.pem_cert_chain = *std::move(cert);
     ssl.pem_private_key = *std::move(key);
   }
-  grpc::ChannelArguments arguments;
   if (!options.tls_server_name.empty()) arguments.SetSslTargetNameOverride(options.tls_server_name);
-  return grpc::CreateCustomChannel(options.target, grpc::SslCredentials(ssl), arguments);
+  return grpc::CreateCustomChannel(*target, grpc::SslCredentials(ssl), arguments);
 }
 
 absl::StatusOr<std::string> ReadBearerToken(const std::string& path) {

@@ -48,10 +48,14 @@ struct ClassifyOptions {
   bool truncate = false;
 };
 
-// How to reach a server: address, optional TLS, optional bearer token.
+// How to reach a server: address, optional TLS, optional bearer token, and how calls spread over replicas.
 struct ConnectionOptions {
-  // "host:port".
+  // "host:port"; a comma list of IP literals "ip:port,ip:port" (ResolveTarget); or a gRPC target URI such as
+  // "dns:///mita-serve.NAMESPACE.svc.cluster.local:50051" or "ipv4:10.0.0.1:50051,10.0.0.2:50051".
   std::string target;
+  // The channel's service config (JSON, validated by CreateChannel): load balancing, retry policy, client-side
+  // health checking; empty: gRPC's defaults (pick_first, no retries). ServiceConfigJson builds the documented one.
+  std::string service_config_json;
   // Use TLS. Implied by any of the files below.
   bool tls = false;
   // PEM CA certificates that the server's certificate must chain to; empty: the system roots.
@@ -66,8 +70,32 @@ struct ConnectionOptions {
   std::string bearer_token;
 };
 
-// A channel for `options`. Errors: INVALID_ARGUMENT for an empty target or only one of the client
-// certificate files; a certificate file's ReadFileBytes error.
+// How a client spreads its calls over the replicas of a target (docs/deploy.md, "Clients of replicas").
+struct ReplicaPolicy {
+  // gRPC load-balancing policy: "pick_first" (one connection, gRPC's default) or "round_robin" (every address the
+  // target resolves to, a call to each in turn).
+  std::string load_balancing = "round_robin";
+  // Watch each address's grpc.health.v1 status (service "") and pick only SERVING ones: a draining replica is left
+  // as soon as it turns NOT_SERVING. Needs round_robin.
+  bool health_check = true;
+  // Retry the idempotent calls (every method of mita.v1.MitaService and inference.GRPCInferenceService) answered
+  // UNAVAILABLE, up to `max_attempts` attempts in all, each on the next replica; 1: no retries.
+  int max_attempts = 5;
+};
+
+// The service config JSON of `policy`. Errors: INVALID_ARGUMENT naming the field for an unknown policy, health
+// checking without round_robin, or max_attempts outside [1, 5] (gRPC caps attempts at 5).
+absl::StatusOr<std::string> ServiceConfigJson(const ReplicaPolicy& policy);
+
+// The gRPC target of `target`: a comma list of IP literals with ports ("127.0.0.1:50051,127.0.0.2:50051" or
+// "[::1]:50051,...") becomes "ipv4:..." or "ipv6:..."; anything else is returned as it is (host:port or a gRPC
+// target URI). Errors: INVALID_ARGUMENT for a list with an empty entry, an entry that is not an IP literal with a
+// port, or IPv4 and IPv6 entries mixed.
+absl::StatusOr<std::string> ResolveTarget(const std::string& target);
+
+// A channel for `options`. Errors: INVALID_ARGUMENT for an empty target, a bad list (ResolveTarget), a service
+// config gRPC rejects (with gRPC's reason), or only one of the client certificate files; a certificate file's
+// ReadFileBytes error.
 absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateChannel(const ConnectionOptions& options);
 
 // Reads the whole file at `path` (images, documents, certificates, tokens). Errors: NOT_FOUND when it cannot

@@ -1,32 +1,47 @@
 #!/usr/bin/python3
 """Checks deploy/ (Kubernetes manifests, KServe objects, Prometheus and prometheus-adapter config, Grafana
-dashboard) without a cluster. Debian python3-yaml only.
+dashboard, Dockerfiles) without a cluster. Debian python3-yaml, and the tools of scripts/install_deploy_check.sh.
 
-What it checks (no kubeconform/kubeval in Debian 12, so this is a small schema check, not the full
-Kubernetes OpenAPI validation):
-  - every YAML document parses; apiVersion/kind is one of the kinds used here (a typo in either fails);
-  - per kind, the required fields and their types, and the allowed keys of containers, pod specs and probes
-    (typos such as "readinessprobe" fail); DNS-1123 names, port numbers and names, resource quantities;
-    one handler per probe;
-  - cross references: Service/PDB/ServiceMonitor selectors match the Deployment's pod labels, named target
-    ports exist, the HPA targets the Deployment and its metric is the prometheus-adapter rule's, the
-    InferenceService's runtime and model format exist, kustomization resources and patches exist;
-  - mita-server flags in container args exist in server/main.cc; terminationGracePeriodSeconds covers the
-    preStop sleep plus --drain_timeout_s;
-  - every metric named in the Grafana dashboard, the HPA, the adapter rule and the Prometheus config is a
-    series of the metrics table of docs/metrics.md (histograms with _bucket/_sum/_count), and the dashboard has
-    the panels the docs promise.
-Usage: scripts/check_deploy.py [REPO_ROOT]. Prints what it checked; exit 1 on the first list of problems.
+  1. kubernetes-validate (pinned in scripts/deploy-check-requirements.txt) --strict against Kubernetes
+     KUBERNETES_VERSION: every object of a built-in kind of the base (deploy/kubernetes) and of the GPU overlay as
+     kustomize renders it (deploy/kubernetes/gpu: its patch merged into the base Deployment here, containers by
+     name, the way a strategic merge patch does). Not validated by a schema: the CRDs' objects (KServe's
+     ServingRuntime and InferenceService, the Prometheus operator's ServiceMonitor), whose schemas come with those
+     operators' release manifests (not in any package this project installs; KServe's CRDs alone are megabytes of
+     OpenAPI) and Kustomization files (kustomize's own config). Their fields are checked by the cross references
+     below.
+  2. checkov (pinned likewise) with its Kubernetes and Dockerfile checks on deploy/, the GPU overlay rendered: every
+     finding must be fixed or skipped in the manifest (a checkov.io/skipN annotation, or a Dockerfile's
+     "# checkov:skip=ID: reason" comment) with its reason.
+  3. What no tool checks, the cross references: Service/PDB/ServiceMonitor selectors match the Deployment's pod
+     labels, named target ports exist, the gRPC Service is headless, the HPA targets the Deployment and its metric
+     is the prometheus-adapter rule's, the InferenceService's runtime and model format exist, the KServe runtime's
+     h2c port, kustomization resources and patches exist; container args are real mita-server flags
+     (server/main.cc); terminationGracePeriodSeconds covers preStop plus --drain_timeout_s; readiness and liveness
+     use the gRPC health service, liveness on the server's liveness name (server/health_service.h); every metric
+     named in the Grafana dashboard, the HPA, the adapter rule and the Prometheus config is a series of
+     docs/metrics.md (histograms with _bucket/_sum/_count), and the dashboard has the panels the docs promise.
+Without the tools (/opt/mita/deploy-check; DEPLOY_CHECK_BIN elsewhere) only 3 runs, and the exit status is 77
+(ctest: skipped), or 1 when CI is set.
+Usage: scripts/check_deploy.py [REPO_ROOT]. Prints what it checked; exit 1 on problems.
 """
+import copy
 import glob
 import json
 import os
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 
 import yaml
 
 ROOT = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), ".."))
+TOOLS = os.environ.get("DEPLOY_CHECK_BIN", "/opt/mita/deploy-check/bin")
+KUBERNETES_VERSION = "1.33.0"
+# Kinds of the CRDs used here (no schema validation, see the docstring) and kustomize's config.
+NOT_BUILT_IN = {"ServiceMonitor", "ServingRuntime", "InferenceService", "Kustomization"}
 problems = []
 checked = []
 
@@ -68,24 +83,13 @@ def server_flags():
     return set(re.findall(r"ABSL_FLAG\(\s*[\w:]+\s*,\s*(\w+)", source))
 
 
+def liveness_service():
+    source = open(os.path.join(ROOT, "server", "health_service.h"), encoding="utf-8").read()
+    return re.search(r'kLivenessService\[\] = "([^"]*)"', source).group(1)
+
+
 FLAGS = server_flags()
-DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$")
-KINDS = {
-    ("apps/v1", "Deployment"), ("v1", "Service"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
-    ("autoscaling/v2", "HorizontalPodAutoscaler"), ("policy/v1", "PodDisruptionBudget"),
-    ("serving.kserve.io/v1alpha1", "ServingRuntime"), ("serving.kserve.io/v1beta1", "InferenceService"),
-    ("kustomize.config.k8s.io/v1beta1", "Kustomization"),
-}
-CONTAINER_KEYS = {"name", "image", "imagePullPolicy", "args", "command", "ports", "env", "envFrom", "resources",
-                  "startupProbe", "readinessProbe", "livenessProbe", "lifecycle", "securityContext",
-                  "volumeMounts", "workingDir"}
-POD_KEYS = {"containers", "initContainers", "terminationGracePeriodSeconds", "securityContext", "nodeSelector",
-            "tolerations", "affinity", "topologySpreadConstraints", "volumes", "serviceAccountName",
-            "priorityClassName"}
-PROBE_KEYS = {"exec", "httpGet", "tcpSocket", "grpc", "initialDelaySeconds", "periodSeconds", "timeoutSeconds",
-              "successThreshold", "failureThreshold", "terminationGracePeriodSeconds"}
-PROBE_HANDLERS = {"exec", "httpGet", "tcpSocket", "grpc"}
+LIVENESS = liveness_service()
 
 
 def get(obj, path, where, kind=None):
@@ -97,62 +101,19 @@ def get(obj, path, where, kind=None):
             return None
         value = value[key]
     if kind is not None and not isinstance(value, kind):
-        problem(where, f"{path} must be {kind.__name__ if isinstance(kind, type) else kind}")
+        problem(where, f"{path} must be {kind.__name__}")
         return None
     return value
 
 
-def check_keys(where, what, obj, allowed):
-    for key in obj:
-        if key not in allowed:
-            problem(where, f"{what}: unknown field '{key}'")
-
-
-def check_resources(where, name, resources):
-    for section in ("requests", "limits"):
-        for resource, quantity in (resources.get(section) or {}).items():
-            if not QUANTITY.match(str(quantity)):
-                problem(where, f"container {name}: {section}.{resource} '{quantity}' is not a quantity")
-    gpu_request = (resources.get("requests") or {}).get("nvidia.com/gpu")
-    gpu_limit = (resources.get("limits") or {}).get("nvidia.com/gpu")
-    if gpu_request is not None and gpu_request != gpu_limit:
-        problem(where, f"container {name}: nvidia.com/gpu requests must equal limits")
-
-
-def check_container(where, container, partial=False):
-    if not isinstance(container, dict):
-        problem(where, "a container must be a mapping")
-        return {}
+def check_container(where, container):
+    """Flags against the server; returns the container's named ports."""
     name = container.get("name", "?")
-    check_keys(where, f"container {name}", container, CONTAINER_KEYS)
-    for field in ("name",) if partial else ("name", "image"):
-        get(container, field, where, str)
-    ports = {}
-    for port in container.get("ports", []):
-        number = get(port, "containerPort", where, int)
-        if number is not None and not 0 < number < 65536:
-            problem(where, f"container {name}: containerPort {number} out of range")
-        if "name" in port:
-            if not DNS_LABEL.match(port["name"]) or len(port["name"]) > 15:
-                problem(where, f"container {name}: port name '{port['name']}' is not an IANA service name")
-            ports[port["name"]] = number
-    for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
-        probe = container.get(probe_name)
-        if probe is None:
-            continue
-        check_keys(where, f"container {name} {probe_name}", probe, PROBE_KEYS)
-        handlers = PROBE_HANDLERS & set(probe)
-        if len(handlers) != 1:
-            problem(where, f"container {name} {probe_name}: exactly one handler of {sorted(PROBE_HANDLERS)}")
-        if "grpc" in probe and not isinstance(probe["grpc"].get("port"), int):
-            problem(where, f"container {name} {probe_name}: grpc.port must be an integer (named ports are not "
-                           "allowed for gRPC probes)")
-    check_resources(where, name, container.get("resources", {}))
     for arg in container.get("args", []):
         match = re.match(r"^--([a-z_]+)(=|$)", str(arg))
         if match and match.group(1) not in FLAGS:
             problem(where, f"container {name}: mita-server has no flag --{match.group(1)}")
-    return ports
+    return {port["name"]: port.get("containerPort") for port in container.get("ports", []) if "name" in port}
 
 
 def drain_seconds(container):
@@ -172,49 +133,77 @@ def matches(selector, labels):
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
-def load_documents():
-    documents = []
-    for path in sorted(glob.glob(os.path.join(ROOT, "deploy", "kubernetes", "**", "*.yaml"), recursive=True)):
-        if os.sep + "prometheus-adapter" + os.sep in path:
-            continue  # Helm values, checked below
-        try:
-            for document in yaml.safe_load_all(open(path, encoding="utf-8")):
-                if document is not None:
-                    documents.append((path, document))
-        except yaml.YAMLError as error:
-            problem(path, f"YAML: {error}")
-    return documents
+def merge(base, patch):
+    """A strategic merge patch as kustomize applies this one: mappings merged, containers merged by name, other
+    lists replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = copy.deepcopy(base)
+        for key, value in patch.items():
+            if key == "containers" and isinstance(value, list) and isinstance(base.get(key), list):
+                by_name = {c.get("name"): c for c in base[key]}
+                merged[key] = [merge(by_name[c.get("name")], c) if c.get("name") in by_name else c for c in value]
+                merged[key] += [c for c in base[key] if c.get("name") not in {p.get("name") for p in value}]
+            else:
+                merged[key] = merge(base.get(key), value) if key in base else copy.deepcopy(value)
+        return merged
+    return copy.deepcopy(patch)
 
 
-def check_kubernetes():
-    documents = load_documents()
-    by_kind = {}
-    for path, document in documents:
-        key = (document.get("apiVersion"), document.get("kind"))
-        if key not in KINDS:
-            problem(path, f"unknown apiVersion/kind {key}")
+def load(path):
+    try:
+        return [d for d in yaml.safe_load_all(open(path, encoding="utf-8")) if d is not None]
+    except yaml.YAMLError as error:
+        problem(path, f"YAML: {error}")
+        return []
+
+
+def render(folder):
+    """The objects `kubectl apply -k folder` would apply, as (source file, object): resources in order, then the
+    patches merged into the objects of the same kind and name."""
+    kustomization_path = os.path.join(folder, "kustomization.yaml")
+    kustomization = (load(kustomization_path) or [{}])[0]
+    objects = []
+    for resource in kustomization.get("resources", []):
+        path = os.path.normpath(os.path.join(folder, resource))
+        if not os.path.exists(path):
+            problem(kustomization_path, f"resource {resource} does not exist")
+        elif os.path.isdir(path):
+            objects += render(path)
+        else:
+            objects += [(path, document) for document in load(path)]
+    for patch in kustomization.get("patches", []):
+        path = os.path.join(folder, patch.get("path", ""))
+        if not os.path.isfile(path):
+            problem(kustomization_path, f"patch {patch} does not exist")
             continue
-        if key[1] != "Kustomization":
-            name = get(document, "metadata.name", path, str)
-            if name is not None and not DNS_LABEL.match(name):
-                problem(path, f"metadata.name '{name}' is not a DNS-1123 label")
-        by_kind.setdefault(key[1], []).append((path, document))
-        checked.append(f"{os.path.relpath(path, ROOT)}: {key[1]} {document.get('metadata', {}).get('name', '')}")
+        for document in load(path):
+            targets = [i for i, (_, o) in enumerate(objects)
+                       if o.get("kind") == document.get("kind") and
+                       o.get("metadata", {}).get("name") == document.get("metadata", {}).get("name")]
+            if not targets:
+                problem(path, f"patches {document.get('kind')} {document.get('metadata', {}).get('name')}, which "
+                              "no resource defines")
+            for i in targets:
+                objects[i] = (path, merge(objects[i][1], document))
+    return objects
+
+
+def check_references(objects, where_name):
+    """The cross references of one rendered kustomization (plus the KServe objects when given)."""
+    by_kind = {}
+    for path, document in objects:
+        by_kind.setdefault(document.get("kind"), []).append((path, document))
+        checked.append(f"{where_name}: {os.path.relpath(path, ROOT)}: {document.get('kind')} "
+                       f"{document.get('metadata', {}).get('name', '')}")
 
     deployments, ports_of = {}, {}
     for path, deployment in by_kind.get("Deployment", []):
         name = deployment["metadata"]["name"]
-        is_patch = "selector" not in deployment.get("spec", {})  # a strategic merge patch (gpu/)
         pod = get(deployment, "spec.template.spec", path, dict) or {}
-        check_keys(path, "pod spec", pod, POD_KEYS)
         containers = get(deployment, "spec.template.spec.containers", path, list) or []
         ports = {}
         for container in containers:
-            ports.update(check_container(path, container, partial=is_patch))
-        if is_patch:
-            if name not in {d["metadata"]["name"] for _, d in by_kind["Deployment"] if d is not deployment}:
-                problem(path, f"patch of Deployment {name}, which no manifest defines")
-            continue
+            ports.update(check_container(path, container))
         selector = get(deployment, "spec.selector.matchLabels", path, dict) or {}
         labels = get(deployment, "spec.template.metadata.labels", path, dict) or {}
         if not matches(selector, labels):
@@ -225,9 +214,13 @@ def check_kubernetes():
             if grace < needed:
                 problem(path, f"terminationGracePeriodSeconds {grace} < preStop {pre_stop_seconds(container)} s + "
                               f"--drain_timeout_s {drain_seconds(container)} s")
-            for probe in ("readinessProbe", "livenessProbe"):
-                if "grpc" not in container.get(probe, {}):
+            for probe, service in (("readinessProbe", ""), ("livenessProbe", LIVENESS)):
+                handler = (container.get(probe) or {}).get("grpc")
+                if handler is None:
                     problem(path, f"container {container.get('name')}: {probe} must use the gRPC health service")
+                elif handler.get("service", "") != service:
+                    problem(path, f"container {container.get('name')}: {probe} must ask for the health of "
+                                  f"'{service}' (server/health_service.h), not '{handler.get('service', '')}'")
         deployments[name] = labels
         ports_of[name] = ports
 
@@ -238,15 +231,23 @@ def check_kubernetes():
         if not targets:
             problem(path, "spec.selector matches no Deployment's pods")
         for port in get(service, "spec.ports", path, list) or []:
-            get(port, "port", path, int)
             target = port.get("targetPort")
             if isinstance(target, str) and not any(target in ports_of[d] for d in targets):
                 problem(path, f"targetPort '{target}' is no named container port of {targets}")
         services[service["metadata"]["name"]] = service
     grpc_services = [s for s in services.values() if any(p.get("name") == "grpc" for p in s["spec"]["ports"])]
-    if not grpc_services or any(s["spec"].get("clusterIP") != "None" for s in grpc_services):
+    if deployments and (not grpc_services or any(s["spec"].get("clusterIP") != "None" for s in grpc_services)):
         problem(os.path.join(ROOT, "deploy/kubernetes"), "the gRPC Service must be headless (clusterIP: None) "
                                                          "for client-side load balancing")
+
+    for path, policy in by_kind.get("NetworkPolicy", []):
+        selector = get(policy, "spec.podSelector.matchLabels", path, dict) or {}
+        if not any(matches(selector, labels) for labels in deployments.values()):
+            problem(path, "spec.podSelector matches no Deployment's pods")
+        for rule in policy["spec"].get("ingress", []):
+            for port in rule.get("ports", []):
+                if isinstance(port.get("port"), str) and not any(port["port"] in p for p in ports_of.values()):
+                    problem(path, f"port '{port['port']}' is no named container port")
 
     for path, monitor in by_kind.get("ServiceMonitor", []):
         selector = get(monitor, "spec.selector.matchLabels", path, dict) or {}
@@ -262,19 +263,13 @@ def check_kubernetes():
         target = get(hpa, "spec.scaleTargetRef", path, dict) or {}
         if target.get("kind") != "Deployment" or target.get("name") not in deployments:
             problem(path, f"scaleTargetRef {target} is not a Deployment defined here")
-        minimum, maximum = hpa["spec"].get("minReplicas", 1), get(hpa, "spec.maxReplicas", path, int)
-        if maximum is not None and not 1 <= minimum <= maximum:
-            problem(path, "need 1 <= minReplicas <= maxReplicas")
-        for metric in get(hpa, "spec.metrics", path, list) or []:
+        for metric in hpa["spec"].get("metrics", []):
             if metric.get("type") == "Pods":
                 name = get(metric, "pods.metric.name", path, str)
-                get(metric, "pods.target.averageValue", path)
                 hpa_metrics.add(name)
                 check_metric_names(path, name or "")
 
     for path, pdb in by_kind.get("PodDisruptionBudget", []):
-        if ("minAvailable" in pdb["spec"]) == ("maxUnavailable" in pdb["spec"]):
-            problem(path, "set exactly one of minAvailable and maxUnavailable")
         selector = get(pdb, "spec.selector.matchLabels", path, dict) or {}
         if not any(matches(selector, labels) for labels in deployments.values()):
             problem(path, "spec.selector matches no Deployment's pods")
@@ -283,8 +278,6 @@ def check_kubernetes():
     for path, runtime in by_kind.get("ServingRuntime", []):
         formats = get(runtime, "spec.supportedModelFormats", path, list) or []
         protocols = get(runtime, "spec.protocolVersions", path, list) or []
-        if not set(protocols) <= {"v1", "v2", "grpc-v1", "grpc-v2"}:
-            problem(path, f"protocolVersions {protocols}")
         containers = get(runtime, "spec.containers", path, list) or []
         for container in containers:
             ports = check_container(path, container)
@@ -302,17 +295,11 @@ def check_kubernetes():
             problem(path, "modelFormat.name is not supported by the runtime")
         if model.get("protocolVersion") not in ("v2", "grpc-v2"):
             problem(path, "protocolVersion must be the Open Inference Protocol (v2 or grpc-v2)")
+    return hpa_metrics
 
-    for path, kustomization in by_kind.get("Kustomization", []):
-        base = os.path.dirname(path)
-        for resource in kustomization.get("resources", []):
-            if not os.path.exists(os.path.join(base, resource)):
-                problem(path, f"resource {resource} does not exist")
-        for patch in kustomization.get("patches", []):
-            if not os.path.exists(os.path.join(base, patch.get("path", ""))):
-                problem(path, f"patch {patch} does not exist")
 
-    # prometheus-adapter rule -> the HPA's metric.
+def check_adapter(hpa_metrics):
+    """prometheus-adapter rule -> the HPA's metric."""
     values_path = os.path.join(ROOT, "deploy/kubernetes/prometheus-adapter/values.yaml")
     values = yaml.safe_load(open(values_path, encoding="utf-8"))
     rules = get(values, "rules.custom", values_path, list) or []
@@ -333,7 +320,6 @@ def check_prometheus():
     config = yaml.safe_load(open(path, encoding="utf-8"))
     jobs = get(config, "scrape_configs", path, list) or []
     for job in jobs:
-        get(job, "job_name", path, str)
         if "static_configs" not in job and "kubernetes_sd_configs" not in job:
             problem(path, f"job {job.get('job_name')}: no targets")
     check_metric_names(path, open(path, encoding="utf-8").read())
@@ -366,12 +352,74 @@ def check_grafana():
     checked.append(f"{os.path.relpath(path, ROOT)}: {len(panels)} panels, {expressions} queries")
 
 
+def run_tools(base, gpu):
+    """kubernetes-validate and checkov on the rendered objects (a copy of deploy/ with the GPU patch rendered)."""
+    work = tempfile.mkdtemp(prefix="mita_deploy_check_")
+    try:
+        # 1. kubernetes-validate: each built-in object in its own file, named after where it comes from.
+        files, names = [], {}
+        for overlay, objects in (("base", base), ("gpu", gpu)):
+            for index, (path, document) in enumerate(objects):
+                if document.get("kind") in NOT_BUILT_IN:
+                    continue
+                file = os.path.join(work, f"{overlay}-{index}-{document['kind'].lower()}.yaml")
+                with open(file, "w", encoding="utf-8") as out:
+                    yaml.safe_dump(document, out, sort_keys=False)
+                files.append(file)
+                names[file] = f"{overlay} overlay: {os.path.relpath(path, ROOT)} {document['kind']}"
+        result = subprocess.run([os.path.join(TOOLS, "kubernetes-validate"), "--strict", "-k", KUBERNETES_VERSION]
+                                + files, capture_output=True, text=True)
+        report = result.stdout + result.stderr
+        for file, name in names.items():
+            report = report.replace(file, name)
+        print(report.rstrip())
+        if result.returncode != 0 or "ERROR" in report or "WARN" in report:
+            problem(os.path.join(ROOT, "deploy/kubernetes"),
+                    f"kubernetes-validate {KUBERNETES_VERSION} --strict failed (above)")
+        checked.append(f"kubernetes-validate --strict -k {KUBERNETES_VERSION}: {len(files)} objects")
+
+        # 2. checkov on a copy of deploy/ whose GPU patch is the Deployment it renders to.
+        copy_root = os.path.join(work, "deploy")
+        shutil.copytree(os.path.join(ROOT, "deploy"), copy_root)
+        patch = os.path.join(copy_root, "kubernetes", "gpu", "deployment-gpu.yaml")
+        rendered = [document for path, document in gpu if document.get("kind") == "Deployment"]
+        with open(patch, "w", encoding="utf-8") as out:
+            out.write("# deploy/kubernetes/gpu rendered: the base Deployment with deployment-gpu.yaml merged\n")
+            yaml.safe_dump_all(rendered, out, sort_keys=False)
+        result = subprocess.run([os.path.join(TOOLS, "checkov"), "-d", copy_root, "--framework", "kubernetes",
+                                 "dockerfile", "--skip-download", "--compact", "--quiet"],
+                                capture_output=True, text=True, cwd=work)
+        report = (result.stdout + result.stderr).replace(copy_root, "deploy")
+        print(report.rstrip() if report.strip() else "checkov: no finding")
+        if result.returncode != 0:
+            problem(os.path.join(ROOT, "deploy"), "checkov found problems (above): fix them, or skip each with its "
+                                                  "reason in the manifest")
+        summary = subprocess.run([os.path.join(TOOLS, "checkov"), "-d", copy_root, "--framework", "kubernetes",
+                                  "dockerfile", "--skip-download", "--compact", "-o", "json"],
+                                 capture_output=True, text=True, cwd=work)
+        for entry in json.loads(summary.stdout or "[]") if summary.stdout.strip().startswith("[") else \
+                [json.loads(summary.stdout or "{}")]:
+            counts = entry.get("summary", {})
+            checked.append(f"checkov {entry.get('check_type')}: {counts.get('passed')} passed, "
+                           f"{counts.get('failed')} failed, {counts.get('skipped')} skipped (with their reasons)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main():
     if len(METRICS) < 10:
         problem(os.path.join(ROOT, "docs", "metrics.md"), "metrics table not found")
-    check_kubernetes()
+    base = render(os.path.join(ROOT, "deploy", "kubernetes"))
+    gpu = render(os.path.join(ROOT, "deploy", "kubernetes", "gpu"))
+    kserve = [(path, document) for path in sorted(glob.glob(os.path.join(ROOT, "deploy/kubernetes/kserve/*.yaml")))
+              for document in load(path)]
+    hpa_metrics = check_references(base, "base") | check_references(gpu, "gpu") | check_references(kserve, "kserve")
+    check_adapter(hpa_metrics)
     check_prometheus()
     check_grafana()
+    tools = all(os.access(os.path.join(TOOLS, t), os.X_OK) for t in ("kubernetes-validate", "checkov"))
+    if tools:
+        run_tools(base, gpu)
     for line in checked:
         print("checked", line)
     if problems:
@@ -379,6 +427,10 @@ def main():
         for line in problems:
             print("  " + line)
         return 1
+    if not tools:
+        print(f"kubernetes-validate and checkov are not in {TOOLS} (scripts/install_deploy_check.sh): only the cross "
+              "references were checked")
+        return 1 if os.environ.get("CI") else 77
     print(f"deploy/ OK ({len(checked)} objects and files; metric names against {len(METRICS)} documented series)")
     return 0
 

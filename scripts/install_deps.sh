@@ -8,7 +8,7 @@
 # docs/libtorch.md has the measurements behind the choice. Unless MITA_PEERS=0 (the container image's build
 # stage), also the peers the tests and benchmarks compare against (scripts/install_peers.sh: tritonclient, timm,
 # ONNX Runtime in a venv, Triton's perf_analyzer), whose Python torch is the wheel's: the wheel is then installed
-# in debian mode too.
+# in debian mode too; and the deploy checks' tools (scripts/install_deploy_check.sh: kubernetes-validate, checkov).
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
@@ -74,7 +74,11 @@ if [ "$LIBTORCH" = pypi ] || [ "$PEERS" = 1 ]; then
     $SUDO mv "$staging" "$TORCH_PREFIX"
   fi
 fi
-if [ "$PEERS" = 1 ]; then bash "$(dirname "$0")/install_peers.sh"; fi
+if [ "$PEERS" = 1 ]; then
+  bash "$(dirname "$0")/install_peers.sh"
+  # The deploy checks' tools (kubernetes-validate, checkov) in their own venv.
+  bash "$(dirname "$0")/install_deploy_check.sh"
+fi
 if [ "$LIBTORCH" = pypi ]; then
   if [ ! -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc > /dev/null; then
     echo "install_deps.sh: no CUDA toolkit (nvcc) found; the torch wheel's CMake config needs one" \

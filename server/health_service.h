@@ -26,6 +26,11 @@ namespace mita::server {
 using HealthRawService = grpc::health::v1::Health::WithRawCallbackMethod_Check<
     grpc::health::v1::Health::WithRawCallbackMethod_Watch<grpc::health::v1::Health::Service>>;
 
+// The health name Kubernetes' livenessProbe asks for: SERVING from the moment the server listens until its gRPC
+// server stops, draining included (readiness, "" and the two services' names, turns NOT_SERVING when a drain
+// starts); a process that no longer answers it is stuck.
+inline constexpr char kLivenessService[] = "liveness";
+
 class HealthService final : public HealthRawService {
  public:
   // `options`: the receive limit (message_size); its authenticator is ignored (health stays open).

@@ -40,6 +40,8 @@
 //                                          (server/message_limits.h).
 //   --max_send_message_bytes=4194304       Largest response message (4 MiB); likewise.
 //   --drain_timeout_s=20                   On SIGTERM/SIGINT/SIGHUP: how long admitted requests may take.
+//   --drain_notice_ms=1000                 On SIGTERM/SIGINT/SIGHUP: how long new calls are still admitted after
+//                                          health turns NOT_SERVING (clients watching it move first).
 //   --tls_cert_file, --tls_key_file        PEM certificate chain and key: serve gRPC over TLS (both or neither).
 //   --tls_client_ca_file                   PEM CA: require client certificates signed by it (mutual TLS).
 //   --auth_token_file                      File holding a bearer token: mita.v1 calls must send
@@ -53,8 +55,10 @@
 // The gRPC port is bound exclusively: a second server on a port in use fails to start.
 //
 // Shutdown: on SIGTERM, SIGINT or SIGHUP (unless the server started with SIGHUP ignored, as under nohup) the
-// health status goes NOT_SERVING (health checks keep being answered while draining; open Watch calls end after
-// it), new Classify calls get UNAVAILABLE, the batchers run what is queued without waiting for batches
+// health status goes NOT_SERVING (health checks keep being answered while draining; open Watch calls see it, and
+// end when the gRPC server stops; the service "liveness" stays SERVING until then), new calls are still admitted
+// for --drain_notice_ms (clients watching the health move to other replicas meanwhile), then new Classify calls
+// get UNAVAILABLE, the batchers run what is queued without waiting for batches
 // to fill, and admitted requests get their answers; after at most --drain_timeout_s the gRPC server stops
 // (calls still running are cancelled; when the drain ended early, new calls keep getting UNAVAILABLE for
 // 250 ms more before it stops), and the process exits 0. The last log line counts the requests
@@ -174,6 +178,10 @@ ABSL_FLAG(int32_t, planning_slack_percentile, 99,
           "the edge of its deadline still meets it; 0: plan with the prediction alone.");
 ABSL_FLAG(int32_t, drain_timeout_s, 20,
           "On SIGTERM, SIGINT or SIGHUP, seconds admitted requests may take to finish.");
+ABSL_FLAG(int32_t, drain_notice_ms, 1000,
+          "On SIGTERM, SIGINT or SIGHUP: milliseconds the server keeps admitting new calls after its health turns "
+          "NOT_SERVING, so that clients watching it (client-side health checking) move to other replicas before "
+          "calls are refused; within --drain_timeout_s.");
 ABSL_FLAG(std::string, tls_cert_file, "", "PEM certificate chain of the gRPC port; with --tls_key_file enables TLS.");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
 ABSL_FLAG(std::string, tls_client_ca_file, "",
@@ -297,6 +305,7 @@ int main(int argc, char** argv) {
   }
   const double delay_ms = absl::GetFlag(FLAGS_max_queue_delay_ms);
   const int32_t drain_timeout_s = absl::GetFlag(FLAGS_drain_timeout_s);
+  const int32_t drain_notice_ms = absl::GetFlag(FLAGS_drain_notice_ms);
 
   // Both addresses' forms are checked before the models load (seconds); binding happens after.
   const std::string listen = absl::GetFlag(FLAGS_listen);
@@ -325,6 +334,7 @@ int main(int argc, char** argv) {
         CheckFlagRange("max_batch_tokens", absl::GetFlag(FLAGS_max_batch_tokens), int64_t{1}, int64_t{1} << 40),
         CheckFlagRange("max_queue_delay_ms", delay_ms, 0, 60000),
         CheckFlagRange("drain_timeout_s", drain_timeout_s, 0, 86400),
+        CheckFlagRange("drain_notice_ms", drain_notice_ms, 0, 86400000),
         CheckFlagRange("cost_calibration_ms", absl::GetFlag(FLAGS_cost_calibration_ms), 0, 600000),
         CheckFlagRange("planning_slack_percentile", absl::GetFlag(FLAGS_planning_slack_percentile), 0, 100),
         CheckFlagRange("torch_threads", torch_threads, 0, 1024),
@@ -527,6 +537,8 @@ int main(int argc, char** argv) {
                              "' (flag --listen): the address is not local, or the port is in use"));
   }
   health.SetServingStatus("", true);
+  // Liveness (Kubernetes' livenessProbe): SERVING while the process answers, draining included.
+  health.SetServingStatus(std::string(mita::server::kLivenessService), true);
   health.SetServingStatus(mita::v1::MitaService::service_full_name(), true);
   health.SetServingStatus(inference::GRPCInferenceService::service_full_name(), true);
   open_inference.SetReady(true);
@@ -555,11 +567,16 @@ int main(int argc, char** argv) {
   int signal_number = 0;
   sigwait(&shutdown_signals, &signal_number);
   Log(absl::StrCat("received ", SignalName(signal_number), "; draining (up to ", drain_timeout_s,
-                   " s)"));
-  health.SetServingStatus(false);
+                   " s; health NOT_SERVING, new calls admitted for ", drain_notice_ms, " ms more)"));
+  // Readiness turns false at once: "" and both services NOT_SERVING (watchers are told now), liveness stays.
+  health.SetServingStatus("", false);
+  health.SetServingStatus(mita::v1::MitaService::service_full_name(), false);
+  health.SetServingStatus(inference::GRPCInferenceService::service_full_name(), false);
   open_inference.SetReady(false);
   const absl::Time drain_start = absl::Now();
   const absl::Time drain_deadline = drain_start + absl::Seconds(drain_timeout_s);
+  // The notice: calls on their way, and those of clients that have not yet seen NOT_SERVING, are still served.
+  absl::SleepFor(std::min(absl::Milliseconds(drain_notice_ms), drain_deadline - drain_start));
   // New Classify calls get UNAVAILABLE from now on; queued ones run at once; admitted ones finish.
   (*engine)->BeginDrain();
   const bool idle = (*engine)->WaitUntilIdle(drain_deadline);
@@ -579,6 +596,7 @@ int main(int argc, char** argv) {
   const mita::server::InferenceEngine::AdmissionCounts counts = (*engine)->admission_counts();
   Log(absl::StrCat("stopped after draining for ", absl::FormatDuration(absl::Now() - drain_start),
                    idle ? "" : " (drain timeout: calls still running were cancelled)", "; requests admitted ",
-                   counts.admitted, ", answered ok ", counts.ok, ", answered with an error ", counts.failed));
+                   counts.admitted, ", answered ok ", counts.ok, ", answered with an error ", counts.failed,
+                   "; calls received as retries ", metrics.retried_calls()));
   return 0;
 }

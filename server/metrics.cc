@@ -255,6 +255,12 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
                               "calibration, and whenever it held more than --keep_freed_memory_limit_bytes free.")
                         .Register(*registry_)
                         .Add({});
+  retried_calls_ = &prometheus::BuildCounter()
+                        .Name("mita_retried_calls_total")
+                        .Help("Calls that arrived as a retry of an earlier attempt (grpc-previous-rpc-attempts > 0): "
+                              "re-sent by their client's retry policy, e.g. while another replica drained.")
+                        .Register(*registry_)
+                        .Add({});
 
   const Histogram::BucketBoundaries count_buckets = PowersOfTwo(12);  // up to 4096 experts
   const Histogram::BucketBoundaries width_buckets = PowersOfTwo(16);  // up to 65536 keys

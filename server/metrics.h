@@ -201,6 +201,12 @@ class ServerMetrics {
   // (kernels::FreedMemoryLimit::Stats).
   void SetHeapMemory(int64_t kept_free_bytes, int64_t returned_bytes);
 
+  // Counts a call that arrived as a retry: its client's retry policy re-sent it after an earlier attempt failed
+  // (gRPC metadata grpc-previous-rpc-attempts > 0), mita_retried_calls_total.
+  void CountRetriedCall() { retried_calls_->Increment(); }
+  // mita_retried_calls_total so far.
+  int64_t retried_calls() const { return static_cast<int64_t>(retried_calls_->Value()); }
+
   // The registry to serve (MetricsHttpServer) or collect in tests.
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
@@ -214,6 +220,7 @@ class ServerMetrics {
   prometheus::Gauge* preparation_memory_ = nullptr;
   prometheus::Gauge* heap_kept_free_ = nullptr;
   prometheus::Counter* heap_returned_ = nullptr;
+  prometheus::Counter* retried_calls_ = nullptr;
   absl::Mutex heap_mu_;  // SetHeapMemory's read and increment of heap_returned_
   mutable absl::Mutex uncounted_mu_;
   int64_t uncounted_calls_ ABSL_GUARDED_BY(uncounted_mu_) = 0;  // finished, not yet counted

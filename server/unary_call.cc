@@ -58,6 +58,12 @@ void UnaryCallReactor::OnDone() {
   if (code == absl::StatusCode::kOk && IsInferenceMethod(method_) && model_metrics != nullptr) {
     model_metrics->ObserveLatency(latency_);
   }
+  // gRPC's retry policy marks each attempt after the first (gRPC A6: grpc-previous-rpc-attempts).
+  const auto& client_metadata = context_->client_metadata();
+  if (const auto attempts = client_metadata.find("grpc-previous-rpc-attempts");
+      attempts != client_metadata.end() && attempts->second != "0") {
+    metrics_->CountRetriedCall();
+  }
   if (finished_) metrics_->CallCounted();
   delete this;
 }

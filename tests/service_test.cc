@@ -1292,6 +1292,54 @@ TEST(ClientTest, ParseTokenIds) {
   EXPECT_FALSE(client::ParseTokenIds("99999999999999999999").ok()) << "over int64";
 }
 
+TEST(ClientTest, ReplicaTargetsAndServiceConfig) {
+  // A list of IP literals becomes gRPC's ipv4:/ipv6: target; names and URIs pass as they are.
+  EXPECT_EQ(*client::ResolveTarget("127.0.0.1:5000,127.0.0.2:5000"), "ipv4:127.0.0.1:5000,127.0.0.2:5000");
+  EXPECT_EQ(*client::ResolveTarget("[::1]:5000,[::2]:5001"), "ipv6:[::1]:5000,[::2]:5001");
+  EXPECT_EQ(*client::ResolveTarget("localhost:50051"), "localhost:50051");
+  EXPECT_EQ(*client::ResolveTarget("dns:///mita-serve.ns.svc.cluster.local:50051"),
+            "dns:///mita-serve.ns.svc.cluster.local:50051");
+  for (const char* bad : {"127.0.0.1:5000,host:5000", "127.0.0.1:5000,", "127.0.0.1,127.0.0.2:1",
+                          "127.0.0.1:5000,[::1]:5000", "127.0.0.1:70000,127.0.0.2:1"}) {
+    const absl::Status status = client::ResolveTarget(bad).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_THAT(std::string(client::ResolveTarget("127.0.0.1:5000,host:5000").status().message()),
+              HasSubstr("entry 'host:5000' is not an IP address with a port"));
+
+  // The documented policy: round_robin, health checking, 5 attempts on UNAVAILABLE, for both services.
+  absl::StatusOr<std::string> json = client::ServiceConfigJson(client::ReplicaPolicy{});
+  ASSERT_TRUE(json.ok()) << json.status();
+  EXPECT_EQ(*json,
+            R"({"loadBalancingConfig":[{"round_robin":{}}],"healthCheckConfig":{"serviceName":""},)"
+            R"("methodConfig":[{"name":[{"service":"mita.v1.MitaService"},)"
+            R"({"service":"inference.GRPCInferenceService"}],"retryPolicy":{"maxAttempts":5,)"
+            R"("initialBackoff":"0.05s","maxBackoff":"1s","backoffMultiplier":2,)"
+            R"("retryableStatusCodes":["UNAVAILABLE"]}}]})");
+  // gRPC accepts it: a channel is made with it.
+  client::ConnectionOptions options;
+  options.target = "127.0.0.1:1,127.0.0.2:1";
+  options.service_config_json = *json;
+  EXPECT_TRUE(client::CreateChannel(options).ok());
+  client::ReplicaPolicy plain;
+  plain.load_balancing = "pick_first";
+  plain.health_check = false;
+  plain.max_attempts = 1;
+  EXPECT_EQ(*client::ServiceConfigJson(plain), R"({"loadBalancingConfig":[{"pick_first":{}}]})");
+  plain.max_attempts = 6;
+  EXPECT_THAT(std::string(client::ServiceConfigJson(plain).status().message()), HasSubstr("allowed [1, 5]"));
+  plain.max_attempts = 1;
+  plain.health_check = true;
+  EXPECT_THAT(std::string(client::ServiceConfigJson(plain).status().message()), HasSubstr("needs round_robin"));
+  plain.load_balancing = "least_request";
+  EXPECT_EQ(client::ServiceConfigJson(plain).status().code(), absl::StatusCode::kInvalidArgument);
+  // A service config gRPC rejects is refused with its reason.
+  options.service_config_json = R"({"loadBalancingConfig":[{"nope":{}}]})";
+  const absl::Status rejected = client::CreateChannel(options).status();
+  EXPECT_EQ(rejected.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(rejected.message()), HasSubstr("nope"));
+}
+
 TEST(StatusMappingTest, EveryCodeMapsToTheSameGrpcCode) {
   for (int code = 1; code <= 16; ++code) {
     const absl::Status status(static_cast<absl::StatusCode>(code), "message");
