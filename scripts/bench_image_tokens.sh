@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where MiTA pays on images: the forward time of the timm ViT family of models/repository/fashion-mnist-deit
+# Where MiTA pays on images: the forward time of the timm ViT family of models/repository/timm-vit-fashion-mnist
 # (tools/train_image.py TIMM_VIT: dim 96, depth 4, 3 heads, patch 2) at N = 197, 785 and 3,137 tokens (input side
 # 28, 56, 112; random weights, converted by tools/convert_timm_checkpoint.py like the trained package), full
 # attention against MiTA budgets, batch 1 and 32, with build/tools/mita-forward --time (C++ forward, no gRPC).

@@ -1,8 +1,8 @@
-"""ctest fashion_mnist_deit_test: the committed timm ViT package against timm itself.
+"""ctest timm_vit_fashion_mnist_test: the committed timm ViT package against timm itself.
 
-Usage (run by ctest with the peers' venv): /opt/mita/peers/bin/python tests/fashion_mnist_deit_test.py SOURCE_DIR BUILD_DIR
+Usage (run by ctest with the peers' venv): /opt/mita/peers/bin/python tests/timm_vit_fashion_mnist_test.py SOURCE_DIR BUILD_DIR
 
-models/repository/fashion-mnist-deit is a timm VisionTransformer trained here with full attention
+models/repository/timm-vit-fashion-mnist is a timm VisionTransformer trained here with full attention
 (tools/train_image.py --architecture timm_vit) and converted by tools/convert_timm_checkpoint.py. This test:
   1. loads the package's tensors into timm.create_model's VisionTransformer of train_image.TIMM_VIT with
      strict=True (timm's own parameter names, none missing or extra), saves that as a timm checkpoint and converts
@@ -30,7 +30,7 @@ try:
     import timm  # noqa: F401
     import torch
 except ImportError as error:
-    print(f"fashion_mnist_deit_test needs torch and timm: {error}")
+    print(f"timm_vit_fashion_mnist_test needs torch and timm: {error}")
     sys.exit(1 if os.environ.get("CI") else 77)
 
 SOURCE_DIR, BUILD_DIR = sys.argv[1], sys.argv[2]
@@ -40,12 +40,12 @@ from mita_reference import load_safetensors  # noqa: E402
 try:
     from timm_logits_test import TOLERANCE, allowed_difference, cpp_logits  # noqa: E402 (needs tritonclient)
 except ImportError as error:
-    print(f"fashion_mnist_deit_test needs tests/timm_logits_test.py's imports: {error}")
+    print(f"timm_vit_fashion_mnist_test needs tests/timm_logits_test.py's imports: {error}")
     sys.exit(1 if os.environ.get("CI") else 77)
 from timm_mita import set_budget, swap_mita_attention  # noqa: E402
 import train_image  # noqa: E402
 
-PACKAGE = os.path.join(SOURCE_DIR, "models", "repository", "fashion-mnist-deit")
+PACKAGE = os.path.join(SOURCE_DIR, "models", "repository", "timm-vit-fashion-mnist")
 # docs/image_model.md's drop-in curve: (pool side P, so m = P * P; expert width k).
 CURVE = [(2, 8), (3, 16), (4, 32), (5, 64), (6, 96), (7, 128)]
 IMAGES = 32
@@ -61,7 +61,7 @@ def main():
 
     # 1. The conversion of the trained checkpoint, again.
     with tempfile.TemporaryDirectory() as work:
-        checkpoint = os.path.join(work, "fashion-mnist-deit.pth")
+        checkpoint = os.path.join(work, "timm-vit-fashion-mnist.pth")
         torch.save({"model": model.state_dict()}, checkpoint)
         package = os.path.join(work, "package")
         train_image.convert_package(checkpoint, package)
@@ -137,7 +137,7 @@ def main():
     assert full >= 0.79 and mita >= full - 0.015, (full, mita)
     print(f"budgets: default full attention (declared accuracy {full:.4f}), presets "
           f"{', '.join(sorted(presets))}; accuracy order {', '.join(entry['budget'] for entry in order)}")
-    print("fashion-mnist-deit: OK")
+    print("timm-vit-fashion-mnist: OK")
 
 
 if __name__ == "__main__":
