@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The main job: build, start mita-server on the embedded models, classify 200 real Fashion-MNIST test images
-# (PNG) through mita-client over gRPC at two budgets (+ full attention), classify the held-out TeX Live
+# (PNG) through mita-client over gRPC at two budgets (+ full attention) with fashion-mnist-vit, the same images with
+# timm-vit-fashion-mnist (a timm ViT trained with full attention, N = 197) at full attention, its default, and at two
+# MiTA presets, classify the held-out TeX Live
 # documentation (real PDFs' text, none concatenated; data/texlive-doc-heldout.jsonl.xz) with the embedded document
 # model at two budgets, all of it and its 32K-64K-token bucket apart (accuracy and latency), and one held-out
 # document of 16K-32K tokens at two budgets and full attention, scrape the metrics, stop the server.
@@ -38,6 +40,16 @@ echo "== budget 2: MiTA expert_count=9 expert_width=16 (model default)"
 "${client[@]}" --expert_count=9 --expert_width=16
 echo "== full attention, same weights"
 "${client[@]}" --full_attention
+
+DEIT_MODEL=timm-vit-fashion-mnist
+deit=(./build/client/mita-client --server="127.0.0.1:$PORT" --model="$DEIT_MODEL"
+      --manifest="$work/images/manifest.csv" --concurrency=4 --quiet)
+echo "== $DEIT_MODEL (timm ViT trained with full attention, N = 197 tokens): full attention (model default)"
+"${deit[@]}"
+echo "== $DEIT_MODEL: MiTA expert_count=25 expert_width=64 (preset 'mita'), same weights"
+"${deit[@]}" --preset=mita
+echo "== $DEIT_MODEL: MiTA expert_count=9 expert_width=16 (preset 'fast'), same weights"
+"${deit[@]}" --preset=fast
 
 echo "== one image with attention statistics"
 ./build/client/mita-client --server="127.0.0.1:$PORT" --model=fashion-mnist-vit --statistics \

@@ -16,7 +16,9 @@ are rejected: their two leading special tokens do not fit the image landmark rul
 
 A stock timm DeiT (trained with full attention, no MiTA) converts with --full_attention_default: full attention
 is the model's default budget, and the MiTA budget of --pool_size/--kv_topk is its preset "mita" (the same
-weights under MiTA, for a client that trades accuracy for speed). tests/timm_logits_test.py converts both kinds.
+weights under MiTA, for a client that trades accuracy for speed); --preset NAME=MxK adds more MiTA presets.
+tests/timm_logits_test.py converts both kinds; tools/train_image.py --architecture timm_vit converts its
+checkpoints through convert_package().
 """
 import argparse
 import json
@@ -33,7 +35,9 @@ IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
 
 
-def convert(state, num_heads, pool_size, kv_topk, renames, mean, std, full_attention_default=False):
+def convert(state, num_heads, pool_size, kv_topk, renames, mean, std, full_attention_default=False, presets=()):
+    """(config.json dict, float32 state dict) of a timm VisionTransformer state dict; presets: extra (name,
+    expert_count, expert_width) MiTA presets."""
     for old, new in renames:
         state = {name.replace(old, new): tensor for name, tensor in state.items()}
     if "dist_token" in state:
@@ -70,10 +74,22 @@ def convert(state, num_heads, pool_size, kv_topk, renames, mean, std, full_atten
         config["attention"]["default_budget"] = {"full_attention": True}
         config["attention"]["presets"] = {"checkpoint": {"full_attention": True},
                                           "mita": {"expert_count": expert_count, "expert_width": expert_width}}
+    for name, count, width in presets:
+        if count > tokens - 1 or math.isqrt(count) ** 2 != count:
+            raise ValueError(f"--preset {name}: expert_count {count} is not a square of at most {tokens - 1}")
+        config["attention"]["presets"][name] = {"expert_count": count, "expert_width": min(width, tokens)}
     return config, state
 
 
-def main():
+def parse_preset(text):
+    """NAME=MxK -> (name, m, k)."""
+    name, budget = text.split("=", 1)
+    count, width = budget.split("x")
+    return name, int(count), int(width)
+
+
+def main(argv=None):
+    """The command line (sys.argv[1:] unless `argv` is given)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--out", required=True)
@@ -86,12 +102,14 @@ def main():
     parser.add_argument("--std", type=float, nargs="+", default=IMAGENET_STD)
     parser.add_argument("--full_attention_default", action="store_true",
                         help="a checkpoint trained with full attention (stock DeiT): full attention by default")
-    args = parser.parse_args()
+    parser.add_argument("--preset", action="append", default=[], type=parse_preset,
+                        help="NAME=MxK: one more MiTA preset (m = expert_count, a square; k = expert_width)")
+    args = parser.parse_args(argv)
     checkpoint = torch.load(args.checkpoint, map_location="cpu")
     state = checkpoint.get("model", checkpoint) if isinstance(checkpoint, dict) else checkpoint.state_dict()
     renames = [tuple(item.split("=", 1)) for item in args.rename]
     config, state = convert(state, args.num_heads, args.pool_size, args.kv_topk, renames, args.mean, args.std,
-                            args.full_attention_default)
+                            args.full_attention_default, args.preset)
     os.makedirs(args.out, exist_ok=True)
     save_safetensors(state, os.path.join(args.out, "model.safetensors"), {"converted_from": args.checkpoint})
     with open(os.path.join(args.out, "config.json"), "w") as f:
