@@ -6,6 +6,7 @@
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/validate_service_config.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -66,18 +67,52 @@ absl::StatusOr<std::string> ServiceConfigJson(const ReplicaPolicy& policy) {
   return json;
 }
 
+namespace {
+
+// Whether `port` is a port number in [1, 65535] written in at most 5 decimal digits (no sign, no suffix).
+bool IsPort(absl::string_view port) {
+  int value = 0;
+  return !port.empty() && port.size() <= 5 && std::all_of(port.begin(), port.end(), absl::ascii_isdigit) &&
+         absl::SimpleAtoi(port, &value) && value >= 1 && value <= 65535;
+}
+
+// Splits HOST:PORT ([v6]:PORT for IPv6) at its last colon; false when there is no host or no valid port.
+bool SplitHostPort(absl::string_view address, absl::string_view* host) {
+  const size_t colon = address.rfind(':');
+  if (colon == absl::string_view::npos || colon == 0 || !IsPort(address.substr(colon + 1))) return false;
+  *host = address.substr(0, colon);
+  return true;
+}
+
+}  // namespace
+
 absl::StatusOr<std::string> ResolveTarget(const std::string& target) {
-  if (target.find(',') == std::string::npos || target.find(':') == std::string::npos ||
-      absl::StrContains(target, "://") || absl::StartsWith(target, "ipv4:") || absl::StartsWith(target, "ipv6:")) {
+  if (absl::StartsWith(target, "ipv4:") || absl::StartsWith(target, "ipv6:") || absl::StartsWith(target, "unix:")) {
+    return target;
+  }
+  absl::string_view host;
+  if (const size_t scheme = target.find("://"); scheme != std::string::npos) {
+    // A URI (dns:///HOST:PORT): its port, when it names one, is checked.
+    const absl::string_view authority = absl::string_view(target).substr(target.rfind('/') + 1);
+    const size_t bracket = authority.rfind(']');
+    const size_t colon = authority.rfind(':');
+    if (colon != absl::string_view::npos && (bracket == absl::string_view::npos || colon > bracket) &&
+        !SplitHostPort(authority, &host)) {
+      return absl::InvalidArgumentError(absl::StrCat("'", target, "': '", authority.substr(colon + 1),
+                                                     "' is not a port: allowed [1, 65535]"));
+    }
+    return target;
+  }
+  if (target.find(',') == std::string::npos) {
+    if (!SplitHostPort(target, &host)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "'", target, "' is not HOST:PORT ([v6]:PORT for IPv6) with a port in [1, 65535]"));
+    }
     return target;
   }
   bool v4 = false, v6 = false;
   for (absl::string_view entry : absl::StrSplit(target, ',')) {
-    const size_t colon = entry.rfind(':');
-    int port = 0;
-    const bool has_port = colon != absl::string_view::npos && absl::SimpleAtoi(entry.substr(colon + 1), &port) &&
-                          port > 0 && port < 65536;
-    absl::string_view host = has_port ? entry.substr(0, colon) : absl::string_view();
+    const bool has_port = SplitHostPort(entry, &host);
     unsigned char address[16];
     if (has_port && inet_pton(AF_INET, std::string(host).c_str(), address) == 1) {
       v4 = true;
@@ -86,12 +121,15 @@ absl::StatusOr<std::string> ResolveTarget(const std::string& target) {
       v6 = true;
     } else {
       return absl::InvalidArgumentError(absl::StrCat("server list '", target, "': entry '", entry,
-                                                     "' is not an IP address with a port (a.b.c.d:PORT or "
-                                                     "[v6]:PORT); for host names use dns:///HOST:PORT"));
+                                                     "' is not an IP address with a port in [1, 65535] "
+                                                     "(a.b.c.d:PORT or [v6]:PORT); for host names use "
+                                                     "dns:///HOST:PORT"));
     }
   }
   if (v4 && v6) {
-    return absl::InvalidArgumentError(absl::StrCat("server list '", target, "' mixes IPv4 and IPv6 addresses"));
+    return absl::InvalidArgumentError(absl::StrCat("server list '", target,
+                                                   "' mixes IPv4 and IPv6 addresses; use one family, or "
+                                                   "dns:///HOST:PORT for a name with both"));
   }
   return absl::StrCat(v4 ? "ipv4:" : "ipv6:", target);
 }
@@ -126,7 +164,18 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateChannel(const ConnectionOpt
     ssl.pem_cert_chain = *std::move(cert);
     ssl.pem_private_key = *std::move(key);
   }
-  if (!options.tls_server_name.empty()) arguments.SetSslTargetNameOverride(options.tls_server_name);
+  if (!options.tls_server_name.empty()) {
+    arguments.SetSslTargetNameOverride(options.tls_server_name);
+  } else if (*target != options.target) {
+    // A list of addresses: gRPC would check the certificate against the whole list; the first entry's host is
+    // the name (every replica serves the same certificate).
+    absl::string_view host;
+    const absl::string_view first = absl::string_view(options.target).substr(0, options.target.find(','));
+    if (SplitHostPort(first, &host)) {
+      host = absl::StripPrefix(absl::StripSuffix(host, "]"), "[");
+      arguments.SetSslTargetNameOverride(std::string(host));
+    }
+  }
   return grpc::CreateCustomChannel(*target, grpc::SslCredentials(ssl), arguments);
 }
 

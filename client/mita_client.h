@@ -88,14 +88,16 @@ struct ReplicaPolicy {
 absl::StatusOr<std::string> ServiceConfigJson(const ReplicaPolicy& policy);
 
 // The gRPC target of `target`: a comma list of IP literals with ports ("127.0.0.1:50051,127.0.0.2:50051" or
-// "[::1]:50051,...") becomes "ipv4:..." or "ipv6:..."; anything else is returned as it is (host:port or a gRPC
-// target URI). Errors: INVALID_ARGUMENT for a list with an empty entry, an entry that is not an IP literal with a
+// "[::1]:50051,...") becomes "ipv4:..." or "ipv6:..."; HOST:PORT, a target URI (dns:///HOST:PORT) and gRPC's own
+// ipv4:/ipv6:/unix: forms are returned as they are. Errors: INVALID_ARGUMENT for HOST:PORT or a URI whose port is
+// not in [1, 65535] (digits only), a list with an empty entry or an entry that is not an IP literal with such a
 // port, or IPv4 and IPv6 entries mixed.
 absl::StatusOr<std::string> ResolveTarget(const std::string& target);
 
-// A channel for `options`. Errors: INVALID_ARGUMENT for an empty target, a bad list (ResolveTarget), a service
-// config gRPC rejects (with gRPC's reason), or only one of the client certificate files; a certificate file's
-// ReadFileBytes error.
+// A channel for `options`. Over TLS to a list of addresses, the certificate is checked against the first entry's
+// host unless tls_server_name is set. Errors: INVALID_ARGUMENT for an empty or bad target (ResolveTarget), a
+// service config gRPC rejects (with gRPC's reason), or only one of the client certificate files; a certificate
+// file's ReadFileBytes error.
 absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateChannel(const ConnectionOptions& options);
 
 // Reads the whole file at `path` (images, documents, certificates, tokens). Errors: NOT_FOUND when it cannot

@@ -352,6 +352,11 @@ int main(int argc, char** argv) {
                        int64_t{0}, std::numeric_limits<int64_t>::max())}) {
     if (!status.ok()) return Fail(std::string(status.message()));
   }
+  if (int64_t{drain_notice_ms} > int64_t{drain_timeout_s} * 1000) {
+    return Fail(absl::StrCat("flag --drain_notice_ms: ", drain_notice_ms, " is longer than --drain_timeout_s (",
+                             drain_timeout_s, " s): the notice is part of the drain; allowed [0, ",
+                             int64_t{drain_timeout_s} * 1000, "]"));
+  }
   if (!(cuda_memory_fraction > 0 && cuda_memory_fraction <= 1)) {
     return Fail(absl::StrCat("flag --cuda_memory_fraction: ", cuda_memory_fraction, " is out of range: allowed (0, 1]"));
   }

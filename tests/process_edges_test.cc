@@ -142,6 +142,8 @@ TEST(ProcessEdgesTest, InvalidListenAddressesAreStartUpErrors) {
       {"--max_batch_tokens=0", "flag --max_batch_tokens: 0 is out of range: allowed [1, "},
       {"--cuda_memory_fraction=1.5", "flag --cuda_memory_fraction: 1.5 is out of range: allowed (0, 1]"},
       {"--cost_calibration_ms=-1", "flag --cost_calibration_ms: -1 is out of range: allowed [0, 600000]"},
+      {"--drain_notice_ms=30000", "flag --drain_notice_ms: 30000 is longer than --drain_timeout_s (20 s): the notice "
+                                  "is part of the drain; allowed [0, 20000]"},
       {"--cost_profile=/nonexistent/profile.json", "flag --cost_profile: cannot read /nonexistent/profile.json"},
   };
   for (const auto& [flag, expected] : flags) {

@@ -1299,13 +1299,21 @@ TEST(ClientTest, ReplicaTargetsAndServiceConfig) {
   EXPECT_EQ(*client::ResolveTarget("localhost:50051"), "localhost:50051");
   EXPECT_EQ(*client::ResolveTarget("dns:///mita-serve.ns.svc.cluster.local:50051"),
             "dns:///mita-serve.ns.svc.cluster.local:50051");
+  EXPECT_EQ(*client::ResolveTarget("[::1]:65535"), "[::1]:65535");
+  EXPECT_EQ(*client::ResolveTarget("dns:///[::1]:1"), "dns:///[::1]:1");
+  EXPECT_EQ(*client::ResolveTarget("dns:///mita-serve"), "dns:///mita-serve") << "gRPC's default port";
   for (const char* bad : {"127.0.0.1:5000,host:5000", "127.0.0.1:5000,", "127.0.0.1,127.0.0.2:1",
-                          "127.0.0.1:5000,[::1]:5000", "127.0.0.1:70000,127.0.0.2:1"}) {
+                          "127.0.0.1:5000,[::1]:5000", "127.0.0.1:70000,127.0.0.2:1", "127.0.0.1:116307",
+                          "127.0.0.1:50771abc", "127.0.0.1:-14765", "localhost:116307", "127.0.0.1:abc",
+                          "127.0.0.1", "127.0.0.1:", ":50051", "", "127.0.0.1:+5077", "127.0.0.1:050771",
+                          "127.0.0.1:0", "dns:///127.0.0.1:116307", "dns:///localhost:x"}) {
     const absl::Status status = client::ResolveTarget(bad).status();
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad;
   }
   EXPECT_THAT(std::string(client::ResolveTarget("127.0.0.1:5000,host:5000").status().message()),
               HasSubstr("entry 'host:5000' is not an IP address with a port"));
+  EXPECT_THAT(std::string(client::ResolveTarget("127.0.0.1:116307").status().message()),
+              HasSubstr("with a port in [1, 65535]"));
 
   // The documented policy: round_robin, health checking, 5 attempts on UNAVAILABLE, for both services.
   absl::StatusOr<std::string> json = client::ServiceConfigJson(client::ReplicaPolicy{});
