@@ -266,10 +266,15 @@ class TransportEdgesTest(unittest.TestCase):
                 self.assertEqual(answer.messages(), [(0, b"\x08\x01")], answer)  # SERVING, and the stream stays open
                 self.assertFalse(answer.ended, answer)
                 connection.reset(stream)
-        # Deadlines still apply: one of a nanosecond has passed before the request is queued.
+        # Deadlines still apply: one of a nanosecond has passed before the request is queued. gRPC's transport
+        # answers DEADLINE_EXCEEDED, or on a loaded machine resets the stream before its trailers, which h2 then
+        # refuses on the closed stream (grpc_h2 marks it ended, without a status): never an answer.
         answer = self.call("/mita.v1.MitaService/Classify", grpc_frame(text_request()), timeout_header="1n",
                            metadata=AUTH)
-        self.assertEqual(answer.status, DEADLINE_EXCEEDED, answer)
+        if answer.status is None:
+            self.assertTrue(answer.ended and not answer.data, answer)
+        else:
+            self.assertEqual(answer.status, DEADLINE_EXCEEDED, answer)
 
     # ---- 3. framing errors named as such ----
 
