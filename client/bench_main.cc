@@ -26,8 +26,9 @@
 // by budget reason, and the p50 client latency of the DEADLINE_EXCEEDED answers; with
 // --server_pid, the server's resident memory (VmRSS from /proc/PID/status) after the warm-up, at the end, its
 // maximum, and the growth. The last line is "RESULT key=value ..." for scripts (new keys are appended: scripts
-// read some by position). Exit status 0 when the run completed (errors are counted, not
-// fatal), 2 for bad flags or inputs.
+// read some by position). Exit status 0 when the run completed with at least one OK answer (errors are counted,
+// not fatal), 1 when no call was answered OK (an unreachable server, or every call refused), 2 for bad flags or
+// inputs.
 //
 // One thread drives everything through a gRPC CompletionQueue (the async API), so the tool itself uses
 // little CPU next to the server.
@@ -63,6 +64,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/percentile.h"
 #include "client/connection_flags.h"
 #include "client/mita_client.h"
 
@@ -208,14 +210,6 @@ int64_t ResidentKib(int pid) {
     if (!parts.empty() && absl::SimpleAtoi(parts[0], &kib)) return kib;
   }
   return -1;
-}
-
-double Percentile(std::vector<double>& values, double p) {
-  if (values.empty()) return 0;
-  std::sort(values.begin(), values.end());
-  size_t rank = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(values.size())));
-  rank = std::clamp<size_t>(rank, 1, values.size());
-  return values[rank - 1];
 }
 
 struct Call {
@@ -467,17 +461,18 @@ int main(int argc, char** argv) {
   const int64_t ok_count = static_cast<int64_t>(ok_latencies_ms.size());
   const double mean_batch = ok_count > 0 ? batch_size_sum / static_cast<double>(ok_count) : 0;
   std::vector<double> ok_sorted = ok_latencies_ms, all_sorted = all_latencies_ms;
-  const double p50 = Percentile(ok_sorted, 50), p95 = Percentile(ok_sorted, 95), p99 = Percentile(ok_sorted, 99);
+  const double p50 = mita::Percentile(ok_sorted, 50), p95 = mita::Percentile(ok_sorted, 95);
+  const double p99 = mita::Percentile(ok_sorted, 99);
   std::cout << absl::StrFormat(
       "mita-bench%s: %s loop, %s, %d inputs, budgets %s, deadlines %s ms\n",
       label.empty() ? "" : absl::StrCat(" [", label, "]"), mode,
       open_loop ? absl::StrFormat("rate %.1f/s", rate) : absl::StrFormat("concurrency %d", concurrency), inputs->size(),
       absl::GetFlag(FLAGS_budgets), absl::GetFlag(FLAGS_deadlines_ms));
-  std::cout << absl::StrFormat("answered %d calls in %.2f s (after %d warm-up calls): %.1f answers/s, %.1f OK/s\n",
+  std::cout << absl::StrFormat("completed %d calls in %.2f s (after %d warm-up calls): %.1f completions/s, %.1f OK/s\n",
                                answered, seconds, warmup, static_cast<double>(answered) / seconds,
                                static_cast<double>(ok_count) / seconds);
   std::cout << absl::StrFormat("latency of OK calls: p50 %.2f ms, p95 %.2f ms, p99 %.2f ms; all calls: p99 %.2f ms\n",
-                               p50, p95, p99, Percentile(all_sorted, 99));
+                               p50, p95, p99, mita::Percentile(all_sorted, 99));
   std::cout << absl::StrFormat("mean server batch size of OK calls: %.2f\n", mean_batch);
   std::string code_text;
   for (const auto& [code, count] : codes) {
@@ -511,7 +506,7 @@ int main(int argc, char** argv) {
       "before the deadline, refused at admission, %d) of %d calls sent; DEADLINE_EXCEEDED answered after p50 "
       "%.2f ms\n",
       goodput, 100 * miss_rate, tally.deadline_exceeded - tally.refused, tally.ok_late, 100 * reject_rate,
-      tally.rejected - tally.refused, tally.refused, answered, Percentile(tally.deadline_exceeded_ms, 50));
+      tally.rejected - tally.refused, tally.refused, answered, mita::Percentile(tally.deadline_exceeded_ms, 50));
   std::string reason_text, reason_keys;
   for (int reason = v1::BudgetReason_MIN; reason <= v1::BudgetReason_MAX; ++reason) {
     if (!v1::BudgetReason_IsValid(reason)) continue;
@@ -538,7 +533,13 @@ int main(int argc, char** argv) {
       "mean_m=%.3f mean_k=%.3f full_fraction=%.5f%s deadline_exceeded_p50_ms=%.3f refused=%d servers=%s\n",
       label.empty() ? "-" : label, answered, ok_count, seconds, static_cast<double>(answered) / seconds,
       static_cast<double>(ok_count) / seconds, p50, p95, p99, mean_batch, rss_text, goodput, miss_rate, reject_rate,
-      mean_m, mean_k, full_fraction, reason_keys, Percentile(tally.deadline_exceeded_ms, 50), tally.refused,
+      mean_m, mean_k, full_fraction, reason_keys, mita::Percentile(tally.deadline_exceeded_ms, 50), tally.refused,
       server_keys.empty() ? "-" : server_keys);
+  if (ok_count == 0 && answered + not_sent > 0) {
+    std::cerr << "mita-bench: no call was answered OK (status codes: " << code_text << ")"
+              << (errors_by_message.empty() ? "" : absl::StrCat("; first error: ", errors_by_message.begin()->first))
+              << "\n";
+    return 1;
+  }
   return 0;
 }

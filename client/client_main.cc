@@ -49,6 +49,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/percentile.h"
 #include "client/connection_flags.h"
 #include "client/mita_client.h"
 
@@ -288,14 +289,6 @@ absl::StatusOr<v1::ClassifyResponse> ClassifyFile(const MitaClient& client, cons
   return response;
 }
 
-double Percentile(std::vector<double> sorted_values, double p) {
-  if (sorted_values.empty()) return 0;
-  // Nearest rank.
-  size_t rank = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(sorted_values.size())));
-  rank = std::clamp<size_t>(rank, 1, sorted_values.size());
-  return sorted_values[rank - 1];
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -445,7 +438,6 @@ int main(int argc, char** argv) {
     }
   }
   if (evaluating) {
-    std::sort(latencies_ms.begin(), latencies_ms.end());
     const double n = std::max<double>(1, static_cast<double>(succeeded));
     std::cout << absl::StrFormat("%s: %d (%d failed", noun, items.size(), failed)
               << (not_sent > 0 ? absl::StrFormat(", %d of them not sent: client-side errors", not_sent) : "") << ")\n";
@@ -454,8 +446,8 @@ int main(int argc, char** argv) {
                                    static_cast<double>(correct) / static_cast<double>(labelled), correct, labelled);
     }
     std::cout << absl::StrFormat("client latency: p50 %.2f ms, p95 %.2f ms, p99 %.2f ms\n",
-                                 Percentile(latencies_ms, 50), Percentile(latencies_ms, 95),
-                                 Percentile(latencies_ms, 99));
+                                 mita::Percentile(latencies_ms, 50), mita::Percentile(latencies_ms, 95),
+                                 mita::Percentile(latencies_ms, 99));
     std::cout << absl::StrFormat("server: mean queue delay %.3f ms, mean compute %.3f ms\n", queue_us / n / 1000.0,
                                  compute_us / n / 1000.0);
     std::cout << absl::StrFormat("throughput: %.1f %s/s (%d in %.2f s, concurrency %d)\n",

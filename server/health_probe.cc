@@ -1,5 +1,6 @@
 // mita-health-probe: asks a server's gRPC health service (grpc.health.v1.Health/Check) whether a service is
-// SERVING; exit 0 when it is, 1 otherwise (NOT_SERVING, unknown service, no answer). For container
+// SERVING; exit 0 when it is, 1 otherwise (NOT_SERVING, unknown service, no answer; also, from Abseil's flag
+// parser, an unknown or malformed flag), 2 for a stray argument or a timeout under 1 ms. For container
 // HEALTHCHECKs (deploy/Dockerfile), where Kubernetes' own gRPC probe is not available. Links gRPC only.
 //
 // Usage: mita-health-probe [--address=127.0.0.1:50051] [--service=] [--timeout_ms=2000]
@@ -12,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -27,8 +29,9 @@ ABSL_FLAG(int32_t, timeout_ms, 2000, "Deadline of the check, milliseconds.");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "Asks a gRPC server's health service whether it (or --service) is SERVING; exit 0 if so, 1 if not, 2 for a "
-      "bad flag.\n  mita-health-probe [--address=HOST:PORT] [--service=NAME] [--timeout_ms=N]");
+      "Asks a gRPC server's health service whether it (or --service) is SERVING; exit 0 if so, 1 if not (or an "
+      "unknown flag), 2 for a bad argument.\n"
+      "  mita-health-probe [--address=HOST:PORT] [--service=NAME] [--timeout_ms=N]");
   // --help lists the flags of this file (Abseil would look for a file named after the binary).
   absl::FlagsUsageConfig usage_config;
   usage_config.contains_help_flags = [](absl::string_view file) {
@@ -36,7 +39,18 @@ int main(int argc, char** argv) {
   };
   usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
   absl::SetFlagsUsageConfig(usage_config);
-  absl::ParseCommandLine(argc, argv);
+  // Abseil's parser itself exits 1 for an unknown or malformed flag.
+  const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  if (positional.size() > 1) {
+    std::fprintf(stderr, "mita-health-probe: unexpected argument '%s' (flags only: --address, --service, "
+                 "--timeout_ms)\n", positional[1]);
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_timeout_ms) <= 0) {
+    std::fprintf(stderr, "mita-health-probe: --timeout_ms must be at least 1 (got %d)\n",
+                 absl::GetFlag(FLAGS_timeout_ms));
+    return 2;
+  }
   const std::string service = absl::GetFlag(FLAGS_service);
   std::string bytes;
   const grpc::Status status = mita::server::HealthCheckCall(

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "base/percentile.h"
+
 namespace mita::server {
 namespace {
 
@@ -94,11 +96,7 @@ void PlanningSlack::Update() {
   if (recent_.empty()) return;
   sorted_.clear();
   for (const auto& [at, lateness] : recent_) sorted_.push_back(lateness);
-  // The nearest-rank quantile: the smallest value with at least `quantile` of the values at or below it.
-  const size_t rank = static_cast<size_t>(std::ceil(quantile_ * static_cast<double>(sorted_.size())));
-  const size_t index = std::min(sorted_.size(), std::max<size_t>(1, rank)) - 1;
-  std::nth_element(sorted_.begin(), sorted_.begin() + index, sorted_.end());
-  slack_ = absl::Seconds(std::max(0.0, sorted_[index]));
+  slack_ = absl::Seconds(std::max(0.0, Percentile(sorted_, 100 * quantile_)));
 }
 
 }  // namespace mita::server

@@ -1,68 +1,11 @@
-// mita-server-core (started by the mita-server launcher, server/launcher.cc): serves the model packages of a model repository over gRPC (mita.v1.MitaService, the Open
-// Inference Protocol inference.GRPCInferenceService, grpc.health.v1, server reflection) and exports Prometheus
-// metrics over HTTP.
+// mita-server-core (started by the mita-server launcher, server/launcher.cc): serves the model packages of a model
+// repository over gRPC (mita.v1.MitaService, the Open Inference Protocol inference.GRPCInferenceService,
+// grpc.health.v1, server reflection) and exports Prometheus metrics over HTTP.
 //
-// Flags (defaults):
-//   --listen=0.0.0.0:50051                 gRPC address; :PORT listens on every address (IPv4 and IPv6).
-//   --model_repository=models/repository   One sub-folder per model package; the folder name is the model name.
-//   --device=cpu                           Where models run: cpu or cuda:N, for every model, or per model as
-//                                          MODEL=DEVICE entries (server/placement.h). cuda:N without a visible
-//                                          CUDA device is a start-up error.
-//   --weights_dtype=float32                float32 or bfloat16 (CUDA devices only), likewise per model.
-//   --cuda_memory_fraction=1               Share of each used CUDA device's memory LibTorch may allocate; a batch
-//                                          needing more gets RESOURCE_EXHAUSTED.
-//   --metrics_listen=0.0.0.0:9464          Prometheus /metrics address (9464: the usual Prometheus exporter
-//                                          port); empty disables the exporter.
-//   --max_batch_size=16                    Requests per batch, per model.
-//   --max_queue_delay_ms=2                 Longest wait of the oldest queued request for its batch to fill, ms.
-//   --max_batch_tokens=131072              Tokens per packed batch, per model (a longer document is refused).
-//   --queue_capacity=256                   Requests queued per model before RESOURCE_EXHAUSTED.
-//   --queue_compute_units=4294967296       Compute units (tokens x attention width: M + k for MiTA, N for full
-//                                          attention) queued per model before RESOURCE_EXHAUSTED.
-//   --batch_threads=1                      Batch threads per model.
-//   --long_document_tokens=8192            Longer documents run in a lane of their own (one batch thread), beside
-//                                          shorter requests instead of ahead of them; 0: one lane.
-//   --torch_threads=0                      Intra-op threads of LibTorch and OpenBLAS; 0: the hardware concurrency
-//                                          (LibTorch 1.13 otherwise starts with half the cores).
-//   --preparation_threads=0                Threads decoding and tokenizing inputs; 0: the hardware concurrency.
-//   --preparation_queue_capacity=1024      Requests waiting for a preparation thread before RESOURCE_EXHAUSTED.
-//   --preparation_memory_bytes=1073741824  Working memory all inputs being decoded or tokenized may take (1 GiB);
-//                                          an image is admitted by its header's estimate and waits for room.
-//   --keep_freed_memory=true               Keep freed memory in the C heap for the next request instead of
-//                                          unmapping it (kernels/runtime_environment.h; resident memory stays
-//                                          at its high-water mark).
-//   --keep_freed_memory_limit_bytes=536870912
-//                                          With --keep_freed_memory, the most resident memory the heap keeps free
-//                                          (checked every second); above it, the freed memory is returned to the
-//                                          system (kernels::FreedMemoryLimit). 0: no limit.
-//   --max_receive_message_bytes=4194304    Largest request message (4 MiB), and so largest encoded image;
-//                                          larger gets RESOURCE_EXHAUSTED naming the limit and this flag
-//                                          (server/message_limits.h).
-//   --max_send_message_bytes=4194304       Largest response message (4 MiB); likewise.
-//   --drain_timeout_s=20                   On SIGTERM/SIGINT/SIGHUP: how long admitted requests may take.
-//   --drain_notice_ms=1000                 On SIGTERM/SIGINT/SIGHUP: how long new calls are still admitted after
-//                                          health turns NOT_SERVING (clients watching it move first).
-//   --tls_cert_file, --tls_key_file        PEM certificate chain and key: serve gRPC over TLS (both or neither).
-//   --tls_client_ca_file                   PEM CA: require client certificates signed by it (mutual TLS).
-//   --auth_token_file                      File holding a bearer token: mita.v1 calls must send
-//                                          "authorization: Bearer <token>" (UNAUTHENTICATED otherwise);
-//                                          health and reflection stay open. Use with TLS.
-//   --max_concurrent_streams=256           Calls in flight per client connection (HTTP/2 streams); more wait.
-//   --max_connection_idle_s=300            A connection without calls for this long is closed (0: never).
-//   --keepalive_time_s=60                  Ping a connection silent for this long; with
-//   --keepalive_timeout_s=20               no answer within this, the connection and its calls are closed.
-//
-// The gRPC port is bound exclusively: a second server on a port in use fails to start.
-//
-// Shutdown: on SIGTERM, SIGINT or SIGHUP (unless the server started with SIGHUP ignored, as under nohup) the
-// health status goes NOT_SERVING (health checks keep being answered while draining; open Watch calls see it, and
-// end when the gRPC server stops; the service "liveness" stays SERVING until then), new calls are still admitted
-// for --drain_notice_ms (clients watching the health move to other replicas meanwhile), then new Classify calls
-// get UNAVAILABLE, the batchers run what is queued without waiting for batches
-// to fill, and admitted requests get their answers; after at most --drain_timeout_s the gRPC server stops
-// (calls still running are cancelled; when the drain ended early, new calls keep getting UNAVAILABLE for
-// 250 ms more before it stops), and the process exits 0. The last log line counts the requests
-// admitted since start and how many were answered OK or with an error.
+// Flags: `mita-server --help` (their help is in the ABSL_FLAG definitions below) and the table in docs/serving.md.
+// The gRPC port is bound exclusively: a second server on a port in use fails to start. Shutdown on SIGTERM, SIGINT
+// or SIGHUP drains (readiness NOT_SERVING at once, new calls admitted for --drain_notice_ms, then UNAVAILABLE;
+// admitted requests answered within --drain_timeout_s) and exits 0: docs/serving.md, "Graceful shutdown".
 #include <ATen/Parallel.h>
 #include <grpc/grpc.h>
 #include <google/protobuf/stubs/logging.h>

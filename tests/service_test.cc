@@ -28,6 +28,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/percentile.h"
 #include "client/mita_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -570,15 +571,6 @@ double GaugeValue(const prometheus::Registry& registry, const std::string& name)
   return -1;
 }
 
-// Nearest-rank percentile of `values` (sorted here), p in (0, 100].
-double Percentile(std::vector<double> values, double p) {
-  if (values.empty()) return 0;
-  std::sort(values.begin(), values.end());
-  size_t rank = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(values.size())));
-  rank = std::clamp<size_t>(rank, 1, values.size());
-  return values[rank - 1];
-}
-
 // Sends `count` requests at once (one thread each) and returns every call's outcome and client latency.
 struct BurstOutcome {
   std::vector<absl::Status> statuses;
@@ -685,10 +677,10 @@ TEST_F(ServiceTest, BurstOfTenTimesCapacityGetsOneAnswerEach) {
   EXPECT_EQ(GaugeValue(server.registry(), "mita_queue_compute_units"), 0);
   std::cout << "burst of " << kBurst << " requests at a queue of " << kCapacityRequests
             << " requests' compute units: " << ok << " admitted, " << exhausted
-            << " RESOURCE_EXHAUSTED; client latency of admitted: p50 " << Percentile(admitted_ms, 50) << " ms, p99 "
-            << Percentile(admitted_ms, 99) << " ms, max " << Percentile(admitted_ms, 100)
-            << " ms; in the server (receipt to answer): p50 " << Percentile(admitted_server_ms, 50) << " ms, p99 "
-            << Percentile(admitted_server_ms, 99) << " ms\n";
+            << " RESOURCE_EXHAUSTED; client latency of admitted: p50 " << mita::Percentile(admitted_ms, 50)
+            << " ms, p99 " << mita::Percentile(admitted_ms, 99) << " ms, max " << mita::Percentile(admitted_ms, 100)
+            << " ms; in the server (receipt to answer): p50 " << mita::Percentile(admitted_server_ms, 50)
+            << " ms, p99 " << mita::Percentile(admitted_server_ms, 99) << " ms\n";
 }
 
 // Full attention costs N x N compute units instead of N x (M + k): at the same queue capacity fewer

@@ -26,6 +26,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_split.h"
+#include "base/percentile.h"
 #include "kernels/runtime_environment.h"
 #include "models/model_package.h"
 #include "tools/accuracy_order.h"
@@ -136,12 +137,8 @@ int main(int argc, char** argv) {
       latencies.push_back(Milliseconds(Clock::now() - t0));
       if (!output.ok()) return 1;
     }
-    std::sort(latencies.begin(), latencies.end());
-    auto quantile = [&](double q) {
-      return latencies.empty() ? 0.0 : latencies[std::min<size_t>(latencies.size() - 1, q * latencies.size())];
-    };
     std::printf("| %s | %.4f | %.3f | %.3f | %.0f |\n", name.c_str(), static_cast<double>(correct) / count,
-                quantile(0.5), quantile(0.95), count / batched_seconds);
+                mita::Percentile(latencies, 50), mita::Percentile(latencies, 95), count / batched_seconds);
     std::fflush(stdout);
     measured.push_back({budget, static_cast<double>(correct) / static_cast<double>(count)});
   }

@@ -64,10 +64,10 @@ def load_split(split):
     return x.unsqueeze(1), y
 
 
-def augment(x):
-    """Random shift by up to 2 pixels (pad + crop, one shift per batch) and random horizontal flip per image."""
-    x = F.pad(x, (2, 2, 2, 2), value=(0 - MEAN) / STD)
-    dx, dy = random.randint(0, 4), random.randint(0, 4)
+def augment(x, shift=2):
+    """Random shift by up to `shift` pixels (pad + crop, one shift per batch) and random horizontal flip per image."""
+    x = F.pad(x, (shift,) * 4, value=(0 - MEAN) / STD)
+    dx, dy = random.randint(0, 2 * shift), random.randint(0, 2 * shift)
     x = x[:, :, dy: dy + 28, dx: dx + 28]
     flip = torch.rand(len(x)) < 0.5
     return torch.where(flip[:, None, None, None], x.flip(-1), x)
@@ -112,7 +112,7 @@ def train(args, model, step_forward, eval_forward, train_x, train_y, test_x, tes
         start, seen, correct, loss_sum = time.time(), 0, 0, 0.0
         for step in range(steps_per_epoch):
             idx = order[step * args.batch: (step + 1) * args.batch]
-            x, y = augment(train_x[idx]), train_y[idx]
+            x, y = augment(train_x[idx], args.shift), train_y[idx]
             logits = step_forward(x, step)
             loss = F.cross_entropy(logits, y, label_smoothing=0.1)
             optimizer.zero_grad(set_to_none=True)
@@ -222,6 +222,7 @@ def main():
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--shift", type=int, default=2, help="augmentation: random shift of up to this many pixels")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--limit", type=int, default=0, help="train on the first N images only (smoke test)")
     parser.add_argument("--max_minutes", type=float, default=0,
