@@ -1,4 +1,6 @@
-// Production CPU MiTA forward (docs/design.md section 2; arXiv 2602.01219), float32 and float64.
+// Production CPU MiTA forward (docs/design.md section 2; arXiv 2602.01219), float32 and float64. The algorithm,
+// top-down; its two lower layers are kernels/cpu_blas.h (the GEMMs on raw buffers) and kernels/cpu_row_primitives.h
+// (the vectorised loops over one row: max, first argmax, exp and sum, softmax, top-k threshold mask, ranks).
 //
 // Work is split over (batch item, head) pairs with at::parallel_for; each pair runs MitaHead on raw pointers to
 // contiguous rows of d values (q, k, v each with its own row stride, so a fused qkv projection is read in
@@ -25,13 +27,9 @@
 //      - small inputs (SmallInputOutput, where SmallInputPathApplies: e.g. 50 tokens at M = 9, k = 16): one
 //        GEMM for all N^2 scores q K^T, the compressed logits from the gate (G s^2), and two GEMMs with dense
 //        weight matrices (Wc x A, W x V), instead of 4 BLAS calls of a few hundred multiply-adds per expert.
-// The GEMMs call the system BLAS (sgemm_/dgemm_) directly on the buffers (no copies), one BLAS thread per thread
-// of the region (OneThreadBlas); MatmulTransposed and MatmulAccumulate are the single place to swap in a
-// hand-written micro-kernel later. The gate G of a tile gives the compressed logits (G s^2) on both output paths
-// (the small-input path is one tile of all N). The float row loops (max, exp and sum, first argmax) run on 16-float
-// GCC vectors, compiled for AVX-512, AVX2 and the baseline. Buffers live in a HeadWorkspace
-// reused by all the (item, head) pairs of one thread. Left for later (docs/kernels.md has the measurements behind
-// these): splitting one head over threads when B * H < threads.
+// The gate G of a tile gives the compressed logits (G s^2) on both output paths (the small-input path is one tile
+// of all N). Buffers live in a HeadWorkspace reused by all the (item, head) pairs of one thread. Left for later
+// (docs/kernels.md): splitting one head over threads when B * H < threads.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -41,374 +39,19 @@
 #include <limits>
 #include <vector>
 
-#include <dlfcn.h>
-
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include "kernels/cpu_blas.h"
+#include "kernels/cpu_row_primitives.h"
 #include "kernels/mita_attention_internal.h"
 
 namespace mita::kernels::internal {
 namespace {
 
-// The BLAS must run each GEMM on the calling thread: the parallelism over (item, head) is ours.
-// - MKL (linked into the PyPI LibTorch): mkl_set_num_threads_local(1) for the threads of our parallel region
-//   (OneThreadBlas), so GEMMs may be as large as the blocks allow (kOneThreadGemmVolume).
-// - OpenBLAS (pthreads build, Debian's LibTorch) has no per-thread setting: it runs a GEMM on its own thread pool
-//   once m * n * k exceeds 64^3 multiply-adds, which inside our region oversubscribes the cores (measured on the
-//   2-core machine: 3.5x slower with 2 threads), so every GEMM stays at or under kSingleThreadGemmVolume.
-constexpr int64_t kSingleThreadGemmVolume = int64_t{64} * 64 * 64;
-constexpr int64_t kOneThreadGemmVolume = 8 * kSingleThreadGemmVolume;
-// Most rows (keys or queries) per block.
-constexpr int64_t kMaxBlockRows = 512;
 // Upper bound on the elements of one chunk's logits buffer [chunk, M + k].
 constexpr int64_t kMaxLogitElements = int64_t{1} << 20;
-
-// MKL's MKL_Set_Num_Threads_Local (the C name of mkl_service.h's mkl_set_num_threads_local: sets the calling
-// thread's BLAS thread count, returns the previous one, 0 = the global setting), looked up at run time; null with
-// any other BLAS.
-using SetLocalBlasThreads = int (*)(int);
-SetLocalBlasThreads LocalBlasThreadSetter() {
-  static const SetLocalBlasThreads setter =
-      reinterpret_cast<SetLocalBlasThreads>(dlsym(RTLD_DEFAULT, "MKL_Set_Num_Threads_Local"));
-  return setter;
-}
-
-// One BLAS thread for the calling thread while in scope (where the BLAS has a per-thread setting).
-class OneThreadBlas {
- public:
-  OneThreadBlas() : setter_(LocalBlasThreadSetter()) {
-    if (setter_ != nullptr) previous_ = setter_(1);
-  }
-  ~OneThreadBlas() {
-    if (setter_ != nullptr) setter_(previous_);
-  }
-  OneThreadBlas(const OneThreadBlas&) = delete;
-  OneThreadBlas& operator=(const OneThreadBlas&) = delete;
-
- private:
-  SetLocalBlasThreads setter_;
-  int previous_ = 0;
-};
-
-// Rows per block for GEMMs whose other two dimensions multiply to `other_dimensions`.
-int64_t BlockRows(int64_t other_dimensions) {
-  const int64_t volume = LocalBlasThreadSetter() != nullptr ? kOneThreadGemmVolume : kSingleThreadGemmVolume;
-  return std::clamp<int64_t>(volume / other_dimensions, 1, kMaxBlockRows);
-}
-
-// The system BLAS, called directly (Fortran interface, column-major): an at::mm_out on from_blob views costs
-// several microseconds of tensor construction and dispatch per call, which at these GEMM sizes (<= 64^3
-// multiply-adds) is comparable to the arithmetic (mita-kernel-bench, docs/kernels.md).
-extern "C" {
-void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
-            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
-            const int* ldc);
-void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
-            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
-            const int* ldc);
-}
-
-// The (item, head) whose BLAS calls the calling thread counts (MitaForwardOptions::gemm_totals), or null.
-thread_local MitaGemmTotals* gemm_totals_of_thread = nullptr;
-
-// Counts one BLAS call of m x n x k multiply-adds in gemm_totals_of_thread while in scope (when set).
-class GemmTally {
- public:
-  GemmTally(int64_t m, int64_t n, int64_t k) : totals_(gemm_totals_of_thread) {
-    if (totals_ == nullptr) return;
-    ++totals_->calls;
-    totals_->flops += 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
-    start_ = std::chrono::steady_clock::now();
-  }
-  ~GemmTally() {
-    if (totals_ != nullptr) {
-      totals_->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-    }
-  }
-  GemmTally(const GemmTally&) = delete;
-  GemmTally& operator=(const GemmTally&) = delete;
-
- private:
-  MitaGemmTotals* totals_;
-  std::chrono::steady_clock::time_point start_;
-};
-
-// Column-major C[m, n] = alpha op(A) op(B) + beta C.
-inline void Gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
-  const int ldai = static_cast<int>(lda), ldbi = static_cast<int>(ldb), ldci = static_cast<int>(ldc);
-  const GemmTally tally(m, n, k);
-  sgemm_(&transa, &transb, &mi, &ni, &ki, &alpha, a, &ldai, b, &ldbi, &beta, c, &ldci);
-}
-
-inline void Gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
-                 int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
-  const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
-  const int ldai = static_cast<int>(lda), ldbi = static_cast<int>(ldb), ldci = static_cast<int>(ldc);
-  const GemmTally tally(m, n, k);
-  dgemm_(&transa, &transb, &mi, &ni, &ki, &alpha, a, &ldai, b, &ldbi, &beta, c, &ldci);
-}
-
-// out[rows, columns] = a[rows, inner] * b[columns, inner]^T. Row-major with the given row strides (a row-major
-// X with row stride ld is the column-major X^T with leading dimension ld, so this is out^T = b a^T).
-template <typename T>
-void MatmulTransposed(const T* a, int64_t a_stride, const T* b, int64_t b_stride, T* out, int64_t out_stride,
-                      int64_t rows, int64_t columns, int64_t inner) {
-  if (rows == 0 || columns == 0) return;
-  Gemm('T', 'N', columns, rows, inner, T(1), b, b_stride, a, a_stride, T(0), out, out_stride);
-}
-
-// out[rows, columns] (+)= a[rows, inner] * b[inner, columns]; accumulates into out when `accumulate`
-// (out^T = b^T a^T in column-major terms).
-template <typename T>
-void MatmulAccumulate(const T* a, int64_t a_stride, const T* b, int64_t b_stride, T* out, int64_t out_stride,
-                      int64_t rows, int64_t columns, int64_t inner, bool accumulate) {
-  if (rows == 0 || columns == 0) return;
-  Gemm('N', 'N', columns, rows, inner, T(1), b, b_stride, a, a_stride, accumulate ? T(1) : T(0), out, out_stride);
-}
-
-// The row loops below are kept out of line and free of std::min/std::max (whose branches stop GCC 12 from
-// vectorising them); the float ones are compiled for AVX-512, AVX2 and the baseline (target_clones).
-
-// 16 floats as one GCC vector: one AVX-512 register, two AVX2 or four SSE2 ones in the target_clones below. The
-// float row loops (max, exp and sum) are written on it: GCC 12 keeps an `omp simd` reduction's lanes in a stack
-// array and sums them one by one, about 90 ns of a 32-value row (docs/kernels.md, "Third round").
-// Every function taking or returning one is always_inline into its caller, so the ABI note GCC gives for
-// passing a 64-byte vector without AVX-512 (-Wpsabi) concerns no call that exists.
-#pragma GCC diagnostic ignored "-Wpsabi"
-constexpr int64_t kVectorFloats = 16;
-using FloatVector = float __attribute__((vector_size(kVectorFloats * sizeof(float))));
-using WordVector = uint32_t __attribute__((vector_size(kVectorFloats * sizeof(float))));
-using LaneVector = int32_t __attribute__((vector_size(kVectorFloats * sizeof(float))));
-// (A comparison is written with vectors on both sides: GCC 12 lowers a vector-scalar comparison lane by lane.)
-
-inline __attribute__((always_inline)) FloatVector LoadFloats(const float* values) {
-  FloatVector vector;
-  std::memcpy(&vector, values, sizeof vector);
-  return vector;
-}
-
-inline __attribute__((always_inline)) void StoreFloats(float* values, FloatVector vector) {
-  std::memcpy(values, &vector, sizeof vector);
-}
-
-inline __attribute__((always_inline)) FloatVector Broadcast(float value) { return FloatVector{} + value; }
-
-inline __attribute__((always_inline)) FloatVector MaxOfVectors(FloatVector a, FloatVector b) { return a > b ? a : b; }
-
-// Lane 0 of the result is the maximum (HorizontalMax) or the sum (HorizontalSum) of the 16 lanes: four halving
-// steps.
-inline __attribute__((always_inline)) float HorizontalMax(FloatVector v) {
-  v = MaxOfVectors(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  v = MaxOfVectors(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  v = MaxOfVectors(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  v = MaxOfVectors(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-  return v[0];
-}
-
-inline __attribute__((always_inline)) float HorizontalSum(FloatVector v) {
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return v[0];
-}
-
-// Maximum of values[0, count), count >= 1. The float version is compiled for AVX-512, AVX2 and the baseline,
-// as ExpAndSum below.
-template <typename T>
-inline __attribute__((always_inline)) T MaxOfBody(const T* values, int64_t count) {
-  T maximum = values[0];
-#pragma omp simd reduction(max : maximum)
-  for (int64_t j = 1; j < count; ++j) maximum = maximum > values[j] ? maximum : values[j];
-  return maximum;
-}
-
-// The float version: whole vectors, the last one overlapping the one before where 16 does not divide count (a
-// value counted twice does not change a maximum).
-inline __attribute__((always_inline)) float MaxOfFloats(const float* values, int64_t count) {
-  if (count < kVectorFloats) return MaxOfBody(values, count);
-  FloatVector maxima = LoadFloats(values + count - kVectorFloats);
-  for (int64_t j = 0; j + kVectorFloats <= count; j += kVectorFloats) {
-    maxima = MaxOfVectors(maxima, LoadFloats(values + j));
-  }
-  return HorizontalMax(maxima);
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default"))) float MaxOf(const float* values, int64_t count) {
-  return MaxOfFloats(values, count);
-}
-
-__attribute__((noinline)) double MaxOf(const double* values, int64_t count) { return MaxOfBody(values, count); }
-
-// Index of the first maximum of values[0, count), count >= 1: as the loop "best = 0; if (values[i] >
-// values[best]) best = i", also with NaNs (which that loop skips, unless values[0] is one), in vectorised passes
-// where no value is NaN.
-template <typename T>
-inline __attribute__((always_inline)) int64_t FirstArgmaxBody(const T* values, int64_t count) {
-  T maximum = values[0];
-  int unordered = 0;
-#pragma omp simd reduction(max : maximum) reduction(| : unordered)
-  for (int64_t j = 0; j < count; ++j) {
-    maximum = maximum > values[j] ? maximum : values[j];
-    unordered |= values[j] != values[j] ? 1 : 0;
-  }
-  if (unordered != 0) {
-    int64_t best = 0;
-    for (int64_t i = 1; i < count; ++i) {
-      if (values[i] > values[best]) best = i;
-    }
-    return best;
-  }
-  int64_t first = count;
-#pragma omp simd reduction(min : first)
-  for (int64_t j = 0; j < count; ++j) first = values[j] == maximum && j < first ? j : first;
-  return first;
-}
-
-// Lane 0 of the result is the least of the 16 lanes: four halving steps, as HorizontalMax.
-inline __attribute__((always_inline)) int32_t HorizontalMin(LaneVector v) {
-  LaneVector other = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v = v < other ? v : other;
-  other = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v = v < other ? v : other;
-  other = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  v = v < other ? v : other;
-  other = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  v = v < other ? v : other;
-  return v[0];
-}
-
-// The float version on whole vectors (the last one overlapping, as MaxOfFloats): the maximum and whether any value
-// is NaN in one pass, then the least index holding the maximum in a second.
-inline __attribute__((always_inline)) int64_t FirstArgmaxOfFloats(const float* values, int64_t count) {
-  if (count < kVectorFloats) {
-    // The defining loop itself, keeping values[best] in a register (conditional moves; M = 9 at the image model).
-    int64_t best = 0;
-    float best_value = values[0];
-    for (int64_t i = 1; i < count; ++i) {
-      const bool above = values[i] > best_value;
-      best = above ? i : best;
-      best_value = above ? values[i] : best_value;
-    }
-    return best;
-  }
-  if (count > std::numeric_limits<int32_t>::max()) return FirstArgmaxBody(values, count);
-  const int64_t last = count - kVectorFloats;
-  FloatVector maxima = LoadFloats(values + last);
-  FloatVector unordered = maxima != maxima ? Broadcast(1.0f) : FloatVector{};
-  for (int64_t j = 0; j + kVectorFloats <= count; j += kVectorFloats) {
-    const FloatVector group = LoadFloats(values + j);
-    maxima = MaxOfVectors(maxima, group);
-    unordered = group != group ? Broadcast(1.0f) : unordered;
-  }
-  if (HorizontalMax(unordered) != 0.0f) return FirstArgmaxBody(values, count);
-  const FloatVector maximum = Broadcast(HorizontalMax(maxima));
-  LaneVector lane;
-  for (int32_t l = 0; l < kVectorFloats; ++l) lane[l] = l;
-  const LaneVector none = LaneVector{} + static_cast<int32_t>(count);
-  LaneVector first = LoadFloats(values + last) == maximum ? lane + static_cast<int32_t>(last) : none;
-  for (int64_t j = 0; j + kVectorFloats <= count; j += kVectorFloats) {
-    const LaneVector at = LoadFloats(values + j) == maximum ? lane + static_cast<int32_t>(j) : none;
-    first = first < at ? first : at;
-  }
-  return HorizontalMin(first);
-}
-
-// indices[n] = the first argmax of row n of rows[count, length] (contiguous rows), one dispatched call per block
-// of rows. The float version is compiled for AVX-512, AVX2 and the baseline, as ExpAndSum.
-__attribute__((target_clones("avx512f", "avx2", "default"))) void FirstArgmaxRows(const float* rows, int64_t count,
-                                                                                 int64_t length,
-                                                                                 int64_t* indices) {
-  for (int64_t n = 0; n < count; ++n) indices[n] = FirstArgmaxOfFloats(rows + n * length, length);
-}
-
-void FirstArgmaxRows(const double* rows, int64_t count, int64_t length, int64_t* indices) {
-  for (int64_t n = 0; n < count; ++n) indices[n] = FirstArgmaxBody(rows + n * length, length);
-}
-
-// exp(values * multiplier - shift) lane by lane, clamped as ExpAndSum.
-inline __attribute__((always_inline)) FloatVector ExpOfArguments(FloatVector values, float multiplier, float shift) {
-  const FloatVector arguments = values * multiplier - shift;
-  const FloatVector lowest = Broadcast(kFastExpMin);
-  return FastExpOf<FloatVector, WordVector>(arguments < lowest ? lowest : arguments);
-}
-
-// values[j] = exp(values[j] * multiplier - shift) over [0, count), for arguments <= 0 (max-subtracted
-// logits); returns their sum. float: clamp to FastExp's range (exp(-inf) becomes 2^-126, negligible next to the
-// row maximum's term 1), then FastExp; double: std::exp.
-// The float version is compiled three times (GCC/Clang function multiversioning, chosen once at load time by the
-// CPU): AVX-512, AVX2 and the build's baseline x86-64 (SSE2, 4 floats a step). Measured with mita-kernel-bench
-// (--tokens=50,4096 --heads=4 --head_dims=24 --threads=1, the binaries before and after alternated twice): at
-// N 4096 3.43 / 4.15 -> 3.07 / 3.91 ms (m = 9, k = 16) and 5.54 / 6.45 -> 4.69 / 5.20 ms (16 x 32); at N 50
-// 0.089 / 0.108 -> 0.081 / 0.097 ms (16 x 32) (docs/kernels.md).
-// (Out of line as a clone set already: Clang refuses noinline beside target_clones.)
-inline __attribute__((always_inline)) float ExpAndSumBody(float* values, int64_t count, float multiplier,
-                                                          float shift) {
-  if (count < kVectorFloats) {
-    for (int64_t j = 0; j < count; ++j) {
-      const float argument = values[j] * multiplier - shift;
-      values[j] = argument < kFastExpMin ? kFastExpMin : argument;
-    }
-    float sum = 0;
-    for (int64_t j = 0; j < count; ++j) {
-      values[j] = FastExp(values[j]);
-      sum += values[j];
-    }
-    return sum;
-  }
-  // The last 16 values, taken before the whole vectors overwrite any of them; only the lanes past the last whole
-  // vector are summed (the others are stored again with the same exponentials).
-  const int64_t tail = count % kVectorFloats, last = count - kVectorFloats;
-  const FloatVector last_exponentials = ExpOfArguments(LoadFloats(values + last), multiplier, shift);
-  LaneVector lane;
-  for (int32_t l = 0; l < kVectorFloats; ++l) lane[l] = l;
-  const LaneVector first_tail_lane = LaneVector{} + static_cast<int32_t>(kVectorFloats - tail);
-  FloatVector sums = tail == 0 ? FloatVector{} : (lane >= first_tail_lane ? last_exponentials : FloatVector{});
-  for (int64_t j = 0; j + kVectorFloats <= count; j += kVectorFloats) {
-    const FloatVector exponentials = ExpOfArguments(LoadFloats(values + j), multiplier, shift);
-    StoreFloats(values + j, exponentials);
-    sums += exponentials;
-  }
-  StoreFloats(values + last, last_exponentials);
-  return HorizontalSum(sums);
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default"))) float ExpAndSum(float* values, int64_t count,
-                                                                             float multiplier, float shift) {
-  return ExpAndSumBody(values, count, multiplier, shift);
-}
-
-double ExpAndSum(double* values, int64_t count, double multiplier, double shift) {
-  double sum = 0;
-  for (int64_t j = 0; j < count; ++j) {
-    values[j] = std::exp(values[j] * multiplier - shift);
-    sum += values[j];
-  }
-  return sum;
-}
-
-// Row r of rows[count, length] (row stride `stride`) becomes exp(row - max(row)), and inverse_sums[r] = 1 / the
-// row's sum: the max-subtracted softmax before its normalisation. One call per chunk of rows: a row of the routed
-// path is short (M + k logits, 32 at m = k = 16), and two dispatched calls per row cost as much as its
-// exponentials. The float version is compiled for AVX-512, AVX2 and the baseline, as ExpAndSum.
-__attribute__((target_clones("avx512f", "avx2", "default"))) void UnnormalisedSoftmaxRows(
-    float* rows, int64_t count, int64_t length, int64_t stride, float* inverse_sums) {
-  for (int64_t r = 0; r < count; ++r) {
-    float* row = rows + r * stride;
-    inverse_sums[r] = 1.0f / ExpAndSumBody(row, length, 1.0f, MaxOfFloats(row, length));
-  }
-}
-
-void UnnormalisedSoftmaxRows(double* rows, int64_t count, int64_t length, int64_t stride, double* inverse_sums) {
-  for (int64_t r = 0; r < count; ++r) {
-    double* row = rows + r * stride;
-    inverse_sums[r] = 1.0 / ExpAndSum(row, length, 1.0, MaxOf(row, length));
-  }
-}
 
 // Charges the time since its previous charge to a phase (MitaForwardOptions::phase_seconds); a null test when
 // phase timing is off.
@@ -450,72 +93,8 @@ struct HeadProblem {
   int64_t query_tile_rows;  // MitaForwardOptions::query_tile_rows
 };
 
-// Scores per vectorised threshold test of the running top-k.
-constexpr int64_t kScanGroup = 64;
-
-// Lane 0 of the result is the bitwise or of the 16 lanes: four halving steps, as HorizontalMax.
-inline __attribute__((always_inline)) uint32_t HorizontalOr(WordVector v) {
-  v |= __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v |= __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v |= __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  v |= __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return v[0];
-}
-
-// Bit j of the result is set when values[j] > threshold, j in [0, kScanGroup) (a NaN never is): the running
-// top-k visits only the keys that enter. The float version is compiled for AVX-512, AVX2 and the baseline, as
-// ExpAndSum.
-static_assert(kScanGroup == 4 * kVectorFloats, "AboveMask packs four vectors of lanes into 64 bits");
-// Bits of vector `vector` of the group: lane i -> bit i (lane_bit[i] = 1 << i).
-inline __attribute__((always_inline)) WordVector LaneBitsAbove(const float* values, int64_t vector,
-                                                               FloatVector limit, WordVector lane_bit) {
-  return reinterpret_cast<WordVector>(LoadFloats(values + vector * kVectorFloats) > limit) & lane_bit;
-}
-
-// The vectors stay inside this always_inline body (as MaxOfFloats): Clang refuses a 64-byte vector argument or
-// result in a call from the baseline clone of a target_clones function.
-inline __attribute__((always_inline)) uint64_t AboveMaskOfFloats(const float* values, float threshold) {
-  const FloatVector limit = Broadcast(threshold);
-  const WordVector lane_bit = {1u << 0, 1u << 1, 1u << 2,  1u << 3,  1u << 4,  1u << 5,  1u << 6,  1u << 7,
-                               1u << 8, 1u << 9, 1u << 10, 1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15};
-  // The second vector of each half lands 16 bits up.
-  const WordVector low = LaneBitsAbove(values, 0, limit, lane_bit) | (LaneBitsAbove(values, 1, limit, lane_bit) << 16);
-  const WordVector high = LaneBitsAbove(values, 2, limit, lane_bit) | (LaneBitsAbove(values, 3, limit, lane_bit) << 16);
-  return static_cast<uint64_t>(HorizontalOr(low)) | (static_cast<uint64_t>(HorizontalOr(high)) << 32);
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default"))) uint64_t AboveMask(const float* values, float threshold) {
-  return AboveMaskOfFloats(values, threshold);
-}
-
-uint64_t AboveMask(const double* values, double threshold) {
-  uint64_t mask = 0;
-  for (int64_t j = 0; j < kScanGroup; ++j) mask |= static_cast<uint64_t>(values[j] > threshold) << j;
-  return mask;
-}
-
 // Most keys whose top-k is selected by counting ranks (RanksByTieRule: count^2 comparisons).
 constexpr int64_t kRankSelectionMaxKeys = 64;
-
-// ranks[i] = how many of scores[0, count) rank higher than score i by the tie rule (higher score, then lower
-// index: RanksHigher); no NaN scores. A plain loop that GCC vectorises (a comparison is a lane mask); compiled for
-// AVX-512, AVX2 and the baseline, as ExpAndSum.
-template <typename T>
-inline __attribute__((always_inline)) void RanksByTieRuleBody(const T* scores, int32_t count, int32_t* ranks) {
-  for (int32_t i = 0; i < count; ++i) {
-    const T own = scores[i];
-    int32_t higher = 0;
-    for (int32_t j = 0; j < count; ++j) higher += (scores[j] > own) | ((scores[j] == own) & (j < i));
-    ranks[i] = higher;
-  }
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default"))) void RanksByTieRule(const float* scores, int32_t count,
-                                                                                int32_t* ranks) {
-  RanksByTieRuleBody(scores, count, ranks);
-}
-
-void RanksByTieRule(const double* scores, int32_t count, int32_t* ranks) { RanksByTieRuleBody(scores, count, ranks); }
 
 template <typename T>
 struct Candidate {
@@ -1046,10 +625,9 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
                              options.small_input_path,
                              options.query_tile_rows};
       clock.Charge(kPhaseSetup);
-      gemm_totals_of_thread = options.gemm_totals != nullptr ? &(*options.gemm_totals)[task] : nullptr;
+      const CountGemmsOfThread count_gemms(options.gemm_totals != nullptr ? &(*options.gemm_totals)[task] : nullptr);
       MitaHead(problem, workspace, &counts[task],
                options.routing != nullptr ? &(*options.routing)[task] : nullptr, clock);
-      gemm_totals_of_thread = nullptr;
     }
   });
 

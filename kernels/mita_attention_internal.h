@@ -5,7 +5,6 @@
 
 #include <array>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -126,42 +125,6 @@ absl::StatusOr<at::Tensor> MitaAttentionForwardWithOptions(const at::Tensor& q, 
                                                            const at::Tensor& v, absl::Span<const MitaItem> items,
                                                            std::vector<MitaItemStatistics>* statistics,
                                                            MitaBackend backend, const MitaForwardOptions& options);
-
-// exp(x) in float for x in [kFastExpMin, 88], written so loops over it vectorise (a libm call does not):
-// Cody-Waite range reduction x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for exp(r) (Cephes expf
-// coefficients), and 2^n from the exponent bits. Relative error <= 1e-7 (about 1 ulp) in that range; NaN stays
-// NaN. The caller clamps x from below to kFastExpMin, in a separate loop: a clamp inside this function makes
-// GCC 12 thread jumps around the polynomial and give up vectorising.
-constexpr float kFastExpMin = -87.33654f;  // exp(kFastExpMin) = 2^-126, the smallest normal float
-
-// FastExp for `Float` = float (with `Bits` = uint32_t) or a GCC vector of floats (with a vector of as many
-// uint32_t): the same operations lane by lane. Always inlined, so GCC's note on passing a 64-byte vector without
-// AVX-512 (-Wpsabi) concerns no call that exists.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"
-template <typename Float, typename Bits>
-inline __attribute__((always_inline)) Float FastExpOf(Float x) {
-  // Adding 1.5 * 2^23 rounds x / ln2 to the nearest integer n and leaves n in the low mantissa bits.
-  constexpr float kRoundingShift = 12582912.0f;
-  const Float shifted = x * 1.44269504088896341f + kRoundingShift;
-  const Float n = shifted - kRoundingShift;
-  const Float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // ln2 split in two for an exact n * ln2
-  Float p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const Float exp_r = p * r * r + r + 1.0f;
-  Bits shifted_bits;
-  std::memcpy(&shifted_bits, &shifted, sizeof shifted_bits);
-  const Bits power_bits = (shifted_bits - 0x4B400000u + 127u) << 23;  // 0x4B400000: the bits of 1.5 * 2^23
-  Float power_of_two;
-  std::memcpy(&power_of_two, &power_bits, sizeof power_of_two);
-  return exp_r * power_of_two;
-}
-#pragma GCC diagnostic pop
-
-inline float FastExp(float x) { return FastExpOf<float, uint32_t>(x); }
 
 // The backends. Preconditions: ValidateMitaArguments(q, k, v, items) is OK. They may throw c10::Error or
 // std::bad_alloc (the caller converts); `statistics`, when not null, is resized to B and filled.

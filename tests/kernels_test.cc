@@ -768,18 +768,6 @@ TEST(MitaTies, AllTiedRouting) {
   }
 }
 
-// The CPU kernel's vectorisable float exp: within 2e-7 relative of the float64 exp on its whole range.
-TEST(FastExp, MatchesStdExp) {
-  double worst = 0;
-  for (float x = internal::kFastExpMin; x <= 88.0f; x += 1e-3f) {
-    const double exact = std::exp(static_cast<double>(x));
-    worst = std::max(worst, std::abs(internal::FastExp(x) - exact) / exact);
-  }
-  EXPECT_LT(worst, 2e-7);
-  EXPECT_EQ(internal::FastExp(0.0f), 1.0f);
-  EXPECT_TRUE(std::isnan(internal::FastExp(std::numeric_limits<float>::quiet_NaN())));
-}
-
 // Small random integers: scores collide all the time, across the kernel's key blocks and top-k compactions.
 TEST(MitaTies, ManyTiesAcrossKeyBlocks) {
   const Dims dims{1, 2, 700, 4};
