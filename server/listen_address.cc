@@ -1,10 +1,33 @@
 #include "server/listen_address.h"
 
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 
 namespace mita::server {
+namespace {
+
+// Binds and closes one socket of `info`'s family; 0 or the errno of socket() or bind().
+int TryBind(const addrinfo& info) {
+  const int socket_fd = socket(info.ai_family, info.ai_socktype, info.ai_protocol);
+  if (socket_fd < 0) return errno;
+  const int on = 1, off = 0;
+  setsockopt(socket_fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
+  if (info.ai_family == AF_INET6) setsockopt(socket_fd, IPPROTO_IPV6, IPV6_V6ONLY, &off, sizeof off);
+  const int result = bind(socket_fd, info.ai_addr, info.ai_addrlen) == 0 ? 0 : errno;
+  close(socket_fd);
+  return result;
+}
+
+}  // namespace
 
 absl::StatusOr<ListenAddress> ParseListenAddress(absl::string_view address, absl::string_view flag) {
   auto error = [&](absl::string_view what) {
@@ -42,6 +65,41 @@ std::string GrpcListenTarget(const ListenAddress& address) {
   if (address.host.empty() || address.host == "*") return absl::StrCat("[::]:", address.port);
   if (address.host.find(':') != std::string::npos) return absl::StrCat("[", address.host, "]:", address.port);
   return absl::StrCat(address.host, ":", address.port);
+}
+
+absl::Status CheckCanListen(const ListenAddress& address, absl::string_view flag) {
+  if (address.port == 0) return absl::OkStatus();
+  const bool wildcard = address.host.empty() || address.host == "*";
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV | (wildcard ? 0 : AI_NUMERICHOST);
+  hints.ai_family = wildcard ? AF_INET6 : AF_UNSPEC;
+  const std::string port = std::to_string(address.port);
+  addrinfo* found = nullptr;
+  int lookup = getaddrinfo(wildcard ? nullptr : address.host.c_str(), port.c_str(), &hints, &found);
+  if (lookup != 0 && !wildcard) {  // a host name, such as localhost
+    hints.ai_flags &= ~AI_NUMERICHOST;
+    lookup = getaddrinfo(address.host.c_str(), port.c_str(), &hints, &found);
+  }
+  int error = lookup == 0 ? TryBind(*found) : EADDRNOTAVAIL;
+  if (found != nullptr) freeaddrinfo(found);
+  if (wildcard && error == EAFNOSUPPORT) {  // no IPv6 on this machine: the wildcard is IPv4's
+    hints.ai_family = AF_INET;
+    found = nullptr;
+    error = getaddrinfo(nullptr, port.c_str(), &hints, &found) == 0 ? TryBind(*found) : EADDRNOTAVAIL;
+    if (found != nullptr) freeaddrinfo(found);
+  }
+  const std::string shown = wildcard ? absl::StrCat(":", address.port) : absl::StrCat(address.host, ":", address.port);
+  if (error == 0) return absl::OkStatus();
+  if (error == EADDRINUSE) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("flag ", flag, ": port ", address.port, " of '", shown, "' is in use (another server?)"));
+  }
+  if (error == EADDRNOTAVAIL) {
+    return absl::InvalidArgumentError(absl::StrCat("flag ", flag, ": '", shown, "' is not an address of this machine"));
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat("flag ", flag, ": cannot listen on '", shown, "': ", std::strerror(error)));
 }
 
 }  // namespace mita::server

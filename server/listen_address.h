@@ -24,4 +24,11 @@ absl::StatusOr<ListenAddress> ParseListenAddress(absl::string_view address, absl
 // "HOST:PORT" otherwise. (gRPC itself refuses ":PORT".)
 std::string GrpcListenTarget(const ListenAddress& address);
 
+// Whether `address` can be bound now: binds a TCP socket as the servers will (SO_REUSEADDR, no SO_REUSEPORT; the
+// wildcard host on IPv6 with IPv4 mapped, or IPv4 where there is no IPv6) and closes it at once, so that a port in
+// use is a start-up error before the models load. Port 0 is always free. Errors, naming `flag`: FAILED_PRECONDITION
+// when the port is in use, INVALID_ARGUMENT when the host is not an address of this machine. (The servers' own
+// bind stays the final check: another process may take the port in between.)
+absl::Status CheckCanListen(const ListenAddress& address, absl::string_view flag);
+
 }  // namespace mita::server

@@ -250,14 +250,19 @@ int main(int argc, char** argv) {
   const int32_t drain_timeout_s = absl::GetFlag(FLAGS_drain_timeout_s);
   const int32_t drain_notice_ms = absl::GetFlag(FLAGS_drain_notice_ms);
 
-  // Both addresses' forms are checked before the models load (seconds); binding happens after.
+  // Both addresses are checked (their form, and that they can be bound now) before the models load (seconds).
   const std::string listen = absl::GetFlag(FLAGS_listen);
   const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);  // empty: no /metrics endpoint
   absl::StatusOr<mita::server::ListenAddress> listen_address = mita::server::ParseListenAddress(listen, "--listen");
   if (!listen_address.ok()) return Fail(std::string(listen_address.status().message()));
+  if (absl::Status status = mita::server::CheckCanListen(*listen_address, "--listen"); !status.ok()) {
+    return Fail(std::string(status.message()));
+  }
   if (!metrics_listen.empty()) {
-    if (absl::Status status = mita::server::ParseListenAddress(metrics_listen, "--metrics_listen").status();
-        !status.ok()) {
+    absl::StatusOr<mita::server::ListenAddress> metrics_address =
+        mita::server::ParseListenAddress(metrics_listen, "--metrics_listen");
+    if (!metrics_address.ok()) return Fail(std::string(metrics_address.status().message()));
+    if (absl::Status status = mita::server::CheckCanListen(*metrics_address, "--metrics_listen"); !status.ok()) {
       return Fail(std::string(status.message()));
     }
   }

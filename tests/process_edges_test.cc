@@ -95,12 +95,25 @@ TEST(ProcessEdgesTest, APortInUseIsAStartUpError) {
   const pid_t first = StartServer({"--listen=127.0.0.1:0"}, first_log);
   const int port = WaitForPort(first_log);
   ASSERT_GT(port, 0) << ReadFile(first_log);
-  const std::string second_log = LogPath("second");
-  const pid_t second = StartServer({absl::StrCat("--listen=127.0.0.1:", port)}, second_log);
-  const int status = WaitForExit(second, absl::Seconds(120));
-  ASSERT_TRUE(WIFEXITED(status)) << ReadFile(second_log);
-  EXPECT_EQ(WEXITSTATUS(status), 1);
-  EXPECT_THAT(ReadFile(second_log), HasSubstr(absl::StrCat("cannot listen on '127.0.0.1:", port, "' (flag --listen)")));
+  // Found before the models load (no "loaded" line): the port is tried first. The gRPC port, the metrics port, an
+  // address that is not this machine's.
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{absl::StrCat("--listen=127.0.0.1:", port)},
+       absl::StrCat("flag --listen: port ", port, " of '127.0.0.1:", port, "' is in use (another server?)")},
+      {{"--listen=127.0.0.1:0", absl::StrCat("--metrics_listen=127.0.0.1:", port)},
+       absl::StrCat("flag --metrics_listen: port ", port, " of '127.0.0.1:", port, "' is in use (another server?)")},
+      {{"--listen=192.0.2.1:50051"}, "flag --listen: '192.0.2.1:50051' is not an address of this machine"},
+  };
+  for (const auto& [flags, expected] : cases) {
+    SCOPED_TRACE(flags.back());
+    const std::string second_log = LogPath("second");
+    const pid_t second = StartServer(flags, second_log);
+    const int status = WaitForExit(second, absl::Seconds(120));
+    ASSERT_TRUE(WIFEXITED(status)) << ReadFile(second_log);
+    EXPECT_EQ(WEXITSTATUS(status), 1);
+    EXPECT_THAT(ReadFile(second_log), HasSubstr(expected));
+    EXPECT_THAT(ReadFile(second_log), Not(HasSubstr("loaded ")));
+  }
   StopAndExpectZero(first, first_log);
 }
 
