@@ -5,7 +5,8 @@
 // Flags: `mita-server --help` (their help is in the ABSL_FLAG definitions below) and the table in docs/serving.md.
 // The gRPC port is bound exclusively: a second server on a port in use fails to start. Shutdown on SIGTERM, SIGINT
 // or SIGHUP drains (readiness NOT_SERVING at once, new calls admitted for --drain_notice_ms, then UNAVAILABLE;
-// admitted requests answered within --drain_timeout_s) and exits 0: docs/serving.md, "Graceful shutdown".
+// admitted requests answered within --drain_timeout_s) and exits 0: docs/serving.md, "Graceful shutdown". A
+// signal during start-up ends it at the next step (after loading, after each model's calibration), exit 0.
 #include <ATen/Parallel.h>
 #include <grpc/grpc.h>
 #include <google/protobuf/stubs/logging.h>
@@ -183,10 +184,22 @@ const char* SignalName(int signal_number) {
   }
 }
 
+// The shutdown signal pending (sent during start-up, still blocked), or 0 when none is.
+int PendingShutdownSignal(const sigset_t& shutdown_signals) {
+  sigset_t pending;
+  if (sigpending(&pending) != 0) return 0;
+  for (const int signal_number : {SIGTERM, SIGINT, SIGHUP}) {
+    if (sigismember(&shutdown_signals, signal_number) == 1 && sigismember(&pending, signal_number) == 1) {
+      return signal_number;
+    }
+  }
+  return 0;
+}
+
 // Blocks the shutdown signals before any shared library's initialisers run, for a server started directly
 // rather than through the mita-server launcher (server/launcher.cc, which blocks them within a millisecond of
-// exec): a SIGTERM during start-up stays pending and is taken by sigwait once serving, so the process drains
-// and exits 0 like any other time.
+// exec): a SIGTERM during start-up stays pending, is found after the models load or a model's calibration, and
+// the process exits 0 without serving (once serving, sigwait takes it and the server drains).
 void BlockShutdownSignals(int, char**, char**) {
   const sigset_t signals = ShutdownSignals();
   sigprocmask(SIG_BLOCK, &signals, nullptr);
@@ -377,6 +390,15 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<mita::server::ModelRegistry>> registry =
       mita::server::ModelRegistry::LoadFromDirectory(repository, *placements);
   if (!registry.ok()) return Fail(registry.status().ToString());
+  // A shutdown signal sent while the models loaded ends start-up here (and after each model's calibration below)
+  // instead of after every calibration: there is nothing to drain yet.
+  auto stopped_before_serving = [&shutdown_signals]() {
+    const int signal_number = PendingShutdownSignal(shutdown_signals);
+    if (signal_number == 0) return false;
+    Log(absl::StrCat("received ", SignalName(signal_number), " during start-up; exiting before serving"));
+    return true;
+  };
+  if (stopped_before_serving()) return 0;
 
   std::vector<std::string> model_lines;
   for (const mita::models::ModelPackage* package : (*registry)->packages()) {
@@ -419,6 +441,7 @@ int main(int argc, char** argv) {
                                         absl::StrFormat("%.1f%%", 100 * profile->fit_error))
                          : std::string()));
     options.cost_profiles[package->name] = *std::move(profile);
+    if (stopped_before_serving()) return 0;
   }
   if (const std::string save = absl::GetFlag(FLAGS_save_cost_profile); !save.empty()) {
     std::ofstream file(save, std::ios::binary | std::ios::trunc);
