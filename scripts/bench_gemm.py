@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""The GEMM rates this CPU reaches, per library and precision, at the shapes the models run (issue 34, item 1).
+
+Run with the peers' Python (torch, onnx, onnxruntime, numpy):
+
+    /opt/mita/peers/bin/python scripts/bench_gemm.py [--threads 2] [--repeats 7] [--quick]
+
+Paths, each C[m, n] = A[m, k] B[k, n] in row-major float32 (bfloat16 where named):
+  torch_mkl_fp32     torch.mm (the LibTorch wheel's MKL sgemm: the server's dense layers today)
+  torch_bf16         torch.mm in bfloat16 (LibTorch picks oneDNN only where it judges the CPU fit: printed)
+  onnxruntime_fp32   ONNX Runtime's MatMul (its MLAS kernels), one-node graph, graph optimisations on
+  numpy_openblas     numpy.matmul (the OpenBLAS numpy bundles, scipy-openblas; its version printed)
+Correctness: the relative Frobenius error of each product against the float64 product of the same inputs; a path
+whose error exceeds 1e-5 (float32) or 2e-2 (bfloat16) is marked WRONG and its rate is not a rate. Each rate is the
+median of --repeats timed calls after two untimed ones, in GFLOP/s (2 m n k per product).
+
+Shapes (m x k x n): a 2048 cube; DeiT-Tiny (C 192) and DeiT-Small (C 384) at 197 tokens (batch 1) and 6,304 (batch
+32): the fused qkv projection (C -> 3C), the MLP (C -> 4C, 4C -> C); the embedded document model (C 64) at 16,384
+tokens (qkv, MLP); the CPU kernel's expert-sized GEMMs (blocks of at most 512 rows, d 32 and 64). The machine's
+limit is the fastest correct path per precision; docs/kernels.md states its "% of GEMM" against it.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def shapes(quick):
+    """(label, m, k, n) in the order printed."""
+    rows = [("cube 2048", 2048, 2048, 2048)]
+    for name, channels in (("DeiT-Tiny", 192), ("DeiT-Small", 384)):
+        for tokens, batch in ((197, "b1"), (6304, "b32")):
+            rows.append((f"{name} {batch} qkv", tokens, channels, 3 * channels))
+            if not quick:
+                rows.append((f"{name} {batch} mlp up", tokens, channels, 4 * channels))
+                rows.append((f"{name} {batch} mlp down", tokens, 4 * channels, channels))
+    rows.append(("document 16K qkv", 16384, 64, 192))
+    if not quick:
+        rows.append(("document 16K mlp up", 16384, 64, 256))
+    rows.append(("kernel expert 512x64x64", 512, 64, 64))
+    rows.append(("kernel scores 512x32x512", 512, 32, 512))
+    return rows
+
+
+def median_seconds(run, repeats):
+    run()
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def relative_error(product, exact):
+    return float(np.linalg.norm(product.astype(np.float64) - exact) / max(np.linalg.norm(exact), 1e-300))
+
+
+class OnnxMatMul:
+    """A one-node ONNX graph C = MatMul(A, B) for ONNX Runtime, per shape (B an initializer, as a weight is)."""
+
+    def __init__(self, b, threads):
+        import onnx
+        import onnxruntime
+        from onnx import TensorProto, helper, numpy_helper
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", ["a", "b"], ["c"])], "matmul",
+            [helper.make_tensor_value_info("a", TensorProto.FLOAT, [None, b.shape[0]])],
+            [helper.make_tensor_value_info("c", TensorProto.FLOAT, [None, b.shape[1]])],
+            [numpy_helper.from_array(b, "b")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        self.session = onnxruntime.InferenceSession(model.SerializeToString(), options,
+                                                    providers=["CPUExecutionProvider"])
+
+    def __call__(self, a):
+        return self.session.run(["c"], {"a": a})[0]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="fewer shapes (the qkv ones, the cube, the kernel's)")
+    args = parser.parse_args()
+    import torch
+    torch.set_num_threads(args.threads)
+    bf16_fit = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    print(f"torch {torch.__version__} (MKL {torch.backends.mkl.is_available()}, oneDNN bfloat16 judged fit: "
+          f"{bf16_fit}); numpy {np.__version__} ({np.__config__.CONFIG['Build Dependencies']['blas']['name']} "
+          f"{np.__config__.CONFIG['Build Dependencies']['blas'].get('version', '?')}); threads {args.threads}; "
+          f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}; load average "
+          f"{os.getloadavg()[0]:.2f}", flush=True)
+    paths = ["torch_mkl_fp32", "torch_bf16", "onnxruntime_fp32", "numpy_openblas"]
+    print("| shape (m x k x n) | " + " | ".join(f"{p} GFLOP/s" for p in paths) + " | fastest correct fp32 |")
+    print("|---|" + "---|" * (len(paths) + 1))
+    generator = np.random.default_rng(1)
+    best = {}
+    for label, m, k, n in shapes(args.quick):
+        a = generator.standard_normal((m, k), dtype=np.float32)
+        b = generator.standard_normal((k, n), dtype=np.float32)
+        exact = a.astype(np.float64) @ b.astype(np.float64)
+        flops = 2.0 * m * n * k
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        ta16, tb16 = ta.bfloat16(), tb.bfloat16()
+        onnx = OnnxMatMul(b, args.threads)
+        runs = {
+            "torch_mkl_fp32": (lambda: torch.mm(ta, tb), lambda c: c.numpy(), 1e-5),
+            "torch_bf16": (lambda: torch.mm(ta16, tb16), lambda c: c.float().numpy(), 2e-2),
+            "onnxruntime_fp32": (lambda: onnx(a), lambda c: c, 1e-5),
+            "numpy_openblas": (lambda: a @ b, lambda c: c, 1e-5),
+        }
+        cells, fp32_rates = [], {}
+        for path in paths:
+            run, to_numpy, tolerance = runs[path]
+            error = relative_error(to_numpy(run()), exact)
+            if path == "torch_bf16" and not bf16_fit and m * n * k > 512 ** 3:
+                cells.append(f"(not run: no oneDNN path, error {error:.1e})")  # the fallback loop takes minutes
+                continue
+            rate = flops / median_seconds(run, args.repeats) / 1e9
+            ok = error <= tolerance
+            cells.append(f"{rate:.0f}" + ("" if ok else f" WRONG (error {error:.1e})"))
+            if ok and path != "torch_bf16":
+                fp32_rates[path] = rate
+        fastest = max(fp32_rates, key=fp32_rates.get) if fp32_rates else "none"
+        best[label] = (fastest, fp32_rates.get(fastest, 0.0), fp32_rates.get("torch_mkl_fp32", 0.0))
+        print(f"| {label} ({m} x {k} x {n}) | " + " | ".join(cells) +
+              f" | {fastest} ({best[label][1] / max(best[label][2], 1e-9):.2f}x torch) |", flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
