@@ -12,7 +12,10 @@ Paths, each C[m, n] = A[m, k] B[k, n] in row-major float32 (bfloat16 where named
   numpy_openblas     numpy.matmul (the OpenBLAS numpy bundles, scipy-openblas; its version printed)
 Correctness: the relative Frobenius error of each product against the float64 product of the same inputs; a path
 whose error exceeds 1e-5 (float32) or 2e-2 (bfloat16) is marked WRONG and its rate is not a rate. Each rate is the
-median of --repeats timed calls after two untimed ones, in GFLOP/s (2 m n k per product).
+median of --repeats timed calls after two untimed ones, in GFLOP/s (2 m n k per product). One path runs all its
+shapes before the next starts, after a pause, with OpenMP's and ONNX Runtime's idle threads told not to spin: a
+pool still spinning after its own calls would take the cores from the next library's (measured: torch.mm at 3
+GFLOP/s on DeiT-Tiny's qkv when the shapes were interleaved).
 
 Shapes (m x k x n): a 2048 cube; DeiT-Tiny (C 192) and DeiT-Small (C 384) at 197 tokens (batch 1) and 6,304 (batch
 32): the fused qkv projection (C -> 3C), the MLP (C -> 4C, 4C -> C); the embedded document model (C 64) at 16,384
@@ -21,6 +24,8 @@ limit is the fastest correct path per precision; docs/kernels.md states its "% o
 """
 import argparse
 import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before torch loads its OpenMP runtime
 import statistics
 import sys
 import time
@@ -76,6 +81,7 @@ class OnnxMatMul:
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = onnxruntime.InferenceSession(model.SerializeToString(), options,
                                                     providers=["CPUExecutionProvider"])
 
@@ -101,37 +107,40 @@ def main():
     print("| shape (m x k x n) | " + " | ".join(f"{p} GFLOP/s" for p in paths) + " | fastest correct fp32 |")
     print("|---|" + "---|" * (len(paths) + 1))
     generator = np.random.default_rng(1)
-    best = {}
+    problems = []
     for label, m, k, n in shapes(args.quick):
         a = generator.standard_normal((m, k), dtype=np.float32)
         b = generator.standard_normal((k, n), dtype=np.float32)
-        exact = a.astype(np.float64) @ b.astype(np.float64)
-        flops = 2.0 * m * n * k
-        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-        ta16, tb16 = ta.bfloat16(), tb.bfloat16()
-        onnx = OnnxMatMul(b, args.threads)
-        runs = {
-            "torch_mkl_fp32": (lambda: torch.mm(ta, tb), lambda c: c.numpy(), 1e-5),
-            "torch_bf16": (lambda: torch.mm(ta16, tb16), lambda c: c.float().numpy(), 2e-2),
-            "onnxruntime_fp32": (lambda: onnx(a), lambda c: c, 1e-5),
-            "numpy_openblas": (lambda: a @ b, lambda c: c, 1e-5),
-        }
-        cells, fp32_rates = [], {}
-        for path in paths:
-            run, to_numpy, tolerance = runs[path]
+        problems.append((label, m, k, n, a, b, a.astype(np.float64) @ b.astype(np.float64)))
+    cells = {problem[0]: {} for problem in problems}  # label -> path -> (cell text, rate when correct)
+    for path in paths:
+        time.sleep(1)  # the previous library's threads settle
+        for label, m, k, n, a, b, exact in problems:
+            ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+            if path == "torch_mkl_fp32":
+                run, to_numpy, tolerance = (lambda: torch.mm(ta, tb)), (lambda c: c.numpy()), 1e-5
+            elif path == "torch_bf16":
+                ta16, tb16 = ta.bfloat16(), tb.bfloat16()
+                run, to_numpy, tolerance = (lambda: torch.mm(ta16, tb16)), (lambda c: c.float().numpy()), 2e-2
+            elif path == "onnxruntime_fp32":
+                onnx = OnnxMatMul(b, args.threads)
+                run, to_numpy, tolerance = (lambda: onnx(a)), (lambda c: c), 1e-5
+            else:
+                run, to_numpy, tolerance = (lambda: a @ b), (lambda c: c), 1e-5
             error = relative_error(to_numpy(run()), exact)
             if path == "torch_bf16" and not bf16_fit and m * n * k > 512 ** 3:
-                cells.append(f"(not run: no oneDNN path, error {error:.1e})")  # the fallback loop takes minutes
+                cells[label][path] = (f"(not run: no oneDNN path, error {error:.1e})", None)  # minutes per call
                 continue
-            rate = flops / median_seconds(run, args.repeats) / 1e9
+            rate = 2.0 * m * n * k / median_seconds(run, args.repeats) / 1e9
             ok = error <= tolerance
-            cells.append(f"{rate:.0f}" + ("" if ok else f" WRONG (error {error:.1e})"))
-            if ok and path != "torch_bf16":
-                fp32_rates[path] = rate
-        fastest = max(fp32_rates, key=fp32_rates.get) if fp32_rates else "none"
-        best[label] = (fastest, fp32_rates.get(fastest, 0.0), fp32_rates.get("torch_mkl_fp32", 0.0))
-        print(f"| {label} ({m} x {k} x {n}) | " + " | ".join(cells) +
-              f" | {fastest} ({best[label][1] / max(best[label][2], 1e-9):.2f}x torch) |", flush=True)
+            cells[label][path] = (f"{rate:.0f}" + ("" if ok else f" WRONG (error {error:.1e})"), rate if ok else None)
+    for label, m, k, n, *_ in problems:
+        fp32 = {path: cells[label][path][1] for path in paths
+                if path != "torch_bf16" and cells[label][path][1] is not None}
+        fastest = max(fp32, key=fp32.get) if fp32 else "none"
+        ratio = fp32.get(fastest, 0.0) / max(fp32.get("torch_mkl_fp32", 0.0), 1e-9)
+        print(f"| {label} ({m} x {k} x {n}) | " + " | ".join(cells[label][path][0] for path in paths) +
+              f" | {fastest} ({ratio:.2f}x torch) |", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -10,14 +10,15 @@
    tools/convert_timm_checkpoint.py with --full_attention_default into a package whose presets are MiTA budgets.
    The first half of models/repository/timm-vit-fashion-mnist (commands and figures: docs/image_model.md, "A timm
    ViT trained with full attention"):
-     cd tools && /opt/mita/peers/bin/python train_image.py --architecture timm_vit --epochs 8 --max_minutes 55 \
-         --checkpoint ../build/timm-vit-fashion-mnist-full.pth --out ../build/timm-vit-fashion-mnist-full
+     cd tools && /opt/mita/peers/bin/python train_image.py --architecture timm_vit --epochs 14 --max_minutes 86 \
+         --shift 1 --checkpoint ../build/timm-vit-fashion-mnist-full2.pth --out ../build/timm-vit-fashion-mnist-full2
 3. --mita_finetune: continues a timm_vit checkpoint (--init_checkpoint) with the project's MiTA attention swapped
    into its blocks (tools/timm_mita.py, the PyTorch twin; same parameter names), every step at a random budget
    of --finetune_budgets, for --max_minutes; the checkpoint stays a timm checkpoint. The second half of
-   timm-vit-fashion-mnist: --mita_finetune --init_checkpoint ../build/timm-vit-fashion-mnist-full.pth --epochs 1
-   --max_minutes 10 --lr 5e-4 --checkpoint ../build/timm-vit-fashion-mnist-mita.pth --out
-   ../models/repository/timm-vit-fashion-mnist, then mita-eval --write_accuracy_order (docs/image_model.md).
+   timm-vit-fashion-mnist: --mita_finetune --init_checkpoint ../build/timm-vit-fashion-mnist-full2.pth --epochs 2
+   --max_minutes 15 --lr 5e-4 --shift 1 --checkpoint ../build/timm-vit-fashion-mnist-mita2.pth --out
+   ../build/timm-vit-fashion-mnist-mita2, copied into models/repository/timm-vit-fashion-mnist, then mita-eval
+   --write_accuracy_order (docs/image_model.md).
 Data: Debian package dataset-fashion-mnist (/usr/share/datasets/fashion-mnist).
 """
 import argparse
