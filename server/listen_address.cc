@@ -7,6 +7,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -70,24 +72,24 @@ std::string GrpcListenTarget(const ListenAddress& address) {
 absl::Status CheckCanListen(const ListenAddress& address, absl::string_view flag) {
   if (address.port == 0) return absl::OkStatus();
   const bool wildcard = address.host.empty() || address.host == "*";
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV | (wildcard ? 0 : AI_NUMERICHOST);
-  hints.ai_family = wildcard ? AF_INET6 : AF_UNSPEC;
   const std::string port = std::to_string(address.port);
-  addrinfo* found = nullptr;
-  int lookup = getaddrinfo(wildcard ? nullptr : address.host.c_str(), port.c_str(), &hints, &found);
-  if (lookup != 0 && !wildcard) {  // a host name, such as localhost
-    hints.ai_flags &= ~AI_NUMERICHOST;
-    lookup = getaddrinfo(address.host.c_str(), port.c_str(), &hints, &found);
-  }
-  int error = lookup == 0 ? TryBind(*found) : EADDRNOTAVAIL;
-  if (found != nullptr) freeaddrinfo(found);
-  if (wildcard && error == EAFNOSUPPORT) {  // no IPv6 on this machine: the wildcard is IPv4's
-    hints.ai_family = AF_INET;
-    found = nullptr;
-    error = getaddrinfo(nullptr, port.c_str(), &hints, &found) == 0 ? TryBind(*found) : EADDRNOTAVAIL;
-    if (found != nullptr) freeaddrinfo(found);
+  // Like gRPC, the address can be listened on when one of its resolutions binds (a host name such as localhost
+  // may resolve to ::1 as well as 127.0.0.1); the wildcard is IPv6's (IPv4 mapped), or IPv4's without IPv6.
+  int error = EADDRNOTAVAIL;
+  for (const int family : wildcard ? std::vector<int>{AF_INET6, AF_INET} : std::vector<int>{AF_UNSPEC}) {
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_family = family;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+    addrinfo* found = nullptr;
+    if (getaddrinfo(wildcard ? nullptr : address.host.c_str(), port.c_str(), &hints, &found) != 0) continue;
+    for (const addrinfo* info = found; info != nullptr; info = info->ai_next) {
+      const int result = TryBind(*info);
+      if (result == 0 || error != EADDRINUSE) error = result;
+      if (result == 0) break;
+    }
+    freeaddrinfo(found);
+    if (error == 0 || error == EADDRINUSE) break;
   }
   const std::string shown = wildcard ? absl::StrCat(":", address.port) : absl::StrCat(address.host, ":", address.port);
   if (error == 0) return absl::OkStatus();
