@@ -26,11 +26,12 @@ import argparse
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before torch loads its OpenMP runtime
-import statistics
 import sys
 import time
 
 import numpy as np
+
+from bench_timing import timed
 
 
 def shapes(quick):
@@ -48,17 +49,6 @@ def shapes(quick):
     rows.append(("kernel expert 512x64x64", 512, 64, 64))
     rows.append(("kernel scores 512x32x512", 512, 32, 512))
     return rows
-
-
-def median_seconds(run, repeats):
-    run()
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def relative_error(product, exact):
@@ -131,7 +121,7 @@ def main():
             if path == "torch_bf16" and not bf16_fit and m * n * k > 512 ** 3:
                 cells[label][path] = (f"(not run: no oneDNN path, error {error:.1e})", None)  # minutes per call
                 continue
-            rate = 2.0 * m * n * k / median_seconds(run, args.repeats) / 1e9
+            rate = 2.0 * m * n * k / timed(run, args.repeats, warm_ups=2) / 1e9
             ok = error <= tolerance
             cells[label][path] = (f"{rate:.0f}" + ("" if ok else f" WRONG (error {error:.1e})"), rate if ok else None)
     for label, m, k, n, *_ in problems:

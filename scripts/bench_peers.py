@@ -46,23 +46,12 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from mita_reference import DocumentAttention, MitaDocument, load_safetensors  # noqa: E402
 from timm_mita import set_budget, swap_mita_attention  # noqa: E402
+from bench_timing import timed  # noqa: E402
 
 THREADS = 2  # --threads
 USE_TORCH_COMPILE = False  # --compile
 IMAGE_BUDGET = (5, 25)  # pool side 5 (m = 25), k = 25
 DOCUMENT_BUDGET = "16x64"
-
-
-def timed(function, repeats, warm_up=True):
-    """Median wall time of `repeats` calls of function() (after one warm-up call when `warm_up`), seconds."""
-    if warm_up:
-        function()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 class ImageCase:
@@ -150,10 +139,10 @@ class ImageCase:
             return self.cpp(batch, "full", repeats)
         if implementation == "onnxruntime":
             feed = {"images": x.numpy()}
-            return timed(lambda: self.onnx.run(None, feed), repeats, warm_up)
+            return timed(lambda: self.onnx.run(None, feed), repeats, int(warm_up))
         model = {"eager_mita": self.mita, "compiled_mita": self.compiled, "eager_full": self.stock}[implementation]
         with torch.no_grad():
-            return timed(lambda: model(x), repeats, warm_up)
+            return timed(lambda: model(x), repeats, int(warm_up))
 
 
 class SdpaDocumentAttention(DocumentAttention):
