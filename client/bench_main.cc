@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "base/percentile.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"

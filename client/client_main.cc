@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "base/percentile.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"

@@ -40,7 +40,7 @@ struct BudgetRequest {
   std::string preset;        // kPreset
   int64_t expert_count = 0;  // kExperts
   int64_t expert_width = 0;  // kExperts
-  // kLatencyTarget: receipt to answer the server plans for; zero: the call's deadline (server/latency_planner.h).
+  // kLatencyTarget: receipt to answer the server plans for; zero: the call's deadline (server/planning/latency_planner.h).
   absl::Duration latency_target = absl::ZeroDuration();
   // kLatencyTarget: the least accurate budget the server may apply: a DeclaredBudget name, or a preset name,
   // "default" or budget text ("9x16", "full") naming a budget of the order; "": the order's last one.
@@ -111,7 +111,7 @@ absl::StatusOr<ResolvedBudget> ResolveBudget(const BudgetKnobs& knobs, const Bud
 // landmark and/or every key in each routed expert.
 AttentionBudget ApplyBudget(const AttentionBudget& budget, int64_t tokens);
 
-// Compute units of one input (server/batcher.h): tokens x attention width, where the width is M + k under MiTA
+// Compute units of one input (server/planning/batcher.h): tokens x attention width, where the width is M + k under MiTA
 // (the M shared-expert outputs and the k keys of the query's routed expert: cost O(N (M + k) d) per head,
 // docs/design.md) and N under full attention. `budget` is the budget applied to the input.
 int64_t ComputeUnits(int64_t tokens, const AttentionBudget& budget);

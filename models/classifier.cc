@@ -31,7 +31,15 @@ std::optional<InputKind> KindOf(const ClassifierInput& input) {
 }
 
 const char* KindName(InputKind kind) {
-  return kind == InputKind::kImage ? "an image" : "a document (text or token ids)";
+  switch (kind) {
+    case InputKind::kImage:
+      return "an image";
+    case InputKind::kDocument:
+      return "a document (text or token ids)";
+    case InputKind::kOther:
+      break;
+  }
+  return "another kind of input";
 }
 
 }  // namespace
@@ -72,18 +80,53 @@ absl::StatusOr<Placement> ParsePlacement(absl::string_view device, absl::string_
   return placement;
 }
 
+absl::Status Classifier::CheckInputKind(const ClassifierInput& input) const {
+  const ClassifierDescription& model = description();
+  const std::optional<InputKind> kind = KindOf(input);
+  if (kind == model.input_kind) return absl::OkStatus();
+  return InvalidRequest(RequestField::kInput,
+                        absl::StrCat("model '", model.name, "' takes ", KindName(model.input_kind),
+                                     kind.has_value()
+                                         ? absl::StrCat(", not ", kind == InputKind::kImage ? "an image" : "a document")
+                                         : std::string(" and none was set")));
+}
+
+CostFeatures Classifier::BatchCostFeatures(absl::Span<const CostItem> items) const {
+  return TransformerCostFeatures(description().layers, description().embed_dim, items);
+}
+
+CostFeatures Classifier::PriorCostCoefficients() const { return TransformerPriorCoefficients(); }
+
+BatchItem BatchItem::WithBudget(size_t choice) const {
+  BatchItem item = *this;
+  if (choice < allowed_budgets.size()) {
+    item.budget = allowed_budgets[choice];
+    item.compute_units = ComputeUnits(tokens, item.budget.budget);
+  }
+  return item;
+}
+
+absl::StatusOr<BatchItem> Classifier::SyntheticItem(int64_t tokens, const AttentionBudget& budget) const {
+  const ClassifierDescription& model = description();
+  if (tokens < 1 || tokens > model.max_input_tokens ||
+      (model.tokens_per_input > 0 && tokens != model.tokens_per_input)) {
+    return absl::InvalidArgumentError(absl::StrCat("model '", model.name, "' takes no input of ", tokens, " tokens"));
+  }
+  PreparedInput prepared = SyntheticInput(tokens);
+  BatchItem item;
+  item.input = std::move(prepared.input);
+  item.tokens = prepared.tokens;
+  item.input_tokens = prepared.input_tokens;
+  item.requested_budget = budget;
+  item.budget = ResolvedBudget{ApplyBudget(budget, item.tokens), ""};
+  item.compute_units = ComputeUnits(item.tokens, item.budget.budget);
+  return item;
+}
+
 absl::StatusOr<BatchItem> Classifier::Prepare(const ClassifierInput& input, const BudgetRequest& budget,
                                               const InputLimits& limits, const StopCheck& stop) const {
   const ClassifierDescription& model = description();
-  const std::optional<InputKind> kind = KindOf(input);
-  if (kind != model.input_kind) {
-    return InvalidRequest(RequestField::kInput,
-                          absl::StrCat("model '", model.name, "' takes ", KindName(model.input_kind),
-                                       kind.has_value() ? absl::StrCat(", not ", kind == InputKind::kImage
-                                                                                     ? "an image"
-                                                                                     : "a document")
-                                                        : std::string(" and none was set")));
-  }
+  RETURN_IF_ERROR(CheckInputKind(input));
   ASSIGN_OR_RETURN(std::vector<ResolvedBudget> allowed, AllowedBudgets(model.knobs, budget));
   ASSIGN_OR_RETURN(PreparedInput prepared, PrepareInput(input, limits, stop));
   BatchItem item;
@@ -103,7 +146,7 @@ absl::StatusOr<BatchItem> Classifier::Prepare(const ClassifierInput& input, cons
 }
 
 absl::StatusOr<int64_t> Classifier::PreparationBytes(const ClassifierInput& input, const InputLimits& limits) const {
-  if (KindOf(input) != description().input_kind) return 0;
+  if (!CheckInputKind(input).ok()) return 0;
   return InputPreparationBytes(input, limits);
 }
 

@@ -24,14 +24,16 @@
 #include "absl/types/span.h"
 #include "kernels/mita_attention.h"
 #include "models/budget.h"
+#include "models/cost_features.h"
 
 namespace mita::models {
 
-// What a classifier takes as input.
-enum class InputKind { kImage, kDocument };
+// What a classifier takes as input. kOther: an input neither front end has a form for (a classifier made in code,
+// e.g. a test's scripted kind); it says which inputs it takes (Classifier::CheckInputKind).
+enum class InputKind { kImage, kDocument, kOther };
 
 // Where a classifier's weights live and its forward runs, and the dtype of its weights and activations
-// (mita-server's --device and --weights_dtype, server/placement.h). Inputs arrive on the CPU; logits leave on it.
+// (mita-server's --device and --weights_dtype, server/process/placement.h). Inputs arrive on the CPU; logits leave on it.
 struct Placement {
   c10::Device device = c10::Device(c10::kCPU);
   // float32; or bfloat16 on a CUDA device (weights and activations; the CUDA MiTA kernel accumulates in float32).
@@ -89,8 +91,8 @@ struct DocumentInputDescription {
   std::string tokenizer;        // "bytes" or "sentencepiece"
 };
 
-// What a classifier is: its input, labels and budget knobs. Exactly one of `image` and `document` is set, the one
-// `input_kind` names.
+// What a classifier is: its input, labels and budget knobs. `image` or `document` is set when `input_kind` names
+// it (neither for kOther).
 struct ClassifierDescription {
   std::string name;          // the model's name (its package folder)
   std::string architecture;  // config.json "architecture"
@@ -104,6 +106,11 @@ struct ClassifierDescription {
   int64_t embed_dim = 0;
   // Tokens one input occupies in attention when fixed (images: patches + cls); 0 when it varies (documents).
   int64_t tokens_per_input = 0;
+  // The most tokens one input may occupy (tokens_per_input when fixed; documents: their max_tokens).
+  int64_t max_input_tokens = 0;
+  // The token count of a representative input, for which GetModel quotes each budget's predicted compute
+  // (tokens_per_input when fixed; documents: 16,384, or max_tokens when smaller).
+  int64_t reference_tokens = 0;
   // Where it runs (kernels::DeviceName: "cpu", "cuda:0") and its weights' dtype ("float32", "bfloat16").
   std::string device = "cpu";
   std::string weights_dtype = "float32";
@@ -127,11 +134,15 @@ struct BatchItem {
   // its most accurate allowed budget.
   AttentionBudget requested_budget;
   // Whether the request set a latency target; then the budgets it allows (AllowedBudgets), applied to `tokens`,
-  // most accurate first: the server picks one into `budget` (server/latency_planner.h). Empty otherwise.
+  // most accurate first: the server picks one into `budget` (server/planning/latency_planner.h). Empty otherwise.
   bool latency_target = false;
   std::vector<ResolvedBudget> allowed_budgets;
-  // ComputeUnits(tokens, budget.budget): the admission cost (server/batcher.h).
+  // ComputeUnits(tokens, budget.budget): the admission cost (server/planning/batcher.h).
   int64_t compute_units = 0;
+
+  // This item with allowed_budgets[choice] applied (budget and compute_units follow it); a copy of it when it
+  // allows one budget (`choice` is then ignored). The input tensor is shared, not copied.
+  BatchItem WithBudget(size_t choice) const;
 };
 
 // Whether long work should go on: OK, or the status to stop with (CANCELLED, DEADLINE_EXCEEDED).
@@ -155,6 +166,21 @@ class Classifier {
   virtual ~Classifier();
 
   virtual const ClassifierDescription& description() const = 0;
+
+  // OK when this model takes inputs of `input`'s kind. Errors: INVALID_ARGUMENT carrying a kInput problem ("model
+  // 'X' takes an image, not a document"). The default compares with description().input_kind.
+  virtual absl::Status CheckInputKind(const ClassifierInput& input) const;
+
+  // What the compute time of a batch of `items` is linear in (models/cost_features.h; feature 0 is 1 per batch).
+  // The default is a transformer's: TransformerCostFeatures of description()'s layers and embed_dim.
+  virtual CostFeatures BatchCostFeatures(absl::Span<const CostItem> items) const;
+  // Seconds per unit of each feature before any calibration. The default: TransformerPriorCoefficients().
+  virtual CostFeatures PriorCostCoefficients() const;
+
+  // A synthetic input of `tokens` tokens at `budget` (applied to the tokens), for timing batches (the server's cost
+  // calibration): random content of this model's kind. Errors: INVALID_ARGUMENT when no input of this model has
+  // `tokens` tokens (< 1, over max_input_tokens, or not tokens_per_input).
+  absl::StatusOr<BatchItem> SyntheticItem(int64_t tokens, const AttentionBudget& budget) const;
 
   // Turns one input and its budget into a batch item: checks the input kind, resolves the budget against the
   // knobs (AllowedBudgets: one budget, or a latency target's choices), then decodes or tokenizes the input
@@ -201,6 +227,8 @@ class Classifier {
   // PreparationBytes of an input of this classifier's kind.
   virtual absl::StatusOr<int64_t> InputPreparationBytes(const ClassifierInput& input,
                                                         const InputLimits& limits) const = 0;
+  // Random content of `tokens` tokens (SyntheticItem has checked the count against the description).
+  virtual PreparedInput SyntheticInput(int64_t tokens) const = 0;
 };
 
 // One class of a classification: index, softmax probability.

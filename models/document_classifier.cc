@@ -13,6 +13,7 @@
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/nonzero.h>
+#include <ATen/ops/randint.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/tensor.h>
@@ -46,8 +47,16 @@ DocumentClassifier::DocumentClassifier(std::string name, DocumentConfig config, 
   description_.heads = config_.num_heads;
   description_.embed_dim = config_.embed_dim;
   description_.tokens_per_input = 0;
+  description_.max_input_tokens = config_.max_tokens;
+  // A long document: what GetModel quotes the budgets' predicted compute for.
+  constexpr int64_t kReferenceTokens = 16384;
+  description_.reference_tokens = std::min(kReferenceTokens, config_.max_tokens);
 }
 DocumentClassifier::~DocumentClassifier() = default;
+
+Classifier::PreparedInput DocumentClassifier::SyntheticInput(int64_t tokens) const {
+  return PreparedInput{at::randint(config_.vocab_size, {tokens}, at::TensorOptions().dtype(at::kLong)), tokens, tokens};
+}
 
 absl::StatusOr<std::unique_ptr<DocumentClassifier>> DocumentClassifier::Create(
     std::string name, const DocumentConfig& config, std::vector<std::string> labels,

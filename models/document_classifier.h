@@ -91,6 +91,7 @@ class DocumentClassifier final : public Classifier {
   // Errors: INVALID_ARGUMENT carrying kDocumentText / kDocumentTokenIds problems (empty, invalid UTF-8 with
   // its byte offset, an id out of range with its index, too long: the limit, who sets it, and a kTruncate
   // hint); RESOURCE_EXHAUSTED when the ids cannot be allocated.
+  PreparedInput SyntheticInput(int64_t tokens) const override;
   absl::StatusOr<PreparedInput> PrepareInput(const ClassifierInput& input, const InputLimits& limits,
                                              const StopCheck& stop) const override;
   absl::StatusOr<int64_t> InputPreparationBytes(const ClassifierInput& input,

@@ -18,7 +18,7 @@
 
 namespace mita::models {
 
-// The parts of a classification request, in the terms of the neutral request (server/inference_request.h).
+// The parts of a classification request, in the terms of the neutral request (server/engine/inference_request.h).
 enum class RequestField {
   kModel,             // the model name
   kInput,             // which input the request carries (an image, a document, or none)

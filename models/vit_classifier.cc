@@ -12,6 +12,7 @@
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/rand.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
@@ -46,8 +47,15 @@ VitClassifier::VitClassifier(std::string name, VitConfig config, std::vector<std
   description_.heads = config_.num_heads;
   description_.embed_dim = config_.embed_dim;
   description_.tokens_per_input = config_.tokens();
+  description_.max_input_tokens = config_.tokens();
+  description_.reference_tokens = config_.tokens();
 }
 VitClassifier::~VitClassifier() = default;
+
+Classifier::PreparedInput VitClassifier::SyntheticInput(int64_t tokens) const {
+  // A random image of the size the model classifies at (SyntheticItem checked `tokens` = tokens_per_input).
+  return PreparedInput{at::rand({config_.in_channels, config_.image_size, config_.image_size}), tokens, tokens};
+}
 
 absl::StatusOr<std::unique_ptr<VitClassifier>> VitClassifier::Create(std::string name, const VitConfig& config,
                                                                      std::vector<std::string> labels,

@@ -69,6 +69,7 @@ class VitClassifier final : public Classifier {
  protected:
   // Decodes the image (limits: the config's max_image_side, the server's max_encoded_image_bytes) and
   // preprocesses it to [C, image_size, image_size]; tokens = config().tokens().
+  PreparedInput SyntheticInput(int64_t tokens) const override;
   absl::StatusOr<PreparedInput> PrepareInput(const ClassifierInput& input, const InputLimits& limits,
                                              const StopCheck& stop) const override;
   absl::StatusOr<int64_t> InputPreparationBytes(const ClassifierInput& input,

@@ -17,8 +17,8 @@ dashboard, Dockerfiles) without a cluster. Debian python3-yaml, and the tools of
      labels, named target ports exist, the gRPC Service is headless, the HPA targets the Deployment and its metric
      is the prometheus-adapter rule's, the InferenceService's runtime and model format exist, the KServe runtime's
      h2c port, kustomization resources and patches exist; container args are real mita-server flags
-     (server/main.cc); terminationGracePeriodSeconds covers preStop plus --drain_timeout_s; readiness and liveness
-     use the gRPC health service, liveness on the server's liveness name (server/health_service.h); every metric
+     (server/process/main.cc); terminationGracePeriodSeconds covers preStop plus --drain_timeout_s; readiness and liveness
+     use the gRPC health service, liveness on the server's liveness name (server/frontend/health_service.h); every metric
      named in the Grafana dashboard, the HPA, the adapter rule and the Prometheus config is a series of
      docs/metrics.md (histograms with _bucket/_sum/_count), and the dashboard has the panels the docs promise.
 Without the tools (/opt/mita/deploy-check; DEPLOY_CHECK_BIN elsewhere) only 3 runs, and the exit status is 77
@@ -79,12 +79,12 @@ def check_metric_names(where, text):
 
 
 def server_flags():
-    source = open(os.path.join(ROOT, "server", "main.cc"), encoding="utf-8").read()
+    source = open(os.path.join(ROOT, "server", "process", "main.cc"), encoding="utf-8").read()
     return set(re.findall(r"ABSL_FLAG\(\s*[\w:]+\s*,\s*(\w+)", source))
 
 
 def liveness_service():
-    source = open(os.path.join(ROOT, "server", "health_service.h"), encoding="utf-8").read()
+    source = open(os.path.join(ROOT, "server", "frontend", "health_service.h"), encoding="utf-8").read()
     return re.search(r'kLivenessService\[\] = "([^"]*)"', source).group(1)
 
 
@@ -121,7 +121,7 @@ def drain_seconds(container):
         match = re.match(r"^--drain_timeout_s=(\d+)$", str(arg))
         if match:
             return int(match.group(1))
-    return 20  # the flag's default in server/main.cc
+    return 20  # the flag's default in server/process/main.cc
 
 
 def pre_stop_seconds(container):
@@ -220,7 +220,7 @@ def check_references(objects, where_name):
                     problem(path, f"container {container.get('name')}: {probe} must use the gRPC health service")
                 elif handler.get("service", "") != service:
                     problem(path, f"container {container.get('name')}: {probe} must ask for the health of "
-                                  f"'{service}' (server/health_service.h), not '{handler.get('service', '')}'")
+                                  f"'{service}' (server/frontend/health_service.h), not '{handler.get('service', '')}'")
         deployments[name] = labels
         ports_of[name] = ports
 

@@ -1,6 +1,6 @@
 // Tests of the dynamic batcher: the batching policy (BatchQueue) with a manual clock and no sleeps, and the
 // threaded DynamicBatcher end to end without timing assertions.
-#include "server/batcher.h"
+#include "server/planning/batcher.h"
 
 #include <atomic>
 #include <cstdint>
@@ -16,7 +16,7 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/clock.h"
+#include "server/planning/clock.h"
 
 namespace mita::server {
 namespace {
@@ -31,6 +31,8 @@ struct FakeTask {
   int64_t compute_unit_count = -1;  // -1: token_count
   int64_t tokens() const { return token_count; }
   int64_t compute_units() const { return compute_unit_count < 0 ? token_count : compute_unit_count; }
+  // 1 ms per compute unit.
+  absl::Duration predicted_compute() const { return absl::Milliseconds(compute_units()); }
 };
 
 std::unique_ptr<FakeTask> MakeTask(int id, int64_t tokens = 1, int64_t compute_units = -1) {
@@ -348,7 +350,7 @@ TEST(BatchQueueTest, TokenAndComputeUnitAccounting) {
   EXPECT_EQ(queue.queued_compute_units(), 0);
 }
 
-TEST(BatchQueueTest, RemoveTakesAQueuedTaskBackAndFreesItsUnits) {
+TEST(BatchQueueTest, CancelTakesAQueuedTaskBackAndFreesItsUnits) {
   ManualClock clock;
   // At most 3 queued tasks and 6 queued compute units.
   BatcherOptions options = Options(4, absl::Milliseconds(10), 3);
@@ -365,20 +367,23 @@ TEST(BatchQueueTest, RemoveTakesAQueuedTaskBackAndFreesItsUnits) {
   // The queue is full (3 of 3 tasks, 6 of 6 compute units); removing the middle task frees its share of both.
   std::unique_ptr<FakeTask> extra = MakeTask(9, 2);
   EXPECT_EQ(queue.Enqueue(&extra, clock.Now()).code(), absl::StatusCode::kResourceExhausted);
-  std::unique_ptr<FakeTask> removed = queue.Remove(tickets[1]);
+  std::unique_ptr<FakeTask> removed = queue.Cancel(tickets[1]);
   ASSERT_NE(removed, nullptr);
   EXPECT_EQ(removed->id, 1);
   EXPECT_EQ(queue.queued_tokens(), 4);
   EXPECT_EQ(queue.queued_compute_units(), 4);
   EXPECT_EQ(queue.num_queued_tasks(), 2);
-  EXPECT_EQ(queue.Remove(tickets[1]), nullptr) << "a ticket is removed once";
+  EXPECT_EQ(queue.load().predicted_compute, absl::Milliseconds(4)) << "the queue sums predicted compute too";
+  EXPECT_EQ(queue.Cancel(tickets[1]), nullptr) << "a ticket is removed once";
   ASSERT_TRUE(queue.Enqueue(&extra, clock.Now()).ok());
   // The batch (released at the max queue delay) skips the removed task: FIFO of what is left.
   clock.Advance(absl::Milliseconds(10));
   std::optional<Batch<FakeTask>> batch = queue.TakeBatch(clock.Now());
   ASSERT_TRUE(batch.has_value());
   EXPECT_THAT(Ids(*batch), ElementsAre(0, 2, 9));
-  EXPECT_EQ(queue.Remove(tickets[0]), nullptr) << "a batched task cannot be removed";
+  EXPECT_EQ(batch->predicted_compute, absl::Milliseconds(6));
+  EXPECT_EQ(queue.load().predicted_compute, absl::ZeroDuration());
+  EXPECT_EQ(queue.Cancel(tickets[0]), nullptr) << "a batched task cannot be removed";
 }
 
 TEST(BatcherOptionsTest, Validation) {

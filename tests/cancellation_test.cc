@@ -30,9 +30,9 @@
 #include "client/mita_client.h"
 #include "gtest/gtest.h"
 #include "prometheus/metric_family.h"
-#include "server/inference_engine.h"
-#include "server/metrics.h"
-#include "server/model_registry.h"
+#include "server/engine/inference_engine.h"
+#include "server/metrics/metrics.h"
+#include "server/engine/model_registry.h"
 #include "tests/server_test_util.h"
 #include "tests/test_util.h"
 

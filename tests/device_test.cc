@@ -23,8 +23,8 @@
 #include "kernels/aten_errors.h"
 #include "kernels/device.h"
 #include "models/model_package.h"
-#include "server/model_runner.h"
-#include "server/placement.h"
+#include "server/engine/model_runner.h"
+#include "server/process/placement.h"
 #include "tests/test_util.h"
 #ifdef MITA_HAVE_CUDA
 #include "kernels/mita_attention_cuda.h"

@@ -1,4 +1,5 @@
-// Latency targets and deadline-aware admission (server/latency_planner.h, server/model_runner.h): the cost model's
+// Latency targets and deadline-aware admission (server/planning/latency_planner.h, server/planning/lane_planner.h,
+// server/engine/lane.h): the cost model's
 // fit, budget choice at the boundary, floors, degradation at batch start and its order, mixed-budget batches, and
 // that no request runs with a budget it did not allow. The engine runs on a ManualClock with a scripted
 // classifier whose batches take the time the test says, so every prediction is known exactly: the cost profile's
@@ -24,12 +25,13 @@
 #include "models/budget.h"
 #include "models/classifier.h"
 #include "models/model_package.h"
-#include "server/clock.h"
-#include "server/cost_calibration.h"
-#include "server/cost_model.h"
-#include "server/inference_engine.h"
-#include "server/latency_planner.h"
-#include "server/model_registry.h"
+#include "server/planning/clock.h"
+#include "server/planning/cost_calibration.h"
+#include "models/cost_features.h"
+#include "server/planning/cost_model.h"
+#include "server/engine/inference_engine.h"
+#include "server/planning/latency_planner.h"
+#include "server/engine/model_registry.h"
 #include "tests/server_test_util.h"
 #include "tests/test_util.h"
 
@@ -83,6 +85,8 @@ class ScriptedClassifier : public models::Classifier {
     description_.layers = 1;
     description_.heads = 1;
     description_.embed_dim = 1;
+    description_.max_input_tokens = 4096;
+    description_.reference_tokens = 64;
     models::BudgetKnobs& knobs = description_.knobs;
     knobs.min_expert_count = 1;
     knobs.max_expert_count = 64;
@@ -151,6 +155,9 @@ class ScriptedClassifier : public models::Classifier {
   absl::StatusOr<int64_t> InputPreparationBytes(const models::ClassifierInput&,
                                                 const models::InputLimits&) const override {
     return 0;
+  }
+  PreparedInput SyntheticInput(int64_t tokens) const override {
+    return PreparedInput{at::zeros({tokens}, at::kLong), tokens, tokens};
   }
 
  private:
@@ -499,7 +506,7 @@ TEST_F(LatencyTargetTest, NoSlackWithPercentileZero) {
   options.preparation_threads = 1;
   options.long_document_tokens = 0;
   options.cost_profiles[kModel] = ScriptedProfile();
-  options.slack_percentile = 0;
+  options.planning.slack_percentile = 0;
   engine_.reset();
   absl::StatusOr<std::unique_ptr<server::InferenceEngine>> engine =
       server::InferenceEngine::Create(registry_.get(), metrics_.get(), options, &clock_);
@@ -513,6 +520,197 @@ TEST_F(LatencyTargetTest, NoSlackWithPercentileZero) {
   ASSERT_TRUE(next->result.ok()) << next->result.status();
   EXPECT_EQ(next->result->budget.budget, Experts(32, 64));
   EXPECT_EQ(MetricValue(*metrics_->registry(), "mita_planning_slack_seconds", {{"model", kModel}}), 0);
+}
+
+// The planner never locks up (the replay, in the scripted model's units): three rounds of one long
+// document and then four more in one batch leave the long lane's recent batches at 2-4 requests of about a second
+// each. A 300-token document with a 150 ms target fits alone at 8x16 (125.5 ms), but a planner that expects its
+// batch to fill like those refuses it for ever: a refused request starts no batch, so batch-driven averages never
+// change. The batch fill is the arrivals expected before the batch starts, and the arrival rate decays with time:
+// within a few seconds of the long batches the target is admitted, and stays so.
+TEST_F(LatencyTargetTest, LongBatchesDoNotLockTheTargetOut) {
+  server::EngineOptions options;
+  options.batching.max_queue_delay = absl::ZeroDuration();
+  options.preparation_threads = 1;
+  options.long_document_tokens = 256;  // 300 tokens and more: the long lane
+  options.cost_profiles[kModel] = ScriptedProfile();
+  engine_.reset();
+  absl::StatusOr<std::unique_ptr<server::InferenceEngine>> engine =
+      server::InferenceEngine::Create(registry_.get(), metrics_.get(), options, &clock_);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  engine_ = *std::move(engine);
+  size_t batches = 0;
+  for (int round = 0; round < 3; ++round) {
+    classifier_->Hold(true);
+    std::vector<std::shared_ptr<Outcome>> long_ones = {Submit(4096, Fixed(8, 16))};
+    ASSERT_TRUE(classifier_->WaitForBatches(++batches));
+    for (int i = 0; i < 4; ++i) long_ones.push_back(Submit(2048, Fixed(8, 16)));
+    ASSERT_TRUE(WaitForQueued(4));
+    classifier_->Hold(false);
+    ASSERT_TRUE(classifier_->WaitForBatches(++batches));
+    for (const auto& outcome : long_ones) {
+      ASSERT_TRUE(outcome->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+      ASSERT_TRUE(outcome->result.ok()) << outcome->result.status();
+    }
+    EXPECT_EQ(classifier_->batches().back().size(), 4u) << "the four long documents share a batch";
+  }
+  const absl::Time long_batches_ended = clock_.Now();
+  absl::Time first_admitted = absl::InfiniteFuture();
+  int admitted = 0;
+  for (int i = 0; i < 20; ++i) {
+    std::shared_ptr<Outcome> target = Submit(300, Target(absl::Milliseconds(150)));
+    ASSERT_TRUE(target->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+    if (target->result.ok()) {
+      ++admitted;
+      if (first_admitted == absl::InfiniteFuture()) first_admitted = clock_.Now();
+      EXPECT_EQ(target->result->budget.budget, Experts(8, 16));
+      EXPECT_LE(target->result->total, absl::Milliseconds(150));
+    } else {
+      EXPECT_EQ(target->result.status().code(), absl::StatusCode::kResourceExhausted) << target->result.status();
+    }
+    clock_.Advance(absl::Milliseconds(500));
+  }
+  ASSERT_NE(first_admitted, absl::InfiniteFuture()) << "the 150 ms target was refused for 10 s after the long batches";
+  EXPECT_LE(first_admitted - long_batches_ended, absl::Seconds(3));
+  EXPECT_GE(admitted, 15) << "admitted once, it stays admitted";
+}
+
+// A third input kind, scripted here and unknown to the server: no image or document description, variable
+// length, token ids as "readings". The server calibrates its cost model from its synthetic inputs and cost
+// features, gives it a long lane by its longest input alone, plans latency targets for it and quotes its costs:
+// nothing in server/ branches on the kind.
+class ReadingsClassifier : public models::Classifier {
+ public:
+  ReadingsClassifier() {
+    description_.name = "readings";
+    description_.architecture = "scripted_readings";
+    description_.input_kind = models::InputKind::kOther;
+    description_.labels = {"calm", "storm"};
+    description_.layers = 1;
+    description_.heads = 1;
+    description_.embed_dim = 8;
+    description_.max_input_tokens = 1024;
+    description_.reference_tokens = 512;
+    models::BudgetKnobs& knobs = description_.knobs;
+    knobs.min_expert_count = 1;
+    knobs.max_expert_count = 16;
+    knobs.min_expert_width = 1;
+    knobs.max_expert_width = 64;
+    knobs.default_budget = Experts(8, 32);
+    knobs.accuracy_order = {{"8x32", Experts(8, 32), 0.9}, {"4x8", Experts(4, 8), 0.8}};
+  }
+
+  const models::ClassifierDescription& description() const override { return description_; }
+  absl::Status CheckInputKind(const models::ClassifierInput& input) const override {
+    if (input.kind == models::ClassifierInput::Kind::kTokenIds) return absl::OkStatus();
+    return absl::InvalidArgumentError("readings come as token ids");
+  }
+  // Its own cost: one feature, its readings x (m + k), besides the batch's fixed cost.
+  models::CostFeatures BatchCostFeatures(absl::Span<const models::CostItem> items) const override {
+    models::CostFeatures features{};
+    if (items.empty()) return features;
+    features[0] = 1;
+    for (const models::CostItem& item : items) {
+      features[1] += static_cast<double>(item.tokens * (item.budget.expert_count + item.budget.expert_width));
+    }
+    return features;
+  }
+  models::CostFeatures PriorCostCoefficients() const override { return models::CostFeatures{1e-3, 1e-7}; }
+
+  // 1 ms per batch and 0.1 us per reading x (m + k), in real time.
+  absl::StatusOr<models::ClassifierOutput> Run(absl::Span<const models::BatchItem* const> items, bool,
+                                               const models::ItemCheck&) const override {
+    absl::Duration duration = absl::Milliseconds(1);
+    for (const models::BatchItem* item : items) {
+      duration += absl::Nanoseconds(100 * item->tokens *
+                                    (item->budget.budget.expert_count + item->budget.budget.expert_width));
+    }
+    absl::SleepFor(duration);
+    models::ClassifierOutput output;
+    output.logits = at::zeros({static_cast<int64_t>(items.size()), 2});
+    output.statistics.resize(items.size());
+    output.stopped.resize(items.size());
+    return output;
+  }
+
+ protected:
+  absl::StatusOr<PreparedInput> PrepareInput(const models::ClassifierInput& input, const models::InputLimits&,
+                                             const models::StopCheck&) const override {
+    std::vector<int64_t> ids(input.token_ids.begin(), input.token_ids.end());
+    return PreparedInput{at::tensor(ids, at::kLong), static_cast<int64_t>(ids.size()),
+                         static_cast<int64_t>(ids.size())};
+  }
+  absl::StatusOr<int64_t> InputPreparationBytes(const models::ClassifierInput&,
+                                                const models::InputLimits&) const override {
+    return 0;
+  }
+  PreparedInput SyntheticInput(int64_t tokens) const override {
+    return PreparedInput{at::zeros({tokens}, at::kLong), tokens, tokens};
+  }
+
+ private:
+  models::ClassifierDescription description_;
+};
+
+TEST(ThirdInputKindTest, IsCalibratedPlannedAndQuotedWithoutTheServerKnowingIt) {
+  auto owned = std::make_unique<ReadingsClassifier>();
+  const ReadingsClassifier* classifier = owned.get();
+  absl::StatusOr<server::CostProfile> profile =
+      server::CalibrateCostModel(*classifier, absl::Seconds(2), 16, 1 << 17);
+  ASSERT_TRUE(profile.ok()) << profile.status();
+  EXPECT_EQ(profile->source, "calibrated");
+  EXPECT_GE(profile->calibration_batches, 2);
+  EXPECT_GT(profile->coefficients[1], 0) << "its own feature has a cost";
+
+  std::vector<models::ModelPackage> packages;
+  packages.push_back(models::ModelPackage{"readings", std::move(owned)});
+  absl::StatusOr<std::unique_ptr<server::ModelRegistry>> registry =
+      server::ModelRegistry::FromPackages(std::move(packages));
+  ASSERT_TRUE(registry.ok()) << registry.status();
+  server::ServerMetrics metrics(server::MetricsModelInfos(**registry));
+  server::EngineOptions options;
+  options.preparation_threads = 1;
+  options.long_document_tokens = 256;  // its longest input is 1024 readings: a long lane
+  options.cost_profiles["readings"] = *profile;
+  absl::StatusOr<std::unique_ptr<server::InferenceEngine>> engine =
+      server::InferenceEngine::Create(registry->get(), &metrics, options);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+
+  absl::StatusOr<server::CostSummary> summary = (*engine)->CostSummaryOf("readings");
+  ASSERT_TRUE(summary.ok()) << summary.status();
+  EXPECT_EQ(summary->reference_tokens, 512);
+  ASSERT_EQ(summary->predicted.size(), 2u);
+  EXPECT_GT(summary->predicted[0], summary->predicted[1]) << "8x32 costs more than 4x8";
+
+  auto classify = [&](int64_t readings, absl::Duration target) {
+    std::vector<int64_t> ids(static_cast<size_t>(readings), 1);
+    server::InferenceRequest request;
+    request.model = "readings";
+    request.input.kind = models::ClassifierInput::Kind::kTokenIds;
+    request.input.token_ids = ids;
+    request.budget.choice = models::BudgetRequest::Choice::kLatencyTarget;
+    request.budget.latency_target = target;
+    request.deadline = absl::Now() + absl::Seconds(30);
+    Outcome outcome;
+    std::unique_ptr<server::InferenceCall> call =
+        (*engine)->Submit(std::move(request), [&outcome](absl::StatusOr<server::InferenceResult> result) {
+          outcome.result = std::move(result);
+          outcome.done.Notify();
+        });
+    EXPECT_TRUE(outcome.done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+    return outcome.result;
+  };
+  for (const int64_t readings : {100, 1000}) {  // the short lane and the long one
+    absl::StatusOr<server::InferenceResult> relaxed = classify(readings, absl::Seconds(10));
+    ASSERT_TRUE(relaxed.ok()) << readings << ": " << relaxed.status();
+    EXPECT_EQ(relaxed->budget.budget, Experts(8, 32));
+    EXPECT_EQ(relaxed->budget_reason, BudgetReason::kMostAccurate);
+    EXPECT_GT(relaxed->predicted, absl::ZeroDuration());
+    // Refused at its floor (the slack of the answers before it may be named between the two parts).
+    const absl::Status refused = classify(readings, absl::Microseconds(100)).status();
+    ExpectStatus(refused, absl::StatusCode::kResourceExhausted, "at MiTA m=4 k=8, the least accurate budget allowed)");
+    ExpectStatus(refused, absl::StatusCode::kResourceExhausted, "but the latency target leaves");
+  }
 }
 
 // The slack is the nearest-rank quantile of the last `window` lateness values, checked against a sort.
@@ -569,7 +767,7 @@ TEST(AllowedBudgetsTest, FloorByOrderNamePresetOrText) {
 }
 
 TEST(CostModelTest, FitRecoversTheCoefficientsOfExactSamples) {
-  const server::CostShape shape{64, 2};
+  // A transformer of 2 layers, d = 64.
   const server::CostFeatures truth{2e-3, 5e-5, 1e-9, 3e-9, 0, 2e-9};
   std::vector<server::CostSample> samples;
   for (int64_t tokens : {128, 512, 2048, 8192}) {
@@ -577,7 +775,7 @@ TEST(CostModelTest, FitRecoversTheCoefficientsOfExactSamples) {
       for (const AttentionBudget& budget : {Experts(8, 32), Experts(16, 64), AttentionBudget{true, 0, 0}}) {
         std::vector<server::CostItem> items(static_cast<size_t>(batch), server::CostItem{tokens, budget});
         server::CostSample sample;
-        sample.features = server::BatchCostFeatures(shape, items);
+        sample.features = models::TransformerCostFeatures(2, 64, items);
         for (int i = 0; i < server::kNumCostFeatures; ++i) sample.seconds += truth[i] * sample.features[i];
         samples.push_back(sample);
       }
@@ -594,7 +792,9 @@ TEST(CostModelTest, FitRecoversTheCoefficientsOfExactSamples) {
 }
 
 TEST(CostModelTest, OnlineCorrectionMovesTowardTheMeasuredRatio) {
-  server::CostModel model(server::CostShape{1, 1}, server::CostFeatures{1e-3, 0, 0, 0, 0, 0});
+  server::CostModel model(
+      [](absl::Span<const server::CostItem> items) { return models::TransformerCostFeatures(1, 1, items); },
+      server::CostFeatures{1e-3, 0, 0, 0, 0, 0});
   const std::vector<server::CostItem> items = {server::CostItem{10, Experts(1, 1)}};
   EXPECT_EQ(model.Predict(items), absl::Milliseconds(1));
   EXPECT_DOUBLE_EQ(model.Observe(items, absl::Milliseconds(2)), 2.0);
@@ -647,7 +847,7 @@ TEST(CostCalibrationTest, SweepIsBoundedByItsLimit) {
   ASSERT_TRUE(none.ok()) << none.status();
   EXPECT_EQ(none->source, "prior");
   EXPECT_EQ(none->calibration_batches, 0);
-  EXPECT_EQ(none->coefficients, server::PriorCostCoefficients());
+  EXPECT_EQ(none->coefficients, package->classifier->PriorCostCoefficients());
   // 1 ms is less than two runs of the cheapest batch by the prior: nothing is timed.
   absl::StatusOr<server::CostProfile> tiny =
       server::CalibrateCostModel(*package->classifier, absl::Milliseconds(1), 16, 1 << 17);
@@ -683,7 +883,9 @@ TEST(CostCalibrationTest, FullAttentionOutsideTheOrderIsStillCosted) {
       server::CalibrateCostModel(*package->classifier, absl::Seconds(2), 16, 1 << 17);
   ASSERT_TRUE(swept.ok()) << swept.status();
   EXPECT_GT(swept->coefficients[5], 0) << "full attention's feature has a cost";
-  const server::CostModel cost(server::CostShapeOf(model), swept->coefficients, swept->correction);
+  const server::CostModel cost(
+      [&package](absl::Span<const server::CostItem> items) { return package->classifier->BatchCostFeatures(items); },
+      swept->coefficients, swept->correction);
   const std::vector<server::CostItem> full = {server::CostItem{16384, AttentionBudget{true, 0, 0}}};
   const std::vector<server::CostItem> mita = {
       server::CostItem{16384, models::ApplyBudget(model.knobs.default_budget, 16384)}};

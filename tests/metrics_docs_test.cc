@@ -5,7 +5,7 @@
 //     is scraped at /metrics: every documented family must be exposed with the documented type and label
 //     names, and every exposed family (its "# TYPE" line, so a family whose series are all 0 counts too) must
 //     be documented. Scraping the real process, not a registry assembled by the test, sees every family any
-//     part of the server registers (mita_oversized_messages_total, registered by server/message_limits.cc in
+//     part of the server registers (mita_oversized_messages_total, registered by server/frontend/message_limits.cc in
 //     main.cc, was once missing from the table while a test that built only ServerMetrics passed);
 //     Rows whose meaning starts with "CUDA devices only" (the GPU memory gauges) are exported only by a server
 //     with a model on a CUDA device: the CPU server here need not expose them (scripts/gpu_check.sh scrapes a
@@ -185,7 +185,7 @@ TEST(MetricsDocsTest, EveryFamilyRegisteredInTheSourcesIsDocumented) {
   const std::map<std::string, DocumentedSeries> documented =
       ReadDocumentedTable(absl::StrCat(SourceDirectory(), "/docs/metrics.md"));
   const std::set<std::string> registered = RegisteredFamilyNames(SourceDirectory());
-  // The scan works: the families of server/metrics.cc are found.
+  // The scan works: the families of server/metrics/metrics.cc are found.
   ASSERT_TRUE(registered.count("mita_requests_total")) << "no .Name(\"...\") found under server/";
   ASSERT_GE(registered.size(), documented.size()) << "the scan found fewer families than docs/metrics.md documents";
   for (const std::string& name : registered) {

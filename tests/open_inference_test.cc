@@ -1,4 +1,4 @@
-// The Open Inference Protocol front end (server/open_inference_service.h) end to end over loopback: a client generated
+// The Open Inference Protocol front end (server/frontend/open_inference_service.h) end to end over loopback: a client generated
 // from proto/kserve/grpc_predict_v2.proto classifies real Fashion-MNIST test images (PNG) with the embedded
 // model at chosen budgets. The reference is mita.v1 Classify on the same server with the same budget (an
 // independent request path into the same batcher) and the ground-truth labels; the translation of documents
@@ -28,10 +28,10 @@
 #include "gtest/gtest.h"
 #include "kserve/grpc_predict_v2.grpc.pb.h"
 #include "mita/v1/mita.grpc.pb.h"
-#include "server/inference_engine.h"
-#include "server/open_inference_service.h"
-#include "server/metrics.h"
-#include "server/model_registry.h"
+#include "server/engine/inference_engine.h"
+#include "server/frontend/open_inference_service.h"
+#include "server/metrics/metrics.h"
+#include "server/engine/model_registry.h"
 #include "tests/server_test_util.h"
 #include "tests/test_util.h"
 #include "tools/fashion_mnist.h"

@@ -9,7 +9,7 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/preparation_pool.h"
+#include "server/engine/preparation_pool.h"
 
 namespace mita::server {
 namespace {

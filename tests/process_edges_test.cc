@@ -30,7 +30,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "mita/v1/mita.grpc.pb.h"
-#include "server/health_check_call.h"
+#include "server/process/health_check_call.h"
 #include "tests/test_util.h"
 
 #ifndef MITA_SERVER_PATH

@@ -2,7 +2,7 @@
 // mutual TLS, bearer-token authentication (health checks stay open), the metrics endpoint bound to
 // loopback (checked in /proc/net/tcp), and model packages read only from inside the model repository (no
 // path traversal through a model name, symlinks out of the repository refused).
-#include "server/security.h"
+#include "server/frontend/security.h"
 
 #include <arpa/inet.h>
 #include <cerrno>
@@ -35,10 +35,10 @@
 #include "prometheus/metric_family.h"
 #include "kserve/grpc_predict_v2.grpc.pb.h"
 #include "mita/v1/mita.grpc.pb.h"
-#include "server/inference_engine.h"
-#include "server/metrics.h"
-#include "server/metrics_http_server.h"
-#include "server/model_registry.h"
+#include "server/engine/inference_engine.h"
+#include "server/metrics/metrics.h"
+#include "server/process/metrics_http_server.h"
+#include "server/engine/model_registry.h"
 #include "tests/server_test_util.h"
 #include "tests/test_util.h"
 

@@ -1,7 +1,7 @@
 // Helpers shared by the tests of the service (see server_test_util.h).
 #include "tests/server_test_util.h"
 
-#include "server/health_check_call.h"
+#include "server/process/health_check_call.h"
 
 #include <grpcpp/client_context.h>
 #include <grpcpp/completion_queue.h>

@@ -18,15 +18,15 @@
 #include "absl/status/statusor.h"
 #include "client/mita_client.h"
 #include "prometheus/registry.h"
-#include "server/health_service.h"
-#include "server/unary_call.h"
-#include "server/inference_engine.h"
-#include "server/mita_v1_service.h"
-#include "server/open_inference_service.h"
-#include "server/message_limits.h"
-#include "server/metrics.h"
-#include "server/metrics_http_server.h"
-#include "server/model_registry.h"
+#include "server/frontend/health_service.h"
+#include "server/frontend/unary_call.h"
+#include "server/engine/inference_engine.h"
+#include "server/frontend/mita_v1_service.h"
+#include "server/frontend/open_inference_service.h"
+#include "server/frontend/message_limits.h"
+#include "server/metrics/metrics.h"
+#include "server/process/metrics_http_server.h"
+#include "server/engine/model_registry.h"
 
 namespace mita::test_util {
 
@@ -59,12 +59,12 @@ struct InProcessServerOptions {
   // Set: message size limits as mita-server sets them up (a MessageSizeGuard counting rejections in this
   // server's registry, front_end.message_size, and gRPC's transport limits from it).
   std::optional<server::MessageSizeLimits> message_limits;
-  // grpc.health.v1 (server/health_service.h, as mita-server serves it), SERVING for the server and for
+  // grpc.health.v1 (server/frontend/health_service.h, as mita-server serves it), SERVING for the server and for
   // mita.v1.MitaService.
   bool health = false;
   // Server reflection (a process-wide gRPC plugin: every server started after it has reflection).
   bool reflection = false;
-  // The Open Inference Protocol service (server/open_inference_service.h), ready.
+  // The Open Inference Protocol service (server/frontend/open_inference_service.h), ready.
   bool open_inference = false;
   // /metrics of this server's registry on 127.0.0.1:0 (metrics_port()).
   bool metrics_http = false;

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/percentile.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
@@ -34,10 +35,10 @@
 #include "gtest/gtest.h"
 #include "kernels/aten_errors.h"
 #include "prometheus/metric_family.h"
-#include "server/inference_engine.h"
-#include "server/grpc_status.h"
-#include "server/metrics.h"
-#include "server/model_registry.h"
+#include "server/engine/inference_engine.h"
+#include "server/frontend/grpc_status.h"
+#include "server/metrics/metrics.h"
+#include "server/engine/model_registry.h"
 #include "tests/server_test_util.h"
 #include "tests/test_util.h"
 #include "tools/fashion_mnist.h"
@@ -728,7 +729,7 @@ constexpr int kDocumentClasses = 4;
 // Real text for documents: this repository's README and design notes (UTF-8).
 std::string RealText() {
   std::string text;
-  for (const char* file : {"/README.md", "/server/batcher.h", "/server/inference_engine.cc"}) {
+  for (const char* file : {"/README.md", "/server/planning/batcher.h", "/server/engine/inference_engine.cc"}) {
     text += test_util::ReadFile(SourceDirectory() + file);
   }
   return text;

@@ -269,7 +269,7 @@ TEST(ShutdownTest, DrainTimeoutStopsARunningLongBatch) {
   EXPECT_NE(ReadFile(log_path).find("drain timeout"), std::string::npos) << ReadFile(log_path);
 }
 
-// Threading of a loaded server (server/main.cc): OpenBLAS gets the --torch_threads count (its pthread build
+// Threading of a loaded server (server/process/main.cc): OpenBLAS gets the --torch_threads count (its pthread build
 // otherwise starts a worker per core that spins after each GEMM), and no thread is started per call (gRPC's
 // callback API holds no thread for a waiting call; docs/serving.md, "Threads").
 TEST(ServerThreadsTest, OpenBlasFollowsTorchThreadsAndHandlerThreadsAreKeptUnderLoad) {

@@ -14,7 +14,7 @@ It starts mita-server on a free port and checks, with the client's own calls and
     tools/build_document_corpus.py) as BYTES text and as INT64 token ids from Debian's spm_encode (an encoder
     independent of the server's): the same scores from both, the token count and the length-clamped budget;
   * a bad budget: the server's INVALID_ARGUMENT with its own wording, as the client raises it.
-Every mismatch with what this client expects is the server's to fix (server/open_inference_service.cc).
+Every mismatch with what this client expects is the server's to fix (server/frontend/open_inference_service.cc).
 """
 import csv
 import gzip

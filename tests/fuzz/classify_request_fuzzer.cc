@@ -23,12 +23,12 @@
 #include <vector>
 
 #include "absl/synchronization/notification.h"
-#include "server/grpc_status.h"
-#include "server/inference_engine.h"
-#include "server/message_limits.h"
-#include "server/mita_v1_service.h"
-#include "server/metrics.h"
-#include "server/model_registry.h"
+#include "server/frontend/grpc_status.h"
+#include "server/engine/inference_engine.h"
+#include "server/frontend/message_limits.h"
+#include "server/frontend/mita_v1_service.h"
+#include "server/metrics/metrics.h"
+#include "server/engine/model_registry.h"
 
 namespace {
 
@@ -76,7 +76,7 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   mita::v1::ClassifyRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return -1;  // gRPC would reject it before us
-  // The front end's path (server/mita_v1_service.cc ClassifyReactor), waiting for the answer.
+  // The front end's path (server/frontend/mita_v1_service.cc ClassifyReactor), waiting for the answer.
   mita::v1::ClassifyResponse response;
   absl::Status answer = fixture->message_size->CheckRequest(request);
   absl::StatusOr<mita::server::InferenceRequest> neutral =

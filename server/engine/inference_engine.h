@@ -1,0 +1,160 @@
+// The one request path every front end uses. A front end translates its request into an InferenceRequest
+// (inference_request.h) and submits it; the engine answers it exactly once (its Request, request.h). Who admits
+// what, in order:
+//
+//   1. Submit (front end's thread): draining (UNAVAILABLE) -> the model (NOT_FOUND) -> top_n (INVALID_ARGUMENT)
+//      -> the deadline (DEADLINE_EXCEEDED) -> the preparation queue (PreparationPool, RESOURCE_EXHAUSTED when
+//      --preparation_queue_capacity requests wait)
+//   2. preparation thread: the input's working memory (PreparationMemory: waits for room, RESOURCE_EXHAUSTED over
+//      --preparation_memory_bytes) -> Classifier::Prepare (input kind, budget, decode or tokenize:
+//      INVALID_ARGUMENT with field problems)
+//   3. its lane (ModelRunner routes, Lane plans then queues): the planner (a budget for a latency target;
+//      DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED when predicted to miss its deadline or target) -> the queue
+//      (BatchQueue: RESOURCE_EXHAUSTED naming --queue_capacity or --queue_compute_units, UNAVAILABLE while
+//      draining)
+//   4. batch thread (ModelRunner): requests whose caller left are answered and never run -> Classifier::Run on
+//      the packed batch -> top classes -> each request answered
+//   The caller leaving (InferenceCall::Cancel, from gRPC's OnCancel) is Request::Cancel: not started, it is
+//   answered at once (CANCELLED, or DEADLINE_EXCEEDED when its deadline is why) and never run; started, its result
+//   is discarded.
+//
+// Errors are absl::Status values with structured field problems (models/request_error.h) that the front end
+// words in its own vocabulary. A bad request never yields INTERNAL; INTERNAL means a server fault.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "models/classifier.h"
+#include "server/planning/batcher.h"
+#include "server/planning/clock.h"
+#include "server/engine/inference_request.h"
+#include "server/metrics/metrics.h"
+#include "server/engine/model_registry.h"
+#include "server/engine/model_runner.h"
+#include "server/engine/request.h"
+#include "server/engine/preparation_pool.h"
+
+namespace mita::server {
+
+// Limits and batching policy of the engine.
+struct EngineOptions {
+  // Batching policy and admission limits of every model's batcher (one batcher per model).
+  BatcherOptions batching;
+  // Largest accepted encoded image, bytes. Keep it below the server's gRPC receive limit, which rejects larger
+  // messages before any handler runs.
+  int64_t max_encoded_image_bytes = int64_t{4} << 20;
+  // Threads preparing inputs (decoding, tokenizing); 0: the hardware concurrency.
+  int preparation_threads = 0;
+  // Requests waiting for a preparation thread before new ones get RESOURCE_EXHAUSTED.
+  int64_t preparation_queue_capacity = 1024;
+  std::string preparation_queue_capacity_source = "flag --preparation_queue_capacity";
+  // Working memory all preparations together may take (decoding images, tokenizing), bytes; an input is
+  // admitted to preparation by its header's estimate (Classifier::PreparationBytes) and waits for room.
+  int64_t preparation_memory_bytes = int64_t{1} << 30;
+  // Inputs of more tokens run in a lane of their own (ModelRunner), beside shorter requests instead of ahead of
+  // them; 0: one lane (mita-server --long_document_tokens).
+  int64_t long_document_tokens = 8192;
+  std::string preparation_memory_bytes_source = "flag --preparation_memory_bytes";
+  // Each model's cost profile by name (server/planning/cost_calibration.h); a model without one uses its prior.
+  std::map<std::string, CostProfile> cost_profiles;
+  // How the lanes plan (server/planning/lane_planner.h).
+  PlanningOptions planning;
+};
+
+// A submitted request, for its caller: Cancel() says the caller stopped waiting. Thread-safe.
+class InferenceCall {
+ public:
+  explicit InferenceCall(std::shared_ptr<Request> request) : request_(std::move(request)) {}
+  // The caller gave up (its call was cancelled, or its deadline passed): Request::Cancel. Idempotent.
+  void Cancel() { request_->Cancel(); }
+
+ private:
+  const std::shared_ptr<Request> request_;
+};
+
+class InferenceEngine final {
+ public:
+  // Starts one ModelRunner per model of `registry`. `registry`, `metrics` (built for the registry's models) and
+  // `clock` must outlive the engine. Errors: INVALID_ARGUMENT for invalid options.
+  static absl::StatusOr<std::unique_ptr<InferenceEngine>> Create(const ModelRegistry* registry,
+                                                                 ServerMetrics* metrics, EngineOptions options,
+                                                                 const Clock* clock = RealClock::Get());
+  // Shutdown().
+  ~InferenceEngine();
+
+  // Starts answering `request`: `done` is called exactly once, with the result or the error (see the file
+  // comment for the codes), on this thread or another. The returned call lets the caller give up.
+  std::unique_ptr<InferenceCall> Submit(InferenceRequest request, InferenceDone done);
+
+  // The model called `name`. Errors: as ModelRegistry::Lookup (INVALID_ARGUMENT for an empty name, NOT_FOUND).
+  absl::StatusOr<const models::ClassifierDescription*> FindModel(const std::string& name) const;
+  // Every hosted model, sorted by name.
+  std::vector<const models::ClassifierDescription*> models() const;
+
+  // The cost figures of model `name` (GetModel). Errors: FindModel's.
+  absl::StatusOr<CostSummary> CostSummaryOf(const std::string& name) const;
+  // The limits an input meets (images: max_encoded_image_bytes; documents: max_tokens, the smaller of the
+  // model's and max_batch_tokens, applied in Prepare).
+  const models::InputLimits& input_limits() const { return input_limits_; }
+  const EngineOptions& options() const { return options_; }
+
+  // Starts draining: from now on Submit answers UNAVAILABLE ("the server is shutting down") before doing any
+  // work, and the batchers release what is queued without waiting for batches to fill. Submitted requests
+  // still finish. Returns at once; idempotent.
+  void BeginDrain();
+  // Waits until every submitted request has been answered or `deadline` passes; whether it became idle.
+  bool WaitUntilIdle(absl::Time deadline);
+  // Stops accepting work, runs everything already submitted, and joins the threads. Idempotent.
+  void Shutdown();
+
+  // Requests admitted to a batcher since start, and how many of them were answered OK or with an error
+  // (cancelled, deadline passed, model failure). admitted - ok - failed are still in flight.
+  struct AdmissionCounts {
+    int64_t admitted = 0;
+    int64_t ok = 0;
+    int64_t failed = 0;
+  };
+  AdmissionCounts admission_counts() const;
+
+ private:
+  InferenceEngine(const ModelRegistry* registry, ServerMetrics* metrics, EngineOptions options, const Clock* clock);
+
+  // Prepares `request` for `runner` and hands it to its lane, on a preparation thread.
+  void Prepare(const std::shared_ptr<Request>& request, ModelRunner* runner);
+  // A request was answered (Request's bookkeeping hook): in flight and admission counts.
+  void Answered(bool admitted, bool ok);
+
+  const ModelRegistry* const registry_;
+  ServerMetrics* const metrics_;
+  const EngineOptions options_;
+  const Clock* const clock_;
+  models::InputLimits input_limits_;
+  std::map<std::string, std::unique_ptr<ModelRunner>> runners_;  // immutable after Create
+  std::unique_ptr<PreparationPool> preparation_;
+  std::unique_ptr<PreparationMemory> preparation_memory_;
+  std::atomic<bool> draining_{false};
+  absl::Mutex in_flight_mu_;
+  int64_t in_flight_ ABSL_GUARDED_BY(in_flight_mu_) = 0;  // submitted, not yet answered
+  std::atomic<int64_t> admitted_{0};
+  std::atomic<int64_t> admitted_ok_{0};
+  std::atomic<int64_t> admitted_failed_{0};
+};
+
+// The model list ServerMetrics is built for: every package of `registry`, with its attention layers.
+std::vector<ServerMetrics::ModelInfo> MetricsModelInfos(const ModelRegistry& registry);
+
+// Resolves top_n: 0 -> min(5, classes). Errors: INVALID_ARGUMENT (a RequestField::kTopN problem, "-1 is out of
+// range: allowed [0, 10] (0 means 5)") when top_n < 0 or > classes.
+absl::StatusOr<int64_t> ResolveTopN(int64_t top_n, int64_t classes);
+
+}  // namespace mita::server

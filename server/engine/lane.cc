@@ -1,0 +1,102 @@
+// One lane of a model (see lane.h).
+#include "server/engine/lane.h"
+
+#include <utility>
+#include <vector>
+
+#include "kernels/status_macros.h"
+
+namespace mita::server {
+
+std::vector<models::AttentionBudget> BatchTask::allowed() const {
+  std::vector<models::AttentionBudget> budgets;
+  for (const models::ResolvedBudget& choice : item.allowed_budgets) budgets.push_back(choice.budget);
+  if (budgets.empty()) budgets.push_back(item.budget.budget);
+  return budgets;
+}
+
+absl::StatusOr<std::unique_ptr<Lane>> Lane::Create(BatcherOptions batching, PlanningOptions planning,
+                                                   CostModel* cost, const Clock* clock, ProcessBatch process,
+                                                   QueueDepthListener depth) {
+  if (cost == nullptr || clock == nullptr || !process) {
+    return absl::InvalidArgumentError("cost, clock and process must be set");
+  }
+  std::unique_ptr<Lane> lane(new Lane(clock, cost, batching, planning));
+  Lane* self = lane.get();
+  DynamicBatcher<BatchTask>::ProcessBatchFn run = [self, process = std::move(process)](Batch<BatchTask> batch) {
+    process(*self, std::move(batch));
+  };
+  ASSIGN_OR_RETURN(lane->batcher_,
+                   DynamicBatcher<BatchTask>::Create(std::move(batching), std::move(run), clock, std::move(depth)));
+  return lane;
+}
+
+absl::Status Lane::Admit(std::unique_ptr<BatchTask>* task, QueueTicket* ticket, PlannedBudget* plan,
+                         AdmissionRejection* rejection, const std::function<void(const PlannedBudget&)>& planned) {
+  BatchTask& queued = **task;
+  const PlanningRequest request{queued.item.tokens, queued.allowed(), queued.item.latency_target, queued.end,
+                                queued.target_binds};
+  const absl::Time now = clock_->Now();
+  absl::Status admitted;
+  {
+    absl::MutexLock lock(&mu_);
+    admitted = planner_.Admit(request, batcher_->load(), now, plan, rejection);
+  }
+  if (planned) planned(*plan);
+  RETURN_IF_ERROR(admitted);
+  queued.plan = *plan;
+  uint64_t id = 0;
+  RETURN_IF_ERROR(batcher_->Submit(task, rejection, &id));
+  // `*task` now belongs to the batcher (and may already be running).
+  *ticket = QueueTicket{this, id};
+  return absl::OkStatus();
+}
+
+std::unique_ptr<BatchTask> Lane::Cancel(uint64_t id) { return batcher_->Cancel(id); }
+
+int Lane::StartBatch(absl::Span<BatchTask* const> tasks, absl::Time start, StartedBatch* started) {
+  std::vector<StartingMember> members;
+  members.reserve(tasks.size());
+  for (const BatchTask* task : tasks) {
+    members.push_back(StartingMember{task->item.tokens, task->allowed(), task->plan.choice,
+                                     task->item.latency_target, task->end});
+  }
+  std::vector<size_t> choices;
+  {
+    absl::MutexLock lock(&mu_);
+    choices = planner_.StartBatch(members, start, started);
+  }
+  int lowered = 0;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    if (choices[i] == tasks[i]->plan.choice) continue;
+    tasks[i]->plan.choice = choices[i];
+    tasks[i]->plan.reason = BudgetReason::kLoweredAtBatchStart;
+    ++lowered;
+  }
+  return lowered;
+}
+
+double Lane::FinishBatch(const StartedBatch& started, absl::Span<BatchTask* const> answered, absl::Time end,
+                         absl::Duration compute, bool learn) {
+  absl::MutexLock lock(&mu_);
+  ObserveLateness(answered, end);
+  return planner_.FinishBatch(started, compute, learn);
+}
+
+void Lane::Expired(absl::Span<BatchTask* const> tasks, absl::Time start) {
+  absl::MutexLock lock(&mu_);
+  ObserveLateness(tasks, start);
+}
+
+void Lane::ObserveLateness(absl::Span<BatchTask* const> tasks, absl::Time at) {
+  for (const BatchTask* task : tasks) {
+    if (task->plan.planned()) planner_.ObserveLateness(at, at - task->plan.planned_at - task->plan.predicted);
+  }
+}
+
+absl::Duration Lane::PredictedCompute(int64_t tokens, const models::AttentionBudget& budget) const {
+  absl::MutexLock lock(&mu_);
+  return planner_.PredictedCompute(tokens, budget);
+}
+
+}  // namespace mita::server

@@ -1,0 +1,113 @@
+// One lane of a model: a queue with its batch threads (DynamicBatcher) and the planner of what enters it
+// (LanePlanner). Admission plans a request and queues it; the queue's own sums are the one ledger of queued
+// work; batch start lowers late budgets and batch finish learns. A model has one lane, or two when its inputs can
+// be long (ModelRunner): then a long input's forward runs beside the short requests' batches, not ahead of them.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "models/classifier.h"
+#include "server/planning/batcher.h"
+#include "server/planning/clock.h"
+#include "server/planning/cost_model.h"
+#include "server/planning/lane_planner.h"
+
+namespace mita::server {
+
+class Request;
+
+// What a lane queues for one request: its prepared item (as Classifier::Prepare made it, never edited), the
+// request it answers, when that must be answered, and the lane's plan for it (a value: its budget choice).
+struct BatchTask {
+  models::BatchItem item;
+  std::shared_ptr<Request> request;
+  // Request::PlannedEnd: its latency target's end or deadline, the earlier, and whether the target binds.
+  absl::Time end = absl::InfiniteFuture();
+  bool target_binds = false;
+  PlannedBudget plan;
+
+  // The applied budget it runs with: the planned choice of its allowed budgets, or its one budget.
+  const models::ResolvedBudget& budget() const {
+    return plan.choice < item.allowed_budgets.size() ? item.allowed_budgets[plan.choice] : item.budget;
+  }
+  // The budgets it may run with, most accurate first.
+  std::vector<models::AttentionBudget> allowed() const;
+
+  // Batcher units (server/planning/batcher.h).
+  int64_t tokens() const { return item.tokens; }
+  int64_t compute_units() const { return models::ComputeUnits(item.tokens, budget().budget); }
+  absl::Duration predicted_compute() const { return plan.share; }
+};
+
+class Lane;
+
+// Where a queued task is: its lane and its ticket there.
+struct QueueTicket {
+  Lane* lane = nullptr;
+  uint64_t id = 0;
+};
+
+class Lane {
+ public:
+  // Runs one released batch on a batch thread (ModelRunner's execution).
+  using ProcessBatch = std::function<void(Lane& lane, Batch<BatchTask> batch)>;
+
+  // Starts the lane's batch threads. `cost` (the model's, shared by its lanes) and `clock` must outlive it;
+  // `depth` (optional) hears every change of the queue depth. Errors: INVALID_ARGUMENT for invalid options.
+  static absl::StatusOr<std::unique_ptr<Lane>> Create(BatcherOptions batching, PlanningOptions planning,
+                                                      CostModel* cost, const Clock* clock, ProcessBatch process,
+                                                      QueueDepthListener depth = nullptr);
+
+  // Plans `*task` (LanePlanner::Admit: its budget choice and predicted answer time go into task->plan) and queues
+  // it; on success takes `*task` and fills `*ticket`. `*plan` receives the plan (also when refused: the slack it
+  // planned with), `*rejection` the reason of a refusal. `planned` (optional) hears the plan before the task is
+  // queued (once queued, a batch thread may answer it at once). Errors: the planner's (DEADLINE_EXCEEDED,
+  // RESOURCE_EXHAUSTED naming the prediction) and the queue's (RESOURCE_EXHAUSTED naming the limit, UNAVAILABLE
+  // while shutting down, INVALID_ARGUMENT).
+  absl::Status Admit(std::unique_ptr<BatchTask>* task, QueueTicket* ticket, PlannedBudget* plan,
+                     AdmissionRejection* rejection,
+                     const std::function<void(const PlannedBudget&)>& planned = nullptr);
+  // Takes the task with ticket `id` out of the queue; nullptr when a batch thread already has it.
+  std::unique_ptr<BatchTask> Cancel(uint64_t id);
+
+  // The batch of `tasks` starts at `start`: latency-target tasks behind their plan get lower budgets
+  // (LanePlanner::StartBatch), recorded in their plan with reason kLoweredAtBatchStart. Returns how many were
+  // lowered, and `*started` for FinishBatch.
+  int StartBatch(absl::Span<BatchTask* const> tasks, absl::Time start, StartedBatch* started);
+  // The batch `started` ended at `end` after `compute`; `learn`: the cost model learns from it. Records how late
+  // against its prediction each planned task of `answered` was. Returns measured / predicted when it learned.
+  double FinishBatch(const StartedBatch& started, absl::Span<BatchTask* const> answered, absl::Time end,
+                     absl::Duration compute, bool learn);
+  // Planned tasks whose deadline passed in the queue: at least this late, as their batch started at `start`.
+  void Expired(absl::Span<BatchTask* const> tasks, absl::Time start);
+
+  // Predicted compute of one input of `tokens` tokens at `budget` alone in a batch.
+  absl::Duration PredictedCompute(int64_t tokens, const models::AttentionBudget& budget) const;
+
+  // Stops admitting and releases what is queued without waiting for batches to fill (returns at once).
+  void BeginShutdown() { batcher_->BeginShutdown(); }
+  // Runs what is queued and joins the batch threads.
+  void Shutdown() { batcher_->Shutdown(); }
+
+ private:
+  Lane(const Clock* clock, CostModel* cost, BatcherOptions batching, PlanningOptions planning)
+      : clock_(clock), planner_(cost, std::move(batching), planning) {}
+
+  // Records the lateness of each planned task of `tasks` at `at`.
+  void ObserveLateness(absl::Span<BatchTask* const> tasks, absl::Time at) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const Clock* const clock_;
+  mutable absl::Mutex mu_;
+  LanePlanner planner_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<DynamicBatcher<BatchTask>> batcher_;
+};
+
+}  // namespace mita::server

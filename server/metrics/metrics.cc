@@ -1,0 +1,384 @@
+// Prometheus metrics (see metrics.h).
+#include "server/metrics/metrics.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "kernels/device.h"
+
+namespace mita::server {
+namespace {
+
+using prometheus::Histogram;
+
+// Seconds: 50 us .. 10 s, roughly x2-x2.5 per bucket.
+const Histogram::BucketBoundaries& SecondsBuckets() {
+  static const Histogram::BucketBoundaries* const buckets = new Histogram::BucketBoundaries{
+      0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
+  return *buckets;
+}
+
+// Counts: 1, 2, 4, ... 2^max_power.
+Histogram::BucketBoundaries PowersOfTwo(int max_power) {
+  Histogram::BucketBoundaries buckets;
+  for (int p = 0; p <= max_power; ++p) buckets.push_back(static_cast<double>(int64_t{1} << p));
+  return buckets;
+}
+
+// max/mean >= 1.
+const Histogram::BucketBoundaries& ImbalanceBuckets() {
+  static const Histogram::BucketBoundaries* const buckets =
+      new Histogram::BucketBoundaries{1.05, 1.1, 1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 32, 64};
+  return *buckets;
+}
+
+// Fractions in [0, 1].
+const Histogram::BucketBoundaries& FractionBuckets() {
+  static const Histogram::BucketBoundaries* const buckets =
+      new Histogram::BucketBoundaries{0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0};
+  return *buckets;
+}
+
+constexpr const char* kMethodNames[kNumRpcMethods] = {"Classify",      "ListModels", "GetModel",
+                                                     "ModelInfer",    "ModelMetadata", "ModelReady",
+                                                     "ServerLive",    "ServerReady", "ServerMetadata",
+                                                     "ModelConfig"};
+
+}  // namespace
+
+const char* RpcMethodName(RpcMethod method) {
+  const int index = static_cast<int>(method);
+  return index >= 0 && index < kNumRpcMethods ? kMethodNames[index] : "unknown";
+}
+
+bool IsModelMethod(RpcMethod method) {
+  switch (method) {
+    case RpcMethod::kClassify:
+    case RpcMethod::kGetModel:
+    case RpcMethod::kModelInfer:
+    case RpcMethod::kModelMetadata:
+    case RpcMethod::kModelReady:
+    case RpcMethod::kModelConfig:
+      return true;
+    case RpcMethod::kListModels:
+    case RpcMethod::kServerLive:
+    case RpcMethod::kServerReady:
+    case RpcMethod::kServerMetadata:
+      return false;
+  }
+  return false;
+}
+
+void ModelMetrics::ObserveBudget(const models::AttentionBudget& requested, const models::AttentionBudget& applied) {
+  if (requested.full_attention) {
+    full_attention_->Increment();
+    return;
+  }
+  expert_count_->Observe(static_cast<double>(requested.expert_count));
+  expert_width_->Observe(static_cast<double>(requested.expert_width));
+  applied_expert_count_->Observe(static_cast<double>(applied.expert_count));
+  applied_expert_width_->Observe(static_cast<double>(applied.expert_width));
+}
+
+void ModelMetrics::CountRejection(AdmissionRejection reason) {
+  const int index = static_cast<int>(reason);
+  if (index <= 0 || index >= kNumAdmissionRejections) return;
+  rejections_[static_cast<size_t>(index)]->Increment();
+}
+
+void DeviceMemoryGauges::Update() {
+  absl::StatusOr<kernels::DeviceMemory> memory = kernels::CudaMemory(device_);
+  if (!memory.ok()) return;
+  allocated_->Set(static_cast<double>(memory->allocated_bytes));
+  reserved_->Set(static_cast<double>(memory->reserved_bytes));
+}
+
+void ModelMetrics::ObserveLayer(int64_t layer, double load_imbalance, double routing_entropy,
+                                double pruned_key_fraction) {
+  if (layer < 0 || layer >= static_cast<int64_t>(layers_.size())) return;
+  const Layer& series = layers_[static_cast<size_t>(layer)];
+  series.load_imbalance->Observe(load_imbalance);
+  series.routing_entropy->Observe(routing_entropy);
+  series.pruned_key_fraction->Observe(pruned_key_fraction);
+}
+
+ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
+    : registry_(std::make_shared<prometheus::Registry>()) {
+  auto& requests = prometheus::BuildCounter()
+                       .Name("mita_requests_total")
+                       .Help("RPCs answered by the service, by method, model and final gRPC status code.")
+                       .Register(*registry_);
+  auto& latency = prometheus::BuildHistogram()
+                      .Name("mita_request_latency_seconds")
+                      .Help("Time in the server from receipt to answer of successful Classify and ModelInfer RPCs, "
+                            "seconds.")
+                      .Register(*registry_);
+  auto& queue_delay = prometheus::BuildHistogram()
+                          .Name("mita_queue_delay_seconds")
+                          .Help("Time from admission to the start of the request's batch, seconds.")
+                          .Register(*registry_);
+  auto& compute = prometheus::BuildHistogram()
+                      .Name("mita_compute_seconds")
+                      .Help("Model forward time of the batch that ran the request, seconds (per request).")
+                      .Register(*registry_);
+  auto& batch_size = prometheus::BuildHistogram()
+                         .Name("mita_batch_size")
+                         .Help("Requests per batch run (one observation per batch).")
+                         .Register(*registry_);
+  auto& queue_depth = prometheus::BuildGauge()
+                          .Name("mita_queue_depth")
+                          .Help("Requests queued in the model's batcher, not yet taken into a batch.")
+                          .Register(*registry_);
+  auto& queue_compute_units =
+      prometheus::BuildGauge()
+          .Name("mita_queue_compute_units")
+          .Help("Compute units (tokens x attention width: M + k for MiTA, N for full attention) queued in the "
+                "model's batcher.")
+          .Register(*registry_);
+  auto& rejected = prometheus::BuildCounter()
+                       .Name("mita_rejected_requests_total")
+                       .Help("Classify requests refused at admission, by reason (queue_tasks, queue_compute_units, "
+                             "task_over_queue_compute_units, shutting_down, deadline_unmeetable, "
+                             "latency_target_unmeetable).")
+                       .Register(*registry_);
+  auto& budget_choices =
+      prometheus::BuildCounter()
+          .Name("mita_budget_choices_total")
+          .Help("Budgets chosen for admitted requests, by reason: requested (the request named it), most_accurate "
+                "and lowered_at_admission (latency targets), lowered_at_batch_start (lowered again when the "
+                "batch started).")
+          .Register(*registry_);
+  auto& prediction_ratio = prometheus::BuildHistogram()
+                               .Name("mita_compute_prediction_ratio")
+                               .Help("Measured / predicted compute of each batch run to the end (the cost model's "
+                                     "error; 1 = exact).")
+                               .Register(*registry_);
+  auto& planning_slack = prometheus::BuildGauge()
+                             .Name("mita_planning_slack_seconds")
+                             .Help("Time admission subtracted from the latest planned request's time left: the "
+                                   "--planning_slack_percentile of how much later than predicted its lane's planned "
+                                   "requests of the last 2 s were answered.")
+                             .Register(*registry_);
+  auto& request_tokens = prometheus::BuildHistogram()
+                             .Name("mita_request_tokens")
+                             .Help("Tokens of each admitted request (documents: after truncation).")
+                             .Register(*registry_);
+  auto& batch_tokens = prometheus::BuildHistogram()
+                           .Name("mita_batch_tokens")
+                           .Help("Tokens per packed batch run (one observation per batch).")
+                           .Register(*registry_);
+  auto& expert_count = prometheus::BuildHistogram()
+                           .Name("mita_requested_expert_count")
+                           .Help("Expert count m admitted MiTA requests asked for (after the model's defaults "
+                                 "and presets).")
+                           .Register(*registry_);
+  auto& expert_width = prometheus::BuildHistogram()
+                           .Name("mita_requested_expert_width")
+                           .Help("Expert width k (keys per routed expert) admitted MiTA requests asked for.")
+                           .Register(*registry_);
+  auto& applied_expert_count = prometheus::BuildHistogram()
+                                   .Name("mita_applied_expert_count")
+                                   .Help("Expert count m applied to admitted MiTA requests' inputs (at most their "
+                                         "tokens).")
+                                   .Register(*registry_);
+  auto& applied_expert_width = prometheus::BuildHistogram()
+                                   .Name("mita_applied_expert_width")
+                                   .Help("Expert width k applied to admitted MiTA requests' inputs (at most their "
+                                         "tokens).")
+                                   .Register(*registry_);
+  auto& full_attention = prometheus::BuildCounter()
+                             .Name("mita_full_attention_requests_total")
+                             .Help("Admitted requests that asked for full attention.")
+                             .Register(*registry_);
+  auto& executed_after_cancel =
+      prometheus::BuildCounter()
+          .Name("mita_work_executed_after_cancel_total")
+          .Help("Requests whose batch ran although their caller had given up (cancelled, deadline passed) before "
+                "the batch started; 0 by design.")
+          .Register(*registry_);
+  auto& compute_after_caller_left =
+      prometheus::BuildCounter()
+          .Name("mita_compute_after_caller_left_seconds_total")
+          .Help("Forward time spent for callers who had left (cancelled, deadline passed) while their batch ran: "
+                "from when each left to when its work stopped, by its share of the batch's tokens; seconds.")
+          .Register(*registry_);
+  auto& load_imbalance =
+      prometheus::BuildHistogram()
+          .Name("mita_attention_expert_load_imbalance")
+          .Help("Max/mean queries per routed expert (1 = balanced), averaged over heads; per request and layer.")
+          .Register(*registry_);
+  auto& routing_entropy =
+      prometheus::BuildHistogram()
+          .Name("mita_attention_routing_entropy")
+          .Help(
+              "Entropy of the queries-per-expert distribution / log(expert count), in [0, 1]; per request and "
+              "layer.")
+          .Register(*registry_);
+  auto& pruned_key_fraction =
+      prometheus::BuildHistogram()
+          .Name("mita_attention_pruned_key_fraction")
+          .Help("Fraction of keys selected by no routed expert (emergent token pruning); per request and layer.")
+          .Register(*registry_);
+
+  auto add_code_counters = [&requests](RpcMethod method, const std::string& model) {
+    ModelMetrics::CodeCounters counters{};
+    for (int code = 0; code < kNumStatusCodes; ++code) {
+      counters[code] = &requests.Add({{"method", kMethodNames[static_cast<int>(method)]},
+                                      {"model", model},
+                                      {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(code))}});
+    }
+    return counters;
+  };
+  for (int m = 0; m < kNumRpcMethods; ++m) {
+    const auto method = static_cast<RpcMethod>(m);
+    other_requests_[m] = add_code_counters(method, IsModelMethod(method) ? "unknown" : "");
+  }
+  preparation_memory_ = &prometheus::BuildGauge()
+                             .Name("mita_preparation_memory_bytes")
+                             .Help("Working memory taken by the inputs being decoded or tokenized (estimates from "
+                                   "their headers), bytes; bounded by --preparation_memory_bytes.")
+                             .Register(*registry_)
+                             .Add({});
+  heap_kept_free_ = &prometheus::BuildGauge()
+                         .Name("mita_heap_kept_free_bytes")
+                         .Help("Resident memory the C heap holds free for reuse (estimated every second); returned "
+                               "to the system when over --keep_freed_memory_limit_bytes.")
+                         .Register(*registry_)
+                         .Add({});
+  heap_returned_ = &prometheus::BuildCounter()
+                        .Name("mita_heap_returned_bytes_total")
+                        .Help("Resident memory the C heap returned to the system: once at start, after the cost "
+                              "calibration, and whenever it held more than --keep_freed_memory_limit_bytes free.")
+                        .Register(*registry_)
+                        .Add({});
+  retried_calls_ = &prometheus::BuildCounter()
+                        .Name("mita_retried_calls_total")
+                        .Help("Calls that arrived as a retry of an earlier attempt (grpc-previous-rpc-attempts > 0): "
+                              "re-sent by their client's retry policy, e.g. while another replica drained.")
+                        .Register(*registry_)
+                        .Add({});
+
+  const Histogram::BucketBoundaries count_buckets = PowersOfTwo(12);  // up to 4096 experts
+  const Histogram::BucketBoundaries width_buckets = PowersOfTwo(16);  // up to 65536 keys
+  const Histogram::BucketBoundaries batch_buckets = PowersOfTwo(10);  // up to 1024 requests
+  const Histogram::BucketBoundaries token_buckets = PowersOfTwo(20);  // up to 1M tokens
+  for (const ModelInfo& info : models) {
+    if (models_.count(info.name) > 0) continue;
+    auto model = std::make_unique<ModelMetrics>();
+    model->name_ = info.name;
+    const prometheus::Labels labels = {{"model", info.name}};
+    for (int m = 0; m < kNumRpcMethods; ++m) {
+      const auto method = static_cast<RpcMethod>(m);
+      if (IsModelMethod(method)) model->requests_[m] = add_code_counters(method, info.name);
+    }
+    model->queue_depth_ = &queue_depth.Add(labels);
+    model->queue_compute_units_ = &queue_compute_units.Add(labels);
+    model->latency_ = &latency.Add(labels, SecondsBuckets());
+    model->queue_delay_ = &queue_delay.Add(labels, SecondsBuckets());
+    model->compute_ = &compute.Add(labels, SecondsBuckets());
+    model->batch_size_ = &batch_size.Add(labels, batch_buckets);
+    model->batch_tokens_ = &batch_tokens.Add(labels, token_buckets);
+    model->request_tokens_ = &request_tokens.Add(labels, token_buckets);
+    for (int reason = 1; reason < kNumAdmissionRejections; ++reason) {
+      model->rejections_[static_cast<size_t>(reason)] = &rejected.Add(
+          {{"model", info.name}, {"reason", AdmissionRejectionName(static_cast<AdmissionRejection>(reason))}});
+    }
+    model->expert_count_ = &expert_count.Add(labels, count_buckets);
+    model->expert_width_ = &expert_width.Add(labels, width_buckets);
+    model->applied_expert_count_ = &applied_expert_count.Add(labels, count_buckets);
+    model->applied_expert_width_ = &applied_expert_width.Add(labels, width_buckets);
+    model->full_attention_ = &full_attention.Add(labels);
+    for (int reason = 0; reason < 4; ++reason) {
+      model->budget_choices_[static_cast<size_t>(reason)] = &budget_choices.Add(
+          {{"model", info.name}, {"reason", BudgetReasonName(static_cast<BudgetReason>(reason))}});
+    }
+    model->prediction_ratio_ = &prediction_ratio.Add(
+        labels, Histogram::BucketBoundaries{0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0});
+    model->planning_slack_ = &planning_slack.Add(labels);
+    model->executed_after_cancel_ = &executed_after_cancel.Add(labels);
+    model->compute_after_caller_left_ = &compute_after_caller_left.Add(labels);
+    for (int64_t layer = 0; layer < info.layers; ++layer) {
+      const prometheus::Labels layer_labels = {{"model", info.name}, {"layer", std::to_string(layer)}};
+      ModelMetrics::Layer series;
+      series.load_imbalance = &load_imbalance.Add(layer_labels, ImbalanceBuckets());
+      series.routing_entropy = &routing_entropy.Add(layer_labels, FractionBuckets());
+      series.pruned_key_fraction = &pruned_key_fraction.Add(layer_labels, FractionBuckets());
+      model->layers_.push_back(series);
+    }
+    models_.emplace(info.name, std::move(model));
+  }
+
+  // GPU memory, per CUDA device a model runs on.
+  prometheus::Family<prometheus::Gauge>* allocated = nullptr;
+  prometheus::Family<prometheus::Gauge>* reserved = nullptr;
+  for (const ModelInfo& info : models) {
+    absl::StatusOr<c10::Device> device = kernels::ParseDevice(info.device);
+    if (!device.ok() || !device->is_cuda()) continue;
+    if (allocated == nullptr) {
+      allocated = &prometheus::BuildGauge()
+                       .Name("mita_gpu_memory_allocated_bytes")
+                       .Help("Bytes of the CUDA device's memory in tensors (LibTorch's caching allocator), after "
+                             "the last batch on it.")
+                       .Register(*registry_);
+      reserved = &prometheus::BuildGauge()
+                      .Name("mita_gpu_memory_reserved_bytes")
+                      .Help("Bytes of the CUDA device's memory LibTorch's caching allocator holds (in tensors and "
+                            "cached), after the last batch on it.")
+                      .Register(*registry_);
+    }
+    std::unique_ptr<DeviceMemoryGauges>& gauges = devices_[info.device];
+    if (gauges == nullptr) {
+      gauges = std::make_unique<DeviceMemoryGauges>();
+      gauges->device_ = *device;
+      gauges->allocated_ = &allocated->Add({{"device", info.device}});
+      gauges->reserved_ = &reserved->Add({{"device", info.device}});
+      gauges->Update();
+    }
+    if (ModelMetrics* model = ForModel(info.name); model != nullptr) model->device_memory_ = gauges.get();
+  }
+}
+
+ModelMetrics* ServerMetrics::ForModel(const std::string& name) {
+  auto it = models_.find(name);
+  return it == models_.end() ? nullptr : it->second.get();
+}
+
+void ServerMetrics::CountRequest(RpcMethod method, const ModelMetrics* model, absl::StatusCode code) {
+  int index = static_cast<int>(code);
+  if (index < 0 || index >= kNumStatusCodes) index = static_cast<int>(absl::StatusCode::kUnknown);
+  const int m = static_cast<int>(method);
+  if (m < 0 || m >= kNumRpcMethods) return;
+  const CodeCounters& counters =
+      (model == nullptr || !IsModelMethod(method)) ? other_requests_[m] : model->requests_[m];
+  counters[index]->Increment();
+}
+
+void ServerMetrics::SetHeapMemory(int64_t kept_free_bytes, int64_t returned_bytes) {
+  absl::MutexLock lock(&heap_mu_);
+  heap_kept_free_->Set(static_cast<double>(kept_free_bytes));
+  // The counter follows the running total it is given.
+  const double increase = static_cast<double>(returned_bytes) - heap_returned_->Value();
+  if (increase > 0) heap_returned_->Increment(increase);
+}
+
+void ServerMetrics::CallFinished() {
+  absl::MutexLock lock(&uncounted_mu_);
+  ++uncounted_calls_;
+}
+
+void ServerMetrics::CallCounted() {
+  absl::MutexLock lock(&uncounted_mu_);
+  --uncounted_calls_;
+}
+
+bool ServerMetrics::AwaitFinishedCallsCounted(absl::Duration bound) const {
+  absl::MutexLock lock(&uncounted_mu_);
+  const auto all_counted = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(uncounted_mu_) { return uncounted_calls_ <= 0; };
+  return uncounted_mu_.AwaitWithTimeout(absl::Condition(&all_counted), bound);
+}
+
+}  // namespace mita::server
