@@ -31,8 +31,8 @@
 #include "gtest/gtest.h"
 #include "prometheus/metric_family.h"
 #include "server/engine/inference_engine.h"
-#include "server/metrics/metrics.h"
 #include "server/engine/model_registry.h"
+#include "server/metrics/metrics.h"
 #include "tests/server_test_util.h"
 #include "tests/test_util.h"
 

@@ -28,10 +28,10 @@
 #include "server/planning/clock.h"
 #include "server/planning/cost_calibration.h"
 #include "models/cost_features.h"
-#include "server/planning/cost_model.h"
 #include "server/engine/inference_engine.h"
-#include "server/planning/latency_planner.h"
 #include "server/engine/model_registry.h"
+#include "server/planning/cost_model.h"
+#include "server/planning/latency_planner.h"
 #include "tests/server_test_util.h"
 #include "tests/test_util.h"
 

@@ -36,9 +36,9 @@
 #include "kserve/grpc_predict_v2.grpc.pb.h"
 #include "mita/v1/mita.grpc.pb.h"
 #include "server/engine/inference_engine.h"
+#include "server/engine/model_registry.h"
 #include "server/metrics/metrics.h"
 #include "server/process/metrics_http_server.h"
-#include "server/engine/model_registry.h"
 #include "tests/server_test_util.h"
 #include "tests/test_util.h"
 

@@ -18,15 +18,15 @@
 #include "absl/status/statusor.h"
 #include "client/mita_client.h"
 #include "prometheus/registry.h"
-#include "server/frontend/health_service.h"
-#include "server/frontend/unary_call.h"
 #include "server/engine/inference_engine.h"
+#include "server/engine/model_registry.h"
+#include "server/frontend/health_service.h"
+#include "server/frontend/message_limits.h"
 #include "server/frontend/mita_v1_service.h"
 #include "server/frontend/open_inference_service.h"
-#include "server/frontend/message_limits.h"
+#include "server/frontend/unary_call.h"
 #include "server/metrics/metrics.h"
 #include "server/process/metrics_http_server.h"
-#include "server/engine/model_registry.h"
 
 namespace mita::test_util {
 

@@ -50,8 +50,8 @@ absl::StatusOr<std::unique_ptr<InferenceEngine>> InferenceEngine::Create(const M
         absl::StrCat("preparation_threads ", options.preparation_threads, " must be >= 0"));
   }
   if (options.long_document_tokens < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("long_document_tokens ", options.long_document_tokens, " must be >= 0 (flag --long_document_tokens)"));
+    return absl::InvalidArgumentError(absl::StrCat("long_document_tokens ", options.long_document_tokens,
+                                                   " must be >= 0 (flag --long_document_tokens)"));
   }
   if (options.preparation_memory_bytes < 1) {
     return absl::InvalidArgumentError(absl::StrCat("preparation_memory_bytes ", options.preparation_memory_bytes,

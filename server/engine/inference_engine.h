@@ -35,14 +35,14 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "models/classifier.h"
-#include "server/planning/batcher.h"
-#include "server/planning/clock.h"
 #include "server/engine/inference_request.h"
-#include "server/metrics/metrics.h"
 #include "server/engine/model_registry.h"
 #include "server/engine/model_runner.h"
-#include "server/engine/request.h"
 #include "server/engine/preparation_pool.h"
+#include "server/engine/request.h"
+#include "server/metrics/metrics.h"
+#include "server/planning/batcher.h"
+#include "server/planning/clock.h"
 
 namespace mita::server {
 

@@ -15,10 +15,10 @@
 #include "mita/v1/mita.pb.h"
 #include "models/classifier.h"
 #include "models/request_error.h"
-#include "server/frontend/unary_call.h"
 #include "server/engine/inference_engine.h"
-#include "server/frontend/inference_reactor.h"
 #include "server/engine/inference_request.h"
+#include "server/frontend/inference_reactor.h"
+#include "server/frontend/unary_call.h"
 #include "server/metrics/metrics.h"
 
 namespace mita::server {

@@ -66,10 +66,10 @@
 #include "kserve/grpc_predict_v2.pb.h"
 #include "models/classifier.h"
 #include "models/request_error.h"
-#include "server/frontend/unary_call.h"
 #include "server/engine/inference_engine.h"
-#include "server/frontend/inference_reactor.h"
 #include "server/engine/inference_request.h"
+#include "server/frontend/inference_reactor.h"
+#include "server/frontend/unary_call.h"
 #include "server/metrics/metrics.h"
 
 namespace mita::server {

@@ -21,8 +21,8 @@
 #include "google/protobuf/message.h"
 #include "server/frontend/grpc_status.h"
 #include "server/frontend/message_limits.h"
-#include "server/metrics/metrics.h"
 #include "server/frontend/security.h"
+#include "server/metrics/metrics.h"
 
 namespace mita::server {
 

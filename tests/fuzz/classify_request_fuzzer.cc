@@ -23,12 +23,12 @@
 #include <vector>
 
 #include "absl/synchronization/notification.h"
-#include "server/frontend/grpc_status.h"
 #include "server/engine/inference_engine.h"
+#include "server/engine/model_registry.h"
+#include "server/frontend/grpc_status.h"
 #include "server/frontend/message_limits.h"
 #include "server/frontend/mita_v1_service.h"
 #include "server/metrics/metrics.h"
-#include "server/engine/model_registry.h"
 
 namespace {
 
