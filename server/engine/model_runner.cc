@@ -73,20 +73,22 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const models::C
 absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, QueueTicket* ticket) {
   const models::BatchItem& item = (*task)->item;
   Lane& lane = *lanes_[long_input_tokens_ > 0 && item.tokens > long_input_tokens_ ? 1 : 0];
-  // Copies: once queued, `*task` belongs to the lane (and may already be running).
+  // Copies, taken while `*task` is ours: once queued, it belongs to the lane (and may already be answered and
+  // freed by a batch thread).
   const int64_t tokens = item.tokens;
   const models::AttentionBudget requested = item.requested_budget;
+  models::AttentionBudget applied = item.budget.budget;
   PlannedBudget plan;
   AdmissionRejection rejection = AdmissionRejection::kNone;
-  const absl::Status admitted = lane.Admit(task, ticket, &plan, &rejection, [this](const PlannedBudget& planned) {
-    if (planned.planned()) metrics_->SetPlanningSlack(planned.slack);
-  });
+  const absl::Status admitted =
+      lane.Admit(task, ticket, &plan, &rejection, [this, &item, &applied](const PlannedBudget& planned) {
+        if (planned.planned()) metrics_->SetPlanningSlack(planned.slack);
+        if (planned.choice < item.allowed_budgets.size()) applied = item.allowed_budgets[planned.choice].budget;
+      });
   if (!admitted.ok()) {
     metrics_->CountRejection(rejection);
     return admitted;
   }
-  const models::AttentionBudget applied =
-      plan.choice < item.allowed_budgets.size() ? item.allowed_budgets[plan.choice].budget : item.budget.budget;
   metrics_->ObserveBudget(requested, applied);
   metrics_->ObserveRequestTokens(tokens);
   metrics_->CountBudgetChoice(plan.reason);
