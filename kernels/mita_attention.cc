@@ -16,9 +16,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/softmax.h>
-#ifdef MITA_TORCH_HAS_CUDA
 #include <ATen/ops/scaled_dot_product_attention.h>
-#endif
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -189,15 +187,22 @@ absl::StatusOr<at::Tensor> MitaAttentionForward(const at::Tensor& q, const at::T
                                                    internal::MitaForwardOptions{});
 }
 
+// The most scores (items x heads x N^2) a CPU full-attention batch may have for the fused whole-batch path: 2^24
+// (64 MiB of float32 were they materialised; tens of ms of work here, so a caller that leaves waits no longer).
+constexpr int64_t kMaxFusedCpuScoreElements = int64_t{1} << 24;
+
 absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 const AttentionInterrupt& interrupt) {
   if (absl::Status status = CheckQueryKeyValue(q, k, v); !status.ok()) return status;
   return RunWithoutThrowing("full attention", [&]() -> at::Tensor {
     at::NoGradGuard no_grad;
-#ifdef MITA_TORCH_HAS_CUDA
-    // On a CUDA device: LibTorch's fused scaled-dot-product attention (FlashAttention or memory-efficient
-    // attention, O(N) memory) on the whole batch at once. `interrupt` is asked once per item before it starts.
-    if (q.is_cuda() && q.numel() > 0) {
+    // On a CUDA device, and on the CPU when the batch's scores are few (images: 16 x 4 heads x 50^2): LibTorch's
+    // fused scaled-dot-product attention (FlashAttention or memory-efficient attention on CUDA, its flash kernel
+    // on the CPU, O(N) memory, parallel over items and heads) on the whole batch at once. `interrupt` is asked
+    // once per item before it starts. Per (item, head) ATen calls cost microseconds each, more than a small
+    // head's arithmetic, and run on one thread.
+    const int64_t score_elements = q.numel() == 0 ? 0 : q.size(0) * q.size(1) * q.size(2) * q.size(2);
+    if (q.numel() > 0 && (q.is_cuda() || score_elements <= kMaxFusedCpuScoreElements)) {
       std::vector<int64_t> stopped;
       for (int64_t b = 0; interrupt && b < q.size(0); ++b) {
         if (interrupt(b)) stopped.push_back(b);
@@ -208,7 +213,6 @@ absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::T
       for (int64_t b : stopped) output[b].zero_();
       return output;
     }
-#endif
     at::Tensor output = at::empty(q.sizes(), q.options());
     if (q.numel() == 0) return output;
     const int64_t batch = q.size(0), heads = q.size(1), tokens = q.size(2), head_dim = q.size(3);

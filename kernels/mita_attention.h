@@ -98,11 +98,12 @@ using AttentionInterrupt = std::function<bool(int64_t item)>;
 // chunks so the score buffer stays under 2^20 elements at any N; the serving path for "full attention" budgets
 // and, per docs/design.md section 2.7, what MiTA equals with k = N and no compressed branch.
 // q, k, v: [B, H, N, d], same shape, float32 or float64 (bfloat16 too on a CUDA device) -> new contiguous
-// [B, H, N, d] of q's dtype. On a CUDA device it is LibTorch's fused scaled-dot-product attention
-// (at::scaled_dot_product_attention: FlashAttention or memory-efficient attention, O(N) memory) over the batch.
-// `interrupt` (optional) is asked before every query chunk of batch item `item` on the CPU, and once per item
-// before the work starts on a CUDA device; when it answers true, the rest of that item is skipped and its
-// remaining output rows are 0 (the caller knows why it stopped): long inputs on the CPU stop within one chunk
+// [B, H, N, d] of q's dtype. On a CUDA device, and on the CPU when B H N^2 <= 2^24 (images, short documents),
+// it is LibTorch's fused scaled-dot-product attention (at::scaled_dot_product_attention: FlashAttention or
+// memory-efficient attention on CUDA, the flash kernel on the CPU; O(N) memory) over the batch, `interrupt`
+// (optional) asked once per item before the work starts; larger CPU batches go by (item, head) in query chunks,
+// `interrupt` asked before every chunk of item `item`. When it answers true, the rest of that item is skipped and
+// its remaining output rows are 0 (the caller knows why it stopped): long inputs on the CPU stop within one chunk
 // (at most 2^20 scores) of their caller leaving.
 // Errors: INVALID_ARGUMENT when a tensor is undefined or not 4-D, when dtypes are not float32/float64 (or
 // bfloat16 on a CUDA device) or differ, or when shapes or devices differ; RESOURCE_EXHAUSTED when memory runs

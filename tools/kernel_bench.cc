@@ -26,7 +26,8 @@
 //               threads, best of 3, measured again right before each (N, d, H) group of rows (the machine is
 //               shared, so the rate available moves during a run); the start and end of the run are printed too.
 //   %GEMM       GFLOP/s / GEMM.
-//   full ms     FullAttentionForward (the project's full attention: chunked ATen mm + softmax + mm) on the
+//   full ms     FullAttentionForward (the project's full attention: LibTorch's fused attention for a batch of at
+//               most 2^24 scores, else chunked ATen mm + softmax + mm) on the
 //               same q, k, v, once per (N, d, H) (when a run takes under a second: the median of up to --repeats
 //               runs within 2 s, after one not counted) and reused across (m, k) (it does not depend on them).
 //               FLOPs 4 N^2 d per head.
