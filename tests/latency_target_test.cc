@@ -526,8 +526,8 @@ TEST_F(LatencyTargetTest, NoSlackWithPercentileZero) {
 // document and then four more in one batch leave the long lane's recent batches at 2-4 requests of about a second
 // each. A 300-token document with a 150 ms target fits alone at 8x16 (125.5 ms), but a planner that expects its
 // batch to fill like those refuses it for ever: a refused request starts no batch, so batch-driven averages never
-// change. The batch fill is the arrivals expected before the batch starts, and the arrival rate decays with time:
-// within a few seconds of the long batches the target is admitted, and stays so.
+// change. The lane's recent batch size fades toward 1 with the time since its last batch started (2 s time
+// constant): within a few seconds of the long batches the target is admitted, and stays so.
 TEST_F(LatencyTargetTest, LongBatchesDoNotLockTheTargetOut) {
   server::EngineOptions options;
   options.batching.max_queue_delay = absl::ZeroDuration();

@@ -1,8 +1,8 @@
 // The planner of one lane (a queue and its batch threads, server/engine/lane.h): what a request admitted now is
 // predicted to wait and to compute, which budget it gets, and what the lane learns when batches start and finish.
-// It keeps the lane's planner state (its running batches' predicted ends, its arrival rate and recent batch size,
-// its slack); what is queued it reads from the queue's own sums (QueueLoad). Times are passed in; not thread-safe
-// (the lane guards it). Policy: docs/serving.md "Latency targets".
+// It keeps the lane's planner state (its running batches' predicted ends, its recent batch size and compute per
+// request, its slack); what is queued it reads from the queue's own sums (QueueLoad). Times are passed in; not
+// thread-safe (the lane guards it). Policy: docs/serving.md "Latency targets".
 #pragma once
 
 #include <cstddef>
