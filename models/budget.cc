@@ -23,24 +23,30 @@ std::string Quote(absl::string_view value) {
 
 }  // namespace
 
+std::optional<FieldProblem> KnobProblem(const BudgetKnobs& knobs, RequestField field, int64_t value) {
+  if (field == RequestField::kExpertCount) {
+    const std::vector<int64_t>& allowed = knobs.allowed_expert_counts;
+    if (!allowed.empty()) {
+      if (std::find(allowed.begin(), allowed.end(), value) != allowed.end()) return std::nullopt;
+      return FieldProblem{field, -1, absl::StrCat(value, " is not allowed: use one of ", absl::StrJoin(allowed, ", "))};
+    }
+    if (value >= knobs.min_expert_count && value <= knobs.max_expert_count) return std::nullopt;
+    return FieldProblem{field, -1,
+                        absl::StrCat(value, " is out of range: allowed [", knobs.min_expert_count, ", ",
+                                     knobs.max_expert_count, "]")};
+  }
+  if (value >= knobs.min_expert_width && value <= knobs.max_expert_width) return std::nullopt;
+  return FieldProblem{field, -1,
+                      absl::StrCat(value, " is out of range: allowed [", knobs.min_expert_width, ", ",
+                                   knobs.max_expert_width, "]")};
+}
+
 absl::Status CheckBudget(const BudgetKnobs& knobs, const AttentionBudget& budget) {
   if (budget.full_attention) return absl::OkStatus();
   std::vector<FieldProblem> problems;
-  const std::vector<int64_t>& allowed = knobs.allowed_expert_counts;
-  if (!allowed.empty()) {
-    if (std::find(allowed.begin(), allowed.end(), budget.expert_count) == allowed.end()) {
-      problems.push_back({RequestField::kExpertCount, -1,
-                          absl::StrCat(budget.expert_count, " is not allowed: use one of ", absl::StrJoin(allowed, ", "))});
-    }
-  } else if (budget.expert_count < knobs.min_expert_count || budget.expert_count > knobs.max_expert_count) {
-    problems.push_back({RequestField::kExpertCount, -1,
-                        absl::StrCat(budget.expert_count, " is out of range: allowed [", knobs.min_expert_count, ", ",
-                                     knobs.max_expert_count, "]")});
-  }
-  if (budget.expert_width < knobs.min_expert_width || budget.expert_width > knobs.max_expert_width) {
-    problems.push_back({RequestField::kExpertWidth, -1,
-                        absl::StrCat(budget.expert_width, " is out of range: allowed [", knobs.min_expert_width, ", ",
-                                     knobs.max_expert_width, "]")});
+  for (const auto& [field, value] : {std::pair{RequestField::kExpertCount, budget.expert_count},
+                                     std::pair{RequestField::kExpertWidth, budget.expert_width}}) {
+    if (std::optional<FieldProblem> problem = KnobProblem(knobs, field, value)) problems.push_back(*problem);
   }
   if (problems.empty()) return absl::OkStatus();
   return InvalidRequest(std::move(problems));

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -11,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "models/request_error.h"
 
 namespace mita::models {
 
@@ -92,6 +94,11 @@ absl::StatusOr<std::vector<ResolvedBudget>> AllowedBudgets(const BudgetKnobs& kn
 // attention, ranked by ComputeUnits at `tokens` tokens, most first (more compute taken as more accurate), equal
 // budgets once, accuracy -1, each named by DeclaredBudgetName.
 std::vector<DeclaredBudget> DefaultAccuracyOrder(const BudgetKnobs& knobs, int64_t tokens);
+
+// The problem with `value` for the knob `field` (kExpertCount or kExpertWidth) of a model with `knobs`, worded
+// with what is allowed ("10 is not allowed: use one of 1, 4, 9", "51 is out of range: allowed [1, 50]"); none
+// when it is allowed. The one wording of a knob's range, for every front end.
+std::optional<FieldProblem> KnobProblem(const BudgetKnobs& knobs, RequestField field, int64_t value);
 
 // The problems of `budget` against `knobs` (none for full attention): expert_count not allowed ("10 is not
 // allowed: use one of 1, 4, 9") or out of range ("0 is out of range: allowed [1, 256]"), expert_width out of

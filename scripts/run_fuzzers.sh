@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs each libFuzzer target of tests/fuzz for a bounded time (MITA_FUZZ_SECONDS, default 60 s each) from its
-# committed seed corpus (tests/fuzz/corpus/<fuzzer>/). The fuzzers are built, with ASan + UBSan, by
-# scripts/run_sanitizers.sh in ./build-asan (run that first; CI runs both from scripts/run_tests.sh).
+# committed seed corpus (tests/fuzz/corpus/<fuzzer>/). It builds the fuzzers, with ASan + UBSan, in ./build-asan
+# (the folder scripts/run_sanitizers.sh uses; CI runs this script from scripts/run_tests.sh, not the sanitizers').
 # New inputs libFuzzer finds go to a scratch corpus under the build folder, not into the repository. A crash,
 # timeout, out-of-memory or sanitizer report fails the script; the input that caused it is saved as
 # build-asan/fuzz-artifacts/<fuzzer>-crash-... (reproduce: build-asan/tests/fuzz/<fuzzer> THAT_FILE).

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds every test (and, unless MITA_SKIP_FUZZERS=1, the libFuzzer targets) with clang under AddressSanitizer +
 # UndefinedBehaviorSanitizer in ./build-asan and runs the test suite with ctest. Any sanitizer report fails
-# the run (-fno-sanitize-recover=all; ASan aborts on its first error). Called by scripts/run_tests.sh (CI);
-# scripts/run_fuzzers.sh reuses the fuzzer binaries built here.
+# the run (-fno-sanitize-recover=all; ASan aborts on its first error). Not part of CI (about 40 minutes more on
+# 2 cores; scripts/run_tests.sh runs only the fuzzers, scripts/run_fuzzers.sh, in the same ./build-asan).
 #
 # Only the project's code is instrumented: LibTorch, gRPC, protobuf, libpng, libjpeg, ... are Debian's
 # uninstrumented builds, so memory errors inside them are not seen (their calls from our code are).

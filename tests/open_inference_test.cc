@@ -482,7 +482,8 @@ TEST_F(OpenInferenceTest, BadRequestsGetTheMitaV1CodesWithProtocolNames) {
   {
     inference::ModelInferRequest request = ImageRequest(image);
     SetInt(request, "mita_expert_count", 0);
-    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT, "parameter mita_expert_count: 0 must be positive");
+    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT,
+                "parameter mita_expert_count: 0 is not allowed: use one of 1, 4, 9");
   }
   {
     // Both knobs wrong: both named, as over mita.v1.
@@ -490,8 +491,11 @@ TEST_F(OpenInferenceTest, BadRequestsGetTheMitaV1CodesWithProtocolNames) {
     SetInt(request, "mita_expert_width", -3);
     SetInt(request, "mita_expert_count", -3);
     ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT,
-                "parameter mita_expert_count: -3 must be positive (leave it out for the model's default); "
-                "parameter mita_expert_width: -3 must be positive");
+                "(leave it out for the model's default); "
+                "parameter mita_expert_width: -3 is out of range: allowed [1, 50] (leave it out for the model's "
+                "default)");
+    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT,
+                "parameter mita_expert_count: -3 is not allowed: use one of 1, 4, 9");
   }
   {
     // Inputs are checked against what the model declares (ModelMetadata): an input named 'image' to the

@@ -295,9 +295,12 @@ absl::Status TranslateParameters(const inference::ModelInferRequest& request,
       const models::RequestField field =
           name == kExpertCount ? models::RequestField::kExpertCount : models::RequestField::kExpertWidth;
       if (value <= 0) {
-        // 0 would mean "the model's default" in mita.v1; here a parameter left out means that.
-        knob_problems.push_back(
-            {field, -1, absl::StrCat(value, " must be positive (leave it out for the model's default)")});
+        // 0 would mean "the model's default" in mita.v1; here a parameter left out means that. Worded with the
+        // model's range, as mita.v1 words it.
+        models::FieldProblem problem = models::KnobProblem(model.knobs, field, value)
+                                           .value_or(models::FieldProblem{field, -1, absl::StrCat(value, " is not allowed")});
+        absl::StrAppend(&problem.detail, " (leave it out for the model's default)");
+        knob_problems.push_back(std::move(problem));
         continue;
       }
       (name == kExpertCount ? expert_count : expert_width) = value;
