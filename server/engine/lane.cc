@@ -32,7 +32,7 @@ absl::StatusOr<std::unique_ptr<Lane>> Lane::Create(BatcherOptions batching, Plan
 }
 
 absl::Status Lane::Admit(std::unique_ptr<BatchTask>* task, QueueTicket* ticket, PlannedBudget* plan,
-                         AdmissionRejection* rejection, const std::function<void(const PlannedBudget&)>& planned) {
+                         AdmissionRejection* rejection, const std::function<void(const BatchTask&)>& planned) {
   BatchTask& queued = **task;
   const PlanningRequest request{queued.item.tokens, queued.allowed(), queued.item.latency_target, queued.end,
                                 queued.target_binds};
@@ -42,9 +42,9 @@ absl::Status Lane::Admit(std::unique_ptr<BatchTask>* task, QueueTicket* ticket, 
     absl::MutexLock lock(&mu_);
     admitted = planner_.Admit(request, batcher_->load(), now, plan, rejection);
   }
-  if (planned) planned(*plan);
-  RETURN_IF_ERROR(admitted);
   queued.plan = *plan;
+  if (planned) planned(queued);
+  RETURN_IF_ERROR(admitted);
   uint64_t id = 0;
   RETURN_IF_ERROR(batcher_->Submit(task, rejection, &id));
   // `*task` now belongs to the batcher (and may already be running).

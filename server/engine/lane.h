@@ -68,13 +68,13 @@ class Lane {
 
   // Plans `*task` (LanePlanner::Admit: its budget choice and predicted answer time go into task->plan) and queues
   // it; on success takes `*task` and fills `*ticket`. `*plan` receives the plan (also when refused: the slack it
-  // planned with), `*rejection` the reason of a refusal. `planned` (optional) hears the plan before the task is
-  // queued (once queued, a batch thread may answer it at once). Errors: the planner's (DEADLINE_EXCEEDED,
+  // planned with), `*rejection` the reason of a refusal. `planned` (optional) sees the task with its plan before it
+  // is queued, also when refused (once queued, a batch thread may answer and free it at once). Errors: the planner's (DEADLINE_EXCEEDED,
   // RESOURCE_EXHAUSTED naming the prediction) and the queue's (RESOURCE_EXHAUSTED naming the limit, UNAVAILABLE
   // while shutting down, INVALID_ARGUMENT).
   absl::Status Admit(std::unique_ptr<BatchTask>* task, QueueTicket* ticket, PlannedBudget* plan,
                      AdmissionRejection* rejection,
-                     const std::function<void(const PlannedBudget&)>& planned = nullptr);
+                     const std::function<void(const BatchTask&)>& planned = nullptr);
   // Takes the task with ticket `id` out of the queue; nullptr when a batch thread already has it.
   std::unique_ptr<BatchTask> Cancel(uint64_t id);
 

@@ -77,14 +77,13 @@ absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, QueueTicket* t
   // freed by a batch thread).
   const int64_t tokens = item.tokens;
   const models::AttentionBudget requested = item.requested_budget;
-  models::AttentionBudget applied = item.budget.budget;
+  models::AttentionBudget applied;
   PlannedBudget plan;
   AdmissionRejection rejection = AdmissionRejection::kNone;
-  const absl::Status admitted =
-      lane.Admit(task, ticket, &plan, &rejection, [this, &item, &applied](const PlannedBudget& planned) {
-        if (planned.planned()) metrics_->SetPlanningSlack(planned.slack);
-        if (planned.choice < item.allowed_budgets.size()) applied = item.allowed_budgets[planned.choice].budget;
-      });
+  const absl::Status admitted = lane.Admit(task, ticket, &plan, &rejection, [this, &applied](const BatchTask& planned) {
+    if (planned.plan.planned()) metrics_->SetPlanningSlack(planned.plan.slack);
+    applied = planned.budget().budget;
+  });
   if (!admitted.ok()) {
     metrics_->CountRejection(rejection);
     return admitted;
