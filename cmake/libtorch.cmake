@@ -118,6 +118,17 @@ else()
   find_package(BLAS REQUIRED)
   set(MITA_BLAS_LIBRARIES BLAS::BLAS)
 endif()
+# The OpenBLAS that runs the CPU's float GEMMs (kernels/blas_library.h), loaded at run time from this path: the
+# scipy-openblas32 wheel that scripts/install_deps.sh installs (its symbols carry a scipy_ prefix, so it never
+# takes over LibTorch's sgemm_). Empty, or a path that does not exist: the GEMMs run on LibTorch's BLAS.
+set(MITA_OPENBLAS_LIBRARY /opt/mita/openblas-0.3.31.188.0/scipy_openblas32/lib/libscipy_openblas.so CACHE FILEPATH
+  "OpenBLAS (scipy-openblas32) for the CPU's float GEMMs; empty: LibTorch's BLAS")
+if(MITA_OPENBLAS_LIBRARY AND NOT EXISTS "${MITA_OPENBLAS_LIBRARY}")
+  message(WARNING "MITA_OPENBLAS_LIBRARY (${MITA_OPENBLAS_LIBRARY}) does not exist: the CPU's float GEMMs will run on "
+    "LibTorch's BLAS (run scripts/install_deps.sh)")
+  set(MITA_OPENBLAS_LIBRARY "")
+endif()
+message(STATUS "OpenBLAS for the CPU's float GEMMs: ${MITA_OPENBLAS_LIBRARY}")
 # One OpenMP runtime: the wheel ships its own libgomp.so.1 (the one its LibTorch and MKL use, found first through
 # the binaries' RUNPATH), older than GCC 12's (up to GOMP_5.0, OMP_5.0); the project's OpenMP code links it too, so
 # that a construct it lacks fails at link time rather than at start-up. (Clang builds keep LLVM's libomp.)

@@ -1,7 +1,6 @@
 #include "kernels/runtime_environment.h"
 
 #include <ATen/Parallel.h>
-#include <dlfcn.h>
 #include <malloc.h>
 #include <unistd.h>
 
@@ -10,6 +9,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <utility>
+
+#include "kernels/blas_library.h"
 
 namespace mita::kernels {
 
@@ -33,18 +34,7 @@ void ReexecWithPassiveOpenMpWaitIfUnset(char** argv) {
 int SetIntraOpThreads(int threads) {
   threads = std::max(1, threads);
   at::set_num_threads(threads);
-  // OpenBLAS's C API (cblas.h): void openblas_set_num_threads(int); int openblas_get_num_threads(void).
-  using SetThreads = void (*)(int);
-  using GetThreads = int (*)();
-  auto set_threads = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
-  auto get_threads = reinterpret_cast<GetThreads>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  if (set_threads != nullptr && get_threads != nullptr) {
-    set_threads(threads);
-    return get_threads();
-  }
-  // MKL's C API (mkl_service.h): int mkl_get_max_threads(void).
-  auto mkl_threads = reinterpret_cast<GetThreads>(dlsym(RTLD_DEFAULT, "mkl_get_max_threads"));
-  return mkl_threads != nullptr ? mkl_threads() : 0;
+  return BlasLibrary::Get().SetThreads(threads);
 }
 
 bool KeepFreedMemoryForReuse() {

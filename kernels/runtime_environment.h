@@ -24,14 +24,13 @@ namespace mita::kernels {
 // libgomp's default policy).
 void ReexecWithPassiveOpenMpWaitIfUnset(char** argv);
 
-// Sets the intra-op thread count, `threads` >= 1, of LibTorch (at::set_num_threads) and of the BLAS library
-// when it is OpenBLAS (openblas_set_num_threads, looked up at run time, so that another BLAS works unchanged
-// and keeps its own setting). Returns the BLAS thread count now in effect: OpenBLAS's, else MKL's (the PyPI
-// wheel's LibTorch links MKL in, and at::set_num_threads sets it), or 0 when the BLAS reports none.
+// Sets the intra-op thread count, `threads` >= 1 (below 1 is taken as 1), of LibTorch (at::set_num_threads) and of
+// the process's BLAS (kernels/blas_library.h). Returns the BLAS thread count now in effect, or 0 when the BLAS
+// reports none.
 //
-// Why both: LibTorch's setting does not reach OpenBLAS, whose pthread build (Debian's libopenblas0-pthread)
-// starts one worker per core and lets it spin in sched_yield after every multi-threaded GEMM, taking CPU from
-// the batch thread (measured: docs/serving.md, "Threads").
+// Why both: LibTorch's setting does not reach OpenBLAS, whose pthread builds start one worker per core and let it
+// spin in sched_yield after every multi-threaded GEMM, taking CPU from the batch thread (measured:
+// docs/serving.md, "Threads"). MKL's count follows at::set_num_threads.
 int SetIntraOpThreads(int threads);
 
 // Makes glibc's malloc keep freed memory for reuse: no allocation is served by its own mmap

@@ -11,7 +11,6 @@
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/layer_norm.h>
-#include <ATen/ops/linear.h>
 #include <ATen/ops/nonzero.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/softmax.h>
@@ -24,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/aten_errors.h"
+#include "kernels/linear.h"
 #include "kernels/status_macros.h"
 #include "models/classifier_errors.h"
 #include "models/classifier_weights.h"
@@ -235,7 +235,7 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
       const int64_t rows = x.size(0);
       const at::Tensor normed =
           at::layer_norm(x, {channels}, block.norm1_weight, block.norm1_bias, config_.layer_norm_eps);
-      const at::Tensor qkv = at::linear(normed, block.qkv_weight, block.qkv_bias);  // [rows, 3C]
+      const at::Tensor qkv = kernels::Linear(normed, block.qkv_weight, block.qkv_bias);  // [rows, 3C]
       at::Tensor merged = at::empty({rows, channels}, x.options());                 // heads merged
       for (int64_t b : active) {
         const int64_t tokens = lengths[b];
@@ -264,11 +264,11 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
         // [1, H, N, d] -> [N, H, d] -> [N, C]
         merged.narrow(0, offsets[b], tokens).view({tokens, heads, head_dim}).copy_((*attention)[0].transpose(0, 1));
       }
-      x = x.add(at::linear(merged, block.proj_weight, block.proj_bias));
+      x = x.add(kernels::Linear(merged, block.proj_weight, block.proj_bias));
       const at::Tensor normed2 =
           at::layer_norm(x, {channels}, block.norm2_weight, block.norm2_bias, config_.layer_norm_eps);
-      const at::Tensor hidden = at::gelu(at::linear(normed2, block.fc1_weight, block.fc1_bias), "none");
-      x = x.add(at::linear(hidden, block.fc2_weight, block.fc2_bias));
+      const at::Tensor hidden = at::gelu(kernels::Linear(normed2, block.fc1_weight, block.fc1_bias), "none");
+      x = x.add(kernels::Linear(hidden, block.fc2_weight, block.fc2_bias));
     }
     drop_gone(x);
     logits = at::zeros({batch, config_.num_classes}, x.options());
@@ -276,7 +276,7 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
       const at::Tensor normed = at::layer_norm(x, {channels}, norm_weight_, norm_bias_, config_.layer_norm_eps);
       std::vector<at::Tensor> pooled;
       for (int64_t b : active) pooled.push_back(Pool(normed.narrow(0, offsets[b], lengths[b])));
-      logits.index_copy_(0, index_tensor(active), at::linear(at::stack(pooled), head_weight_, head_bias_));
+      logits.index_copy_(0, index_tensor(active), kernels::Linear(at::stack(pooled), head_weight_, head_bias_));
     }
     // A stopped document's statistics cover only the layers it ran: drop them with its answer.
     for (int64_t b = 0; b < batch; ++b) {
@@ -298,7 +298,7 @@ at::Tensor DocumentClassifier::Pool(const at::Tensor& normed) const {
   if (config_.pooling == DocumentConfig::Pooling::kMean) return normed.mean(0);
   const int64_t tokens = normed.size(0);
   const int64_t heads = config_.pooling_heads;
-  at::Tensor scores = at::linear(normed, pool_score_weight_, pool_score_bias_);  // [N, P]
+  at::Tensor scores = kernels::Linear(normed, pool_score_weight_, pool_score_bias_);  // [N, P]
   if (pool_position_bias_.defined()) {
     // Tokens share a bucket in runs ([2^b - 1, 2^(b+1) - 1)), so the bias is added run by run.
     const int64_t buckets = config_.pooling_position_buckets;

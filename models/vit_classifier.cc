@@ -11,7 +11,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/layer_norm.h>
-#include <ATen/ops/linear.h>
 #include <ATen/ops/rand.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/tensor.h>
@@ -22,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/aten_errors.h"
+#include "kernels/linear.h"
 #include "models/classifier_errors.h"
 #include "models/classifier_weights.h"
 #include "kernels/status_macros.h"
@@ -214,7 +214,7 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
       const at::Tensor normed = at::layer_norm(x, {channels}, block.norm1_weight, block.norm1_bias,
                                                config_.layer_norm_eps);
       // [B, N, 3C] -> [B, N, 3, H, d] -> [3, B, H, N, d]: channels ordered [q | k | v], head h owns h*d .. h*d+d-1.
-      const at::Tensor qkv = at::linear(normed, block.qkv_weight, block.qkv_bias)
+      const at::Tensor qkv = kernels::Linear(normed, block.qkv_weight, block.qkv_bias)
                                  .reshape({rows, tokens, 3, heads, head_dim})
                                  .permute({2, 0, 3, 1, 4});
       // Strided views into the fused qkv output: the kernels read them in place (no per-layer copies).
@@ -287,11 +287,11 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
                                      .reshape({rows, tokens - 1, channels});
         merged.narrow(1, 1, tokens - 1).add_(local);
       }
-      x = x.add(at::linear(merged, block.proj_weight, block.proj_bias));
+      x = x.add(kernels::Linear(merged, block.proj_weight, block.proj_bias));
       const at::Tensor normed2 = at::layer_norm(x, {channels}, block.norm2_weight, block.norm2_bias,
                                                 config_.layer_norm_eps);
-      const at::Tensor hidden = at::gelu(at::linear(normed2, block.fc1_weight, block.fc1_bias), "none");
-      x = x.add(at::linear(hidden, block.fc2_weight, block.fc2_bias));
+      const at::Tensor hidden = at::gelu(kernels::Linear(normed2, block.fc1_weight, block.fc1_bias), "none");
+      x = x.add(kernels::Linear(hidden, block.fc2_weight, block.fc2_bias));
     }
     drop_gone(x);
     logits = at::zeros({batch, config_.num_classes}, x.options());
@@ -299,7 +299,7 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
       // LayerNorm is per token, so normalising only the cls token equals norm(x)[:, 0].
       const at::Tensor cls =
           at::layer_norm(x.select(1, 0), {channels}, norm_weight_, norm_bias_, config_.layer_norm_eps);
-      logits.index_copy_(0, index_tensor(active), at::linear(cls, head_weight_, head_bias_));
+      logits.index_copy_(0, index_tensor(active), kernels::Linear(cls, head_weight_, head_bias_));
     }
     for (int64_t b = 0; b < batch; ++b) {
       if (!output.stopped[b].ok()) output.statistics[b].clear();

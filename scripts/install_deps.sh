@@ -74,6 +74,21 @@ if [ "$LIBTORCH" = pypi ] || [ "$PEERS" = 1 ]; then
     $SUDO mv "$staging" "$TORCH_PREFIX"
   fi
 fi
+# OpenBLAS for the CPU's float GEMMs (kernels/cpu_gemm.h), in both LibTorch modes: the scipy-openblas32 wheel,
+# whose BLAS symbols carry a scipy_ prefix, so that it loads beside the wheel's MKL without taking over LibTorch's
+# sgemm_. Chosen by measurement (scripts/bench_gemm.py, docs/kernels.md "GEMM rates"). Its own folder, named by
+# the pin; moved in place when complete.
+OPENBLAS_WHEEL=scipy-openblas32==0.3.31.188.0
+OPENBLAS_PREFIX=/opt/mita/openblas-${OPENBLAS_WHEEL#*==}
+if [ ! -f "$OPENBLAS_PREFIX/scipy_openblas32/lib/libscipy_openblas.so" ]; then
+  staging="$OPENBLAS_PREFIX.partial"
+  $SUDO rm -rf "$staging"
+  $SUDO mkdir -p "$(dirname "$OPENBLAS_PREFIX")"
+  $SUDO /usr/bin/python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+    --no-deps --no-compile --no-cache-dir --only-binary=:all: --target "$staging" "$OPENBLAS_WHEEL"
+  $SUDO rm -rf "$OPENBLAS_PREFIX"
+  $SUDO mv "$staging" "$OPENBLAS_PREFIX"
+fi
 if [ "$PEERS" = 1 ]; then
   bash "$(dirname "$0")/install_peers.sh"
   # The deploy checks' tools (kubernetes-validate, checkov) in their own venv.

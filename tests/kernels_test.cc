@@ -37,6 +37,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/aten_errors.h"
+#include "kernels/blas_library.h"
 #include "kernels/mita_attention.h"
 #include "kernels/mita_attention_internal.h"
 #include "kernels/runtime_environment.h"
@@ -424,12 +425,12 @@ TEST(MitaCpuKernel, QueryTilesMatchLoop) {
   }
 }
 
-// SetIntraOpThreads sets LibTorch's and OpenBLAS's thread counts together (OpenBLAS is the BLAS of the Debian
-// build, scripts/install_deps.sh); the returned count is read back from OpenBLAS itself.
-TEST(IntraOpThreads, LibTorchAndOpenBlasGetTheSameCount) {
+// SetIntraOpThreads sets LibTorch's and the process BLAS's thread counts together (kernels/blas_library.h); the
+// returned count is read back from the BLAS itself.
+TEST(IntraOpThreads, LibTorchAndTheBlasGetTheSameCount) {
   const int before = at::get_num_threads();
   for (int threads : {1, 2, 1}) {
-    EXPECT_EQ(SetIntraOpThreads(threads), threads) << "OpenBLAS thread count after setting " << threads;
+    EXPECT_EQ(SetIntraOpThreads(threads), threads) << BlasLibrary::Get().description() << " thread count after setting " << threads;
     EXPECT_EQ(at::get_num_threads(), threads);
   }
   EXPECT_EQ(SetIntraOpThreads(0), 1) << "counts below 1 are taken as 1";

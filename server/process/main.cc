@@ -43,6 +43,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "kernels/blas_library.h"
 #include "kernels/device.h"
 #include "kernels/runtime_environment.h"
 #include "server/engine/inference_engine.h"
@@ -537,7 +538,8 @@ int main(int argc, char** argv) {
                    " queue_compute_units=", options.batching.queue_compute_units,
                    " batch_threads=", options.batching.num_batch_threads,
                    " long_document_tokens=", options.long_document_tokens, " torch_threads=", at::get_num_threads(),
-                   " blas_threads=", blas_threads, " preparation_threads=", preparation_threads,
+                   " blas_threads=", blas_threads, " blas=\"", mita::kernels::BlasLibrary::Get().description(),
+                   "\" (", mita::kernels::BlasLibrary::choice_reason(), ") preparation_threads=", preparation_threads,
                    " keep_freed_memory=", keep_freed_memory ? "true" : "false",
                    keep_freed_memory ? absl::StrCat(" keep_freed_memory_limit_bytes=", freed_memory_limit_bytes) : "",
                    "; returned ", returned_at_start >> 20, " MiB of freed memory to the system after start-up"));
