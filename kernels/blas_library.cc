@@ -15,12 +15,12 @@
 // the wheel's libtorch_cpu.so, or the system BLAS linked with Debian's LibTorch
 // (cmake/libtorch.cmake).
 extern "C" {
-void sgemm_(const char *transa, const char *transb, const int *m, const int *n, const int *k, const float *alpha,
-            const float *a, const int *lda, const float *b, const int *ldb, const float *beta, float *c,
-            const int *ldc);
-void dgemm_(const char *transa, const char *transb, const int *m, const int *n, const int *k, const double *alpha,
-            const double *a, const int *lda, const double *b, const int *ldb, const double *beta, double *c,
-            const int *ldc);
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
+            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+            const int* ldc);
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
+            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+            const int* ldc);
 }
 
 namespace mita::kernels {
@@ -28,7 +28,7 @@ namespace mita::kernels {
 namespace {
 
 template <typename Function>
-Function Symbol(void *handle, const char *name) {
+Function Symbol(void* handle, const char* name) {
   return reinterpret_cast<Function>(dlsym(handle, name));
 }
 
@@ -38,8 +38,8 @@ constexpr int64_t kTimedRows = 4096, kTimedIn = 256, kTimedOut = 256;
 
 // Best of `rounds` timed calls of y = x W^T on `library`, seconds, after one
 // untimed call.
-double TimeDenseLayer(const BlasLibrary &library, const std::vector<float> &x, const std::vector<float> &w,
-                      std::vector<float> &y, int rounds) {
+double TimeDenseLayer(const BlasLibrary& library, const std::vector<float>& x, const std::vector<float>& w,
+                      std::vector<float>& y, int rounds) {
   double best = 1e30;
   for (int round = 0; round <= rounds; ++round) {
     const auto start = std::chrono::steady_clock::now();
@@ -52,13 +52,13 @@ double TimeDenseLayer(const BlasLibrary &library, const std::vector<float> &x, c
 }
 
 struct Chosen {
-  const BlasLibrary *library;
+  const BlasLibrary* library;
   std::string reason;
 };
 
 }  // namespace
 
-const char *BlasLibrary::configured_path() {
+const char* BlasLibrary::configured_path() {
 #ifdef MITA_OPENBLAS_LIBRARY
   return MITA_OPENBLAS_LIBRARY;
 #else
@@ -66,8 +66,8 @@ const char *BlasLibrary::configured_path() {
 #endif
 }
 
-BlasLibrary *BlasLibrary::LoadOpenBlas(std::string *error) {
-  const char *path = configured_path();
+BlasLibrary* BlasLibrary::LoadOpenBlas(std::string* error) {
+  const char* path = configured_path();
   if (path[0] == '\0') return nullptr;
   // OpenBLAS's idle workers spin (sched_yield) for 2^28 cycles after each
   // multi-threaded GEMM by default, taking the cores from LibTorch's OpenMP
@@ -76,13 +76,13 @@ BlasLibrary *BlasLibrary::LoadOpenBlas(std::string *error) {
   // loads; an operator's value is kept.
   setenv("OPENBLAS_THREAD_TIMEOUT", "4", /*overwrite=*/0);
   // Never closed: its thread pool lives as long as the process.
-  void *handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  void* handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
   if (handle == nullptr) {
-    const char *text = dlerror();
+    const char* text = dlerror();
     *error = absl::StrCat("OpenBLAS (", path, ") did not load: ", text != nullptr ? text : "unknown error");
     return nullptr;
   }
-  auto *library = new BlasLibrary();
+  auto* library = new BlasLibrary();
   library->float_gemm_ = Symbol<Sgemm>(handle, "scipy_sgemm_");
   library->double_gemm_ = Symbol<Dgemm>(handle, "scipy_dgemm_");
   library->set_threads_ = Symbol<SetThreadsFunction>(handle, "scipy_openblas_set_num_threads");
@@ -93,7 +93,7 @@ BlasLibrary *BlasLibrary::LoadOpenBlas(std::string *error) {
     delete library;
     return nullptr;
   }
-  using Text = char *(*)();
+  using Text = char* (*)();
   const auto config = Symbol<Text>(handle, "scipy_openblas_get_config");
   const auto core = Symbol<Text>(handle, "scipy_openblas_get_corename");
   library->is_openblas_ = true;
@@ -102,8 +102,8 @@ BlasLibrary *BlasLibrary::LoadOpenBlas(std::string *error) {
   return library;
 }
 
-BlasLibrary *BlasLibrary::LinkedBlas() {
-  auto *library = new BlasLibrary();
+BlasLibrary* BlasLibrary::LinkedBlas() {
+  auto* library = new BlasLibrary();
   library->float_gemm_ = &sgemm_;
   library->double_gemm_ = &dgemm_;
   // Debian's OpenBLAS (pthreads build): its own thread count, which
@@ -112,7 +112,7 @@ BlasLibrary *BlasLibrary::LinkedBlas() {
   library->get_threads_ = Symbol<GetThreadsFunction>(RTLD_DEFAULT, "openblas_get_num_threads");
   if (library->set_threads_ != nullptr && library->get_threads_ != nullptr) {
     library->is_openblas_ = true;
-    using Text = char *(*)();
+    using Text = char* (*)();
     const auto config = Symbol<Text>(RTLD_DEFAULT, "openblas_get_config");
     library->description_ = absl::StrCat(config ? config() : "OpenBLAS", " (LibTorch's BLAS)");
     return library;
@@ -126,21 +126,21 @@ BlasLibrary *BlasLibrary::LinkedBlas() {
   return library;
 }
 
-const BlasLibrary::OpenBlasLoad &BlasLibrary::LoadedOpenBlas() {
-  static const OpenBlasLoad *const load = [] {
-    auto *result = new OpenBlasLoad{nullptr, ""};
+const BlasLibrary::OpenBlasLoad& BlasLibrary::LoadedOpenBlas() {
+  static const OpenBlasLoad* const load = [] {
+    auto* result = new OpenBlasLoad{nullptr, ""};
     result->library = LoadOpenBlas(&result->error);
     return result;
   }();
   return *load;
 }
 
-const BlasLibrary *BlasLibrary::OpenBlas() { return LoadedOpenBlas().library; }
+const BlasLibrary* BlasLibrary::OpenBlas() { return LoadedOpenBlas().library; }
 
-const std::string &BlasLibrary::openblas_load_error() { return LoadedOpenBlas().error; }
+const std::string& BlasLibrary::openblas_load_error() { return LoadedOpenBlas().error; }
 
-const BlasLibrary &BlasLibrary::LibTorchBlas() {
-  static const BlasLibrary *const library = LinkedBlas();
+const BlasLibrary& BlasLibrary::LibTorchBlas() {
+  static const BlasLibrary* const library = LinkedBlas();
   return *library;
 }
 
@@ -168,12 +168,12 @@ BlasLibrary::Choice BlasLibrary::Choose(std::string_view setting, std::optional<
 
 namespace {
 
-const Chosen &ChosenLibrary() {
-  static const Chosen *const chosen = [] {
-    const char *variable = std::getenv("MITA_BLAS");
+const Chosen& ChosenLibrary() {
+  static const Chosen* const chosen = [] {
+    const char* variable = std::getenv("MITA_BLAS");
     const std::string setting = variable != nullptr ? variable : "";
-    const BlasLibrary *openblas = BlasLibrary::OpenBlas();
-    const BlasLibrary &libtorch = BlasLibrary::LibTorchBlas();
+    const BlasLibrary* openblas = BlasLibrary::OpenBlas();
+    const BlasLibrary& libtorch = BlasLibrary::LibTorchBlas();
     std::optional<double> openblas_seconds;
     double libtorch_seconds = 0;
     if (openblas != nullptr && setting != "openblas" && setting != "libtorch") {
@@ -195,7 +195,7 @@ const Chosen &ChosenLibrary() {
     const BlasLibrary::Choice choice = BlasLibrary::Choose(
         setting, openblas_seconds, libtorch_seconds,
         absl::StrCat(kTimedRows, " x ", kTimedIn, " -> ", kTimedOut, ", ", at::get_num_threads(), " threads"));
-    const std::string &error = BlasLibrary::openblas_load_error();
+    const std::string& error = BlasLibrary::openblas_load_error();
     return new Chosen{choice.openblas ? openblas : &libtorch,
                       error.empty() ? choice.reason : absl::StrCat(choice.reason, "; ", error)};
   }();
@@ -204,19 +204,19 @@ const Chosen &ChosenLibrary() {
 
 }  // namespace
 
-const BlasLibrary &BlasLibrary::Get() { return *ChosenLibrary().library; }
+const BlasLibrary& BlasLibrary::Get() { return *ChosenLibrary().library; }
 
-const std::string &BlasLibrary::choice_reason() { return ChosenLibrary().reason; }
+const std::string& BlasLibrary::choice_reason() { return ChosenLibrary().reason; }
 
-void BlasLibrary::Gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float *a,
-                       int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc) const {
+void BlasLibrary::Gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                       int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) const {
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
   const int ldai = static_cast<int>(lda), ldbi = static_cast<int>(ldb), ldci = static_cast<int>(ldc);
   float_gemm_(&transa, &transb, &mi, &ni, &ki, &alpha, a, &ldai, b, &ldbi, &beta, c, &ldci);
 }
 
-void BlasLibrary::Gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, double alpha, const double *a,
-                       int64_t lda, const double *b, int64_t ldb, double beta, double *c, int64_t ldc) const {
+void BlasLibrary::Gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
+                       int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc) const {
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
   const int ldai = static_cast<int>(lda), ldbi = static_cast<int>(ldb), ldci = static_cast<int>(ldc);
   double_gemm_(&transa, &transb, &mi, &ni, &ki, &alpha, a, &ldai, b, &ldbi, &beta, c, &ldci);

@@ -27,17 +27,17 @@ namespace mita::kernels {
 class BlasLibrary {
  public:
   // The process's library, chosen and loaded at the first call. Thread-safe.
-  static const BlasLibrary &Get();
+  static const BlasLibrary& Get();
   // Each candidate: the build's OpenBLAS (null when the build names none or it
   // did not load) and LibTorch's.
-  static const BlasLibrary *OpenBlas();
-  static const BlasLibrary &LibTorchBlas();
+  static const BlasLibrary* OpenBlas();
+  static const BlasLibrary& LibTorchBlas();
   // The OpenBLAS the build names (MITA_OPENBLAS_LIBRARY), or "" when it names
   // none.
-  static const char *configured_path();
+  static const char* configured_path();
   // Why that OpenBLAS did not load (the path and dlerror's text); "" when it
   // did, or when the build names none.
-  static const std::string &openblas_load_error();
+  static const std::string& openblas_load_error();
 
   // The rule of "auto": OpenBLAS only when its time is at most 1 / kAutoMargin
   // of LibTorch's (a small difference is not worth a second thread pool in the
@@ -58,10 +58,10 @@ class BlasLibrary {
   // Column-major C[m, n] = alpha op(A) op(B) + beta C, op 'N' (as is) or 'T'
   // (transposed), as BLAS sgemm/dgemm. Dimensions and leading dimensions must
   // fit in an int (BLAS's LP64 interface).
-  void Gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float *a, int64_t lda,
-            const float *b, int64_t ldb, float beta, float *c, int64_t ldc) const;
-  void Gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, double alpha, const double *a, int64_t lda,
-            const double *b, int64_t ldb, double beta, double *c, int64_t ldc) const;
+  void Gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+            const float* b, int64_t ldb, float beta, float* c, int64_t ldc) const;
+  void Gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
+            const double* b, int64_t ldb, double beta, double* c, int64_t ldc) const;
 
   // Sets the process-wide thread count of the library's GEMMs, `threads` >= 1.
   // Returns the count now in effect, or 0 when the library reports none.
@@ -82,30 +82,29 @@ class BlasLibrary {
   // What runs the GEMMs, e.g. "OpenBLAS 0.3.31.188.0 DYNAMIC_ARCH NO_AFFINITY
   // Haswell MAX_THREADS=64, core Haswell (scipy-openblas32)" or "MKL
   // (LibTorch's BLAS)".
-  const std::string &description() const { return description_; }
+  const std::string& description() const { return description_; }
   bool is_openblas() const { return is_openblas_; }
   // Why Get() is the library it is (Choice::reason, with why OpenBLAS did not
   // load where it did not).
-  static const std::string &choice_reason();
+  static const std::string& choice_reason();
 
-  BlasLibrary(const BlasLibrary &) = delete;
-  BlasLibrary &operator=(const BlasLibrary &) = delete;
+  BlasLibrary(const BlasLibrary&) = delete;
+  BlasLibrary& operator=(const BlasLibrary&) = delete;
 
  private:
   BlasLibrary() = default;
-  static BlasLibrary *LoadOpenBlas(std::string *error);
+  static BlasLibrary* LoadOpenBlas(std::string* error);
   struct OpenBlasLoad {
-    const BlasLibrary *library;
+    const BlasLibrary* library;
     std::string error;
   };
-  static const OpenBlasLoad &LoadedOpenBlas();
-  static BlasLibrary *LinkedBlas();
+  static const OpenBlasLoad& LoadedOpenBlas();
+  static BlasLibrary* LinkedBlas();
 
-  using Sgemm = void (*)(const char *, const char *, const int *, const int *, const int *, const float *,
-                         const float *, const int *, const float *, const int *, const float *, float *, const int *);
-  using Dgemm = void (*)(const char *, const char *, const int *, const int *, const int *, const double *,
-                         const double *, const int *, const double *, const int *, const double *, double *,
-                         const int *);
+  using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                         const int*, const float*, const int*, const float*, float*, const int*);
+  using Dgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const double*, const double*,
+                         const int*, const double*, const int*, const double*, double*, const int*);
   using SetThreadsFunction = void (*)(int);
   using GetThreadsFunction = int (*)();
   using SetLocalThreadsFunction = int (*)(int);

@@ -15,6 +15,6 @@ namespace mita::kernels {
 // (CUDA, other dtypes, a gradient to record), so the result never depends on
 // which path ran beyond rounding. Throws, as at::linear does, when the shapes
 // disagree.
-at::Tensor Linear(const at::Tensor &input, const at::Tensor &weight, const at::Tensor &bias);
+at::Tensor Linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias);
 
 }  // namespace mita::kernels

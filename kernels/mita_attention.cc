@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/record_function.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/adaptive_avg_pool1d.h>
 #include <ATen/ops/adaptive_avg_pool2d.h>
@@ -22,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/aten_errors.h"
+#include "kernels/forward_scopes.h"
 #include "kernels/mita_attention_internal.h"
 #ifdef MITA_HAVE_CUDA
 #include "kernels/mita_attention_cuda.h"
@@ -160,6 +162,7 @@ absl::StatusOr<at::Tensor> MitaAttentionForwardWithOptions(const at::Tensor& q, 
                                                            const at::Tensor& v, absl::Span<const MitaItem> items,
                                                            std::vector<MitaItemStatistics>* statistics,
                                                            MitaBackend backend, const MitaForwardOptions& options) {
+  RECORD_USER_SCOPE(kMitaAttentionScope);
   if (absl::Status status = ValidateMitaArguments(q, k, v, items); !status.ok()) return status;
   return RunWithoutThrowing("MiTA attention", [&]() -> at::Tensor {
     at::NoGradGuard no_grad;
@@ -193,6 +196,7 @@ constexpr int64_t kMaxFusedCpuScoreElements = int64_t{1} << 24;
 
 absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 const AttentionInterrupt& interrupt) {
+  RECORD_USER_SCOPE(kFullAttentionScope);
   if (absl::Status status = CheckQueryKeyValue(q, k, v); !status.ok()) return status;
   return RunWithoutThrowing("full attention", [&]() -> at::Tensor {
     at::NoGradGuard no_grad;
@@ -251,6 +255,7 @@ absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::T
 }
 
 absl::StatusOr<at::Tensor> ImageLandmarks(const at::Tensor& q, int64_t pool_side) {
+  RECORD_USER_SCOPE(kLandmarksScope);
   if (absl::Status status = CheckAttentionInput(q, "q"); !status.ok()) return status;
   const int64_t batch = q.size(0), heads = q.size(1), tokens = q.size(2), head_dim = q.size(3);
   const int64_t side = tokens >= 2 ? IntegerSquareRoot(tokens - 1) : 0;
@@ -275,6 +280,7 @@ absl::StatusOr<at::Tensor> ImageLandmarks(const at::Tensor& q, int64_t pool_side
 }
 
 absl::StatusOr<at::Tensor> SequenceLandmarks(const at::Tensor& q, int64_t expert_count) {
+  RECORD_USER_SCOPE(kLandmarksScope);
   if (absl::Status status = CheckAttentionInput(q, "q"); !status.ok()) return status;
   const int64_t batch = q.size(0), heads = q.size(1), tokens = q.size(2), head_dim = q.size(3);
   if (expert_count < 1 || expert_count > tokens) {

@@ -17,12 +17,14 @@
 #include <ATen/ops/stack.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/record_function.h>
 #include <c10/core/InferenceMode.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/aten_errors.h"
+#include "kernels/forward_scopes.h"
 #include "kernels/linear.h"
 #include "kernels/status_macros.h"
 #include "models/classifier_errors.h"
@@ -218,19 +220,24 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
     // no information crosses between documents): [N, C] -> [1, C, N] -> depthwise conv -> added back.
     // The ids were checked on the host; on a CUDA device they are copied there (from pinned memory: without the
     // host waiting).
-    at::Tensor x = token_embedding_.index_select(0, internal::ToPlacement(ids, placement_, at::kLong));
-    const int64_t padding = config_.position_kernel_size / 2;
-    for (int64_t b = 0; b < batch; ++b) {
-      at::Tensor document = x.narrow(0, offsets[b], lengths[b]);
-      const at::Tensor position = at::conv1d(document.t().unsqueeze(0), position_weight_, position_bias_,
-                                             /*stride=*/{1}, /*padding=*/{padding}, /*dilation=*/{1},
-                                             /*groups=*/channels);  // [1, C, N]
-      document.add_(position.squeeze(0).t());
-    }
+    at::Tensor x = [&] {
+      RECORD_USER_SCOPE(kernels::kEmbeddingScope);
+      at::Tensor embedded = token_embedding_.index_select(0, internal::ToPlacement(ids, placement_, at::kLong));
+      const int64_t padding = config_.position_kernel_size / 2;
+      for (int64_t b = 0; b < batch; ++b) {
+        at::Tensor document = embedded.narrow(0, offsets[b], lengths[b]);
+        const at::Tensor position = at::conv1d(document.t().unsqueeze(0), position_weight_, position_bias_,
+                                               /*stride=*/{1}, /*padding=*/{padding}, /*dilation=*/{1},
+                                               /*groups=*/channels);  // [1, C, N]
+        document.add_(position.squeeze(0).t());
+      }
+      return embedded;
+    }();
 
     for (size_t layer = 0; layer < blocks_.size(); ++layer) {
       drop_gone(x);
       if (active.empty()) break;
+      RECORD_USER_SCOPE(kernels::kLayerScope);
       const Block& block = blocks_[layer];
       const int64_t rows = x.size(0);
       const at::Tensor normed =
@@ -273,6 +280,7 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
     drop_gone(x);
     logits = at::zeros({batch, config_.num_classes}, x.options());
     if (!active.empty()) {
+      RECORD_USER_SCOPE(kernels::kPoolAndHeadScope);
       const at::Tensor normed = at::layer_norm(x, {channels}, norm_weight_, norm_bias_, config_.layer_norm_eps);
       std::vector<at::Tensor> pooled;
       for (int64_t b : active) pooled.push_back(Pool(normed.narrow(0, offsets[b], lengths[b])));

@@ -15,12 +15,14 @@
 #include <ATen/ops/stack.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/record_function.h>
 #include <c10/core/InferenceMode.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/aten_errors.h"
+#include "kernels/forward_scopes.h"
 #include "kernels/linear.h"
 #include "models/classifier_errors.h"
 #include "models/classifier_weights.h"
@@ -199,14 +201,19 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
 
     // Patch embedding: [B, C_in, side, side] -> [B, S*S, C]; prepend cls; add positions -> [B, N, C].
     const at::Tensor placed = internal::ToPlacement(images, placement_, placement_.weights_dtype);
-    at::Tensor x = at::conv2d(placed, patch_weight_, patch_bias_, /*stride=*/{config_.patch_size, config_.patch_size})
-                       .flatten(2)
-                       .transpose(1, 2);
-    x = at::cat({cls_token_.expand({batch, 1, channels}), x}, 1).add(pos_embed_);
+    at::Tensor x = [&] {
+      RECORD_USER_SCOPE(kernels::kEmbeddingScope);
+      const at::Tensor patches =
+          at::conv2d(placed, patch_weight_, patch_bias_, /*stride=*/{config_.patch_size, config_.patch_size})
+              .flatten(2)
+              .transpose(1, 2);
+      return at::cat({cls_token_.expand({batch, 1, channels}), patches}, 1).add(pos_embed_);
+    }();
 
     for (size_t layer = 0; layer < blocks_.size(); ++layer) {
       drop_gone(x);
       if (active.empty()) break;
+      RECORD_USER_SCOPE(kernels::kLayerScope);
       const int64_t rows = static_cast<int64_t>(active.size());
       const bool all_mita = groups.full_items.empty();
       const bool all_full = groups.mita_items.empty();
@@ -296,6 +303,7 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
     drop_gone(x);
     logits = at::zeros({batch, config_.num_classes}, x.options());
     if (!active.empty()) {
+      RECORD_USER_SCOPE(kernels::kPoolAndHeadScope);
       // LayerNorm is per token, so normalising only the cls token equals norm(x)[:, 0].
       const at::Tensor cls =
           at::layer_norm(x.select(1, 0), {channels}, norm_weight_, norm_bias_, config_.layer_norm_eps);

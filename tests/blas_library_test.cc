@@ -1,6 +1,11 @@
 // The process's BLAS (kernels/blas_library.h) and the dense layer on it
 // (kernels/linear.h), against float64 products computed here by plain loops.
-#include "kernels/blas_library.h"
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
@@ -10,13 +15,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <array>
-#include <cstdint>
-#include <optional>
-#include <string>
-#include <vector>
-
+#include "kernels/blas_library.h"
 #include "kernels/linear.h"
 
 namespace mita::kernels {
@@ -25,14 +24,14 @@ namespace {
 using ::testing::HasSubstr;
 
 // y[r, o] = sum_i x[r, i] w[o, i] + b[o], in float64, from any float tensors.
-at::Tensor ReferenceLinear(const at::Tensor &input, const at::Tensor &weight, const at::Tensor &bias) {
+at::Tensor ReferenceLinear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias) {
   const at::Tensor x = input.to(at::kDouble).reshape({-1, input.size(-1)}).contiguous();
   const at::Tensor w = weight.to(at::kDouble).contiguous();
   const int64_t rows = x.size(0), in = w.size(1), out = w.size(0);
   at::Tensor y = at::zeros({rows, out}, x.options());
-  const double *xd = x.data_ptr<double>();
-  const double *wd = w.data_ptr<double>();
-  double *yd = y.data_ptr<double>();
+  const double* xd = x.data_ptr<double>();
+  const double* wd = w.data_ptr<double>();
+  double* yd = y.data_ptr<double>();
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t o = 0; o < out; ++o) {
       double sum = bias.defined() ? bias[o].item<double>() : 0.0;
@@ -45,7 +44,7 @@ at::Tensor ReferenceLinear(const at::Tensor &input, const at::Tensor &weight, co
   return y.reshape(shape);
 }
 
-double MaxRelativeError(const at::Tensor &actual, const at::Tensor &expected) {
+double MaxRelativeError(const at::Tensor& actual, const at::Tensor& expected) {
   const double scale = std::max(1.0, expected.abs().max().item<double>());
   return actual.to(at::kDouble).sub(expected).abs().max().item<double>() / scale;
 }
@@ -53,7 +52,7 @@ double MaxRelativeError(const at::Tensor &actual, const at::Tensor &expected) {
 TEST(BlasLibrary, LoadsTheBuildsOpenBlasWhenTheBuildNamesOne) {
   EXPECT_EQ(BlasLibrary::openblas_load_error(), "");
   if (std::string(BlasLibrary::configured_path()).empty()) GTEST_SKIP() << "the build names no OpenBLAS";
-  const BlasLibrary *openblas = BlasLibrary::OpenBlas();
+  const BlasLibrary* openblas = BlasLibrary::OpenBlas();
   ASSERT_NE(openblas, nullptr);
   EXPECT_TRUE(openblas->is_openblas());
   EXPECT_THAT(openblas->description(), HasSubstr("OpenBLAS"));
@@ -64,7 +63,7 @@ TEST(BlasLibrary, LoadsTheBuildsOpenBlasWhenTheBuildNamesOne) {
   EXPECT_EQ(openblas->SetThreads(2), 2);
   EXPECT_EQ(openblas->SetThreads(0), 1) << "counts below 1 are taken as 1";
   // The process's choice is one of the two, with its reason.
-  const BlasLibrary &chosen = BlasLibrary::Get();
+  const BlasLibrary& chosen = BlasLibrary::Get();
   EXPECT_TRUE(&chosen == openblas || &chosen == &BlasLibrary::LibTorchBlas());
   EXPECT_THAT(BlasLibrary::choice_reason(), ::testing::AnyOf(HasSubstr("auto"), HasSubstr("MITA_BLAS=")));
 }
@@ -92,19 +91,19 @@ TEST(BlasLibrary, AutoTakesOpenBlasOnlyWhenItIsClearlyFaster) {
 
 // Each candidate library (kernels/blas_library.h), so that auto's choice on
 // another CPU is covered too.
-std::vector<const BlasLibrary *> Candidates() {
-  std::vector<const BlasLibrary *> libraries = {&BlasLibrary::LibTorchBlas()};
+std::vector<const BlasLibrary*> Candidates() {
+  std::vector<const BlasLibrary*> libraries = {&BlasLibrary::LibTorchBlas()};
   if (BlasLibrary::OpenBlas() != nullptr) libraries.push_back(BlasLibrary::OpenBlas());
   return libraries;
 }
 
 TEST(BlasLibrary, GemmMatchesFloat64AtTheKernelsShapesAndTransposes) {
-  for (const BlasLibrary *candidate : Candidates()) {
-    const BlasLibrary &library = *candidate;
+  for (const BlasLibrary* candidate : Candidates()) {
+    const BlasLibrary& library = *candidate;
     SCOPED_TRACE(library.description());
     // Column-major C[m, n] = op(A) op(B) with op(A) [m, k], op(B) [k, n]; a
     // row-major tensor [r, c] is the column-major [c, r].
-    for (const auto &[m, n, k] : std::vector<std::array<int64_t, 3>>{{64, 512, 32}, {197, 576, 192}, {7, 3, 5}}) {
+    for (const auto& [m, n, k] : std::vector<std::array<int64_t, 3>>{{64, 512, 32}, {197, 576, 192}, {7, 3, 5}}) {
       for (const char transa : {'N', 'T'}) {
         for (const char transb : {'N', 'T'}) {
           // Column-major A stored as: 'N' [m, k] (ld m) = row-major [k, m]; 'T'
@@ -128,7 +127,7 @@ TEST(BlasLibrary, GemmMatchesFloat64AtTheKernelsShapesAndTransposes) {
 }
 
 TEST(Linear, MatchesFloat64WithAndWithoutBiasAtTheModelsShapes) {
-  for (const auto &[rows, in, out] :
+  for (const auto& [rows, in, out] :
        std::vector<std::array<int64_t, 3>>{{197, 192, 576}, {4096, 64, 192}, {50, 96, 384}, {1, 3, 1}}) {
     const at::Tensor x = at::randn({rows, in});
     const at::Tensor w = at::randn({out, in});

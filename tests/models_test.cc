@@ -18,10 +18,12 @@
 #include <ATen/Context.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/stack.h>
+#include <ATen/record_function.h>
 
 #include "absl/status/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/forward_scopes.h"
 #include "models/classifier_errors.h"
 #include "models/model_config.h"
 #include "models/model_package.h"
@@ -1150,6 +1152,44 @@ TEST(ClassifierErrorsTest, KernelOutOfMemoryStaysResourceExhaustedOtherKernelErr
                "attention kernel: full attention failed: x");
   ExpectStatus(internal::KernelFault(absl::UnknownError("y")), absl::StatusCode::kInternal, "attention kernel: y");
   EXPECT_TRUE(internal::KernelFault(absl::OkStatus()).ok());
+}
+
+
+// The scopes a profiler tells a forward's phases apart by (kernels/forward_scopes.h, mita-forward-phases): both
+// embedded models open each of them, as often as their layers say, on the thread that runs the forward.
+std::map<std::string, int>* scopes_seen = nullptr;
+
+std::unique_ptr<at::ObserverContext> CountScope(const at::RecordFunction& function) {
+  if (scopes_seen != nullptr && std::strncmp(function.name(), "mita::", 6) == 0) ++(*scopes_seen)[function.name()];
+  return nullptr;
+}
+
+TEST(ForwardScopesTest, BothEmbeddedModelsOpenEveryPhaseScopeOncePerLayer) {
+  for (const std::string name : {"fashion-mnist-vit", "linux-doc-mita"}) {
+    SCOPED_TRACE(name);
+    absl::StatusOr<ModelPackage> package = LoadModelPackage(RepositoryPath() + "/" + name);
+    ASSERT_TRUE(package.ok()) << package.status();
+    const Classifier& model = *package->classifier;
+    const int64_t tokens = model.description().tokens_per_input > 0 ? model.description().tokens_per_input : 300;
+    absl::StatusOr<BatchItem> mita = model.SyntheticItem(tokens, AttentionBudget{false, 4, 8});
+    absl::StatusOr<BatchItem> full = model.SyntheticItem(tokens, AttentionBudget{true, 0, 0});
+    ASSERT_TRUE(mita.ok() && full.ok()) << mita.status() << full.status();
+    std::map<std::string, int> seen;
+    scopes_seen = &seen;
+    const at::CallbackHandle handle = at::addThreadLocalCallback(at::RecordFunctionCallback(&CountScope));
+    absl::StatusOr<ClassifierOutput> output = model.Run({&*mita, &*full}, /*want_statistics=*/false);
+    at::removeCallback(handle);
+    scopes_seen = nullptr;
+    ASSERT_TRUE(output.ok()) << output.status();
+    const int layers = static_cast<int>(model.description().layers);
+    EXPECT_EQ(seen[kernels::kEmbeddingScope], 1);
+    EXPECT_EQ(seen[kernels::kLayerScope], layers);
+    EXPECT_EQ(seen[kernels::kPoolAndHeadScope], 1);
+    EXPECT_GE(seen[kernels::kLinearScope], 4 * layers + 1) << "qkv, projection, two MLP layers per block, the head";
+    EXPECT_GE(seen[kernels::kMitaAttentionScope], layers);
+    EXPECT_GE(seen[kernels::kLandmarksScope], layers);
+    EXPECT_GE(seen[kernels::kFullAttentionScope], layers);
+  }
 }
 
 }  // namespace

@@ -7,16 +7,16 @@
 // Per shape the candidates alternate, each timed as the best of --repeats calls after two untimed ones. Each
 // product is checked against the float64 product of the same inputs (relative Frobenius error <= 1e-5, else the
 // row says WRONG). GFLOP/s counts 2 rows in out per product. Exit status: 0, or 1 when a product was wrong.
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/randn.h>
-#include <c10/core/InferenceMode.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <string>
 #include <vector>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/randn.h>
+#include <c10/core/InferenceMode.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
