@@ -4,16 +4,13 @@
 #include <dlfcn.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdlib>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
-// The BLAS LibTorch links (Fortran interface, column-major): MKL's, exported by
-// the wheel's libtorch_cpu.so, or the system BLAS linked with Debian's LibTorch
-// (cmake/libtorch.cmake).
+// The BLAS LibTorch links (Fortran interface, column-major): MKL's, exported by the wheel's libtorch_cpu.so, or the
+// system BLAS linked with Debian's LibTorch (cmake/libtorch.cmake).
 extern "C" {
 void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
             const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
@@ -30,25 +27,6 @@ namespace {
 template <typename Function>
 Function Symbol(void* handle, const char* name) {
   return reinterpret_cast<Function>(dlsym(handle, name));
-}
-
-// The GEMM "auto" times: one dense layer of the embedded document model's width
-// class, rows x in -> out (y = x W^T).
-constexpr int64_t kTimedRows = 4096, kTimedIn = 256, kTimedOut = 256;
-
-// Best of `rounds` timed calls of y = x W^T on `library`, seconds, after one
-// untimed call.
-double TimeDenseLayer(const BlasLibrary& library, const std::vector<float>& x, const std::vector<float>& w,
-                      std::vector<float>& y, int rounds) {
-  double best = 1e30;
-  for (int round = 0; round <= rounds; ++round) {
-    const auto start = std::chrono::steady_clock::now();
-    library.Gemm('T', 'N', kTimedOut, kTimedRows, kTimedIn, 1.0f, w.data(), kTimedIn, x.data(), kTimedIn, 0.0f,
-                 y.data(), kTimedOut);
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (round > 0) best = std::min(best, seconds);
-  }
-  return best;
 }
 
 struct Chosen {
@@ -69,11 +47,9 @@ const char* BlasLibrary::configured_path() {
 BlasLibrary* BlasLibrary::LoadOpenBlas(std::string* error) {
   const char* path = configured_path();
   if (path[0] == '\0') return nullptr;
-  // OpenBLAS's idle workers spin (sched_yield) for 2^28 cycles after each
-  // multi-threaded GEMM by default, taking the cores from LibTorch's OpenMP
-  // threads that run next (measured: the document model's forward 1.6-1.8x
-  // slower); 4 (2^4 cycles) makes them sleep at once. Read when the library
-  // loads; an operator's value is kept.
+  // OpenBLAS's idle workers spin (sched_yield) for 2^28 cycles after each multi-threaded GEMM by default, taking the
+  // cores from LibTorch's OpenMP threads that run next (measured: the document model's forward 1.6-1.8x slower); 4
+  // (2^4 cycles) makes them sleep at once. Read when the library loads; an operator's value is kept.
   setenv("OPENBLAS_THREAD_TIMEOUT", "4", /*overwrite=*/0);
   // Never closed: its thread pool lives as long as the process.
   void* handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
@@ -106,8 +82,7 @@ BlasLibrary* BlasLibrary::LinkedBlas() {
   auto* library = new BlasLibrary();
   library->float_gemm_ = &sgemm_;
   library->double_gemm_ = &dgemm_;
-  // Debian's OpenBLAS (pthreads build): its own thread count, which
-  // at::set_num_threads does not reach.
+  // Debian's OpenBLAS (pthreads build): its own thread count, which at::set_num_threads does not reach.
   library->set_threads_ = Symbol<SetThreadsFunction>(RTLD_DEFAULT, "openblas_set_num_threads");
   library->get_threads_ = Symbol<GetThreadsFunction>(RTLD_DEFAULT, "openblas_get_num_threads");
   if (library->set_threads_ != nullptr && library->get_threads_ != nullptr) {
@@ -118,8 +93,7 @@ BlasLibrary* BlasLibrary::LinkedBlas() {
     return library;
   }
   library->set_threads_ = nullptr;
-  // MKL (mkl_service.h): its count follows at::set_num_threads;
-  // MKL_Set_Num_Threads_Local sets the calling thread's.
+  // MKL (mkl_service.h): its count follows at::set_num_threads; MKL_Set_Num_Threads_Local sets the calling thread's.
   library->get_threads_ = Symbol<GetThreadsFunction>(RTLD_DEFAULT, "mkl_get_max_threads");
   library->set_local_threads_ = Symbol<SetLocalThreadsFunction>(RTLD_DEFAULT, "MKL_Set_Num_Threads_Local");
   library->description_ = library->get_threads_ != nullptr ? "MKL (LibTorch's BLAS)" : "LibTorch's BLAS";
@@ -144,25 +118,21 @@ const BlasLibrary& BlasLibrary::LibTorchBlas() {
   return *library;
 }
 
-BlasLibrary::Choice BlasLibrary::Choose(std::string_view setting, std::optional<double> openblas_seconds,
-                                        double libtorch_seconds, std::string_view shape) {
+BlasLibrary::Choice BlasLibrary::Choose(std::string_view setting, bool amd_with_avx512, bool openblas_loaded) {
   Choice choice;
-  if (!openblas_seconds.has_value()) {
-    choice.reason = "LibTorch's (no OpenBLAS loaded)";
-    return choice;
-  }
   if (setting == "openblas" || setting == "libtorch") {
     choice.openblas = setting == "openblas";
     choice.reason = absl::StrCat("MITA_BLAS=", std::string(setting));
-    return choice;
+  } else {
+    choice.openblas = amd_with_avx512;
+    choice.reason = amd_with_avx512 ? "AMD CPU with AVX-512" : "not an AMD CPU with AVX-512";
+    if (!setting.empty()) absl::StrAppend(&choice.reason, " (MITA_BLAS=", std::string(setting), " is not a choice)");
   }
-  choice.openblas = *openblas_seconds * kAutoMargin <= libtorch_seconds;
-  choice.reason = absl::StrFormat("%s: OpenBLAS %.2f ms, LibTorch's %.2f ms on %s: %s (OpenBLAS needs %.2fx)",
-                                  setting.empty() || setting == "auto"
-                                      ? "auto"
-                                      : absl::StrCat("auto (MITA_BLAS=", std::string(setting), " is not a choice)"),
-                                  *openblas_seconds * 1e3, libtorch_seconds * 1e3, shape,
-                                  choice.openblas ? "OpenBLAS" : "LibTorch's", kAutoMargin);
+  if (choice.openblas && !openblas_loaded) {
+    choice.openblas = false;
+    absl::StrAppend(&choice.reason, ", but no OpenBLAS loaded");
+  }
+  absl::StrAppend(&choice.reason, ": ", choice.openblas ? "OpenBLAS" : "LibTorch's BLAS");
   return choice;
 }
 
@@ -172,31 +142,14 @@ const Chosen& ChosenLibrary() {
   static const Chosen* const chosen = [] {
     const char* variable = std::getenv("MITA_BLAS");
     const std::string setting = variable != nullptr ? variable : "";
-    const BlasLibrary* openblas = BlasLibrary::OpenBlas();
-    const BlasLibrary& libtorch = BlasLibrary::LibTorchBlas();
-    std::optional<double> openblas_seconds;
-    double libtorch_seconds = 0;
-    if (openblas != nullptr && setting != "openblas" && setting != "libtorch") {
-      openblas->SetThreads(at::get_num_threads());
-      std::vector<float> x(kTimedRows * kTimedIn), w(kTimedOut * kTimedIn), y(kTimedRows * kTimedOut);
-      for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 17) * 0.125f - 1.0f;
-      for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>(i % 13) * 0.0625f - 0.375f;
-      // Alternated, so that a burst of load from elsewhere falls on both.
-      double best_openblas = 1e30, best_libtorch = 1e30;
-      for (int round = 0; round < 3; ++round) {
-        best_openblas = std::min(best_openblas, TimeDenseLayer(*openblas, x, w, y, 1));
-        best_libtorch = std::min(best_libtorch, TimeDenseLayer(libtorch, x, w, y, 1));
-      }
-      openblas_seconds = best_openblas;
-      libtorch_seconds = best_libtorch;
-    } else if (openblas != nullptr) {
-      openblas_seconds = 0;  // not timed: the setting decides
-    }
-    const BlasLibrary::Choice choice = BlasLibrary::Choose(
-        setting, openblas_seconds, libtorch_seconds,
-        absl::StrCat(kTimedRows, " x ", kTimedIn, " -> ", kTimedOut, ", ", at::get_num_threads(), " threads"));
-    const std::string& error = BlasLibrary::openblas_load_error();
-    return new Chosen{choice.openblas ? openblas : &libtorch,
+    const bool amd_with_avx512 = __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f");
+    // OpenBLAS is loaded (its thread pool started) only when the rule wants it.
+    const bool wanted = BlasLibrary::Choose(setting, amd_with_avx512, /*openblas_loaded=*/true).openblas;
+    const BlasLibrary* openblas = wanted ? BlasLibrary::OpenBlas() : nullptr;
+    if (openblas != nullptr) openblas->SetThreads(at::get_num_threads());
+    const BlasLibrary::Choice choice = BlasLibrary::Choose(setting, amd_with_avx512, openblas != nullptr);
+    const std::string& error = wanted ? BlasLibrary::openblas_load_error() : "";
+    return new Chosen{choice.openblas ? openblas : &BlasLibrary::LibTorchBlas(),
                       error.empty() ? choice.reason : absl::StrCat(choice.reason, "; ", error)};
   }();
   return *chosen;

@@ -36,8 +36,7 @@ void LinearRows(const T* x, const T* w, const T* b, T* y, int64_t rows, int64_t 
   if (b != nullptr) {
     for (int64_t row = 0; row < rows; ++row) std::copy(b, b + out_features, y + row * out_features);
   }
-  // Row-major y[rows, out] = x[rows, in] W[out, in]^T is column-major y^T = W
-  // x^T: W read transposed.
+  // Row-major y[rows, out] = x[rows, in] W[out, in]^T is column-major y^T = W x^T: W read transposed.
   BlasLibrary::Get().Gemm('T', 'N', out_features, rows, in_features, T(1), w, in_features, x, in_features,
                           b != nullptr ? T(1) : T(0), y, out_features);
 }

@@ -1,9 +1,8 @@
-// The process's BLAS (kernels/blas_library.h) and the dense layer on it
-// (kernels/linear.h), against float64 products computed here by plain loops.
+// The process's BLAS (kernels/blas_library.h) and the dense layer on it (kernels/linear.h), against float64 products
+// computed here by plain loops.
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -57,40 +56,34 @@ TEST(BlasLibrary, LoadsTheBuildsOpenBlasWhenTheBuildNamesOne) {
   EXPECT_TRUE(openblas->is_openblas());
   EXPECT_THAT(openblas->description(), HasSubstr("OpenBLAS"));
   EXPECT_THAT(openblas->description(), HasSubstr("(scipy-openblas32)"));
-  // Its pthreads build has no per-thread setting (kernels/cpu_blas.h keeps the
-  // kernel's GEMMs small for it).
+  // Its pthreads build has no per-thread setting (kernels/cpu_blas.h keeps the kernel's GEMMs small for it).
   EXPECT_FALSE(openblas->has_thread_local_threads());
   EXPECT_EQ(openblas->SetThreads(2), 2);
   EXPECT_EQ(openblas->SetThreads(0), 1) << "counts below 1 are taken as 1";
   // The process's choice is one of the two, with its reason.
   const BlasLibrary& chosen = BlasLibrary::Get();
   EXPECT_TRUE(&chosen == openblas || &chosen == &BlasLibrary::LibTorchBlas());
-  EXPECT_THAT(BlasLibrary::choice_reason(), ::testing::AnyOf(HasSubstr("auto"), HasSubstr("MITA_BLAS=")));
+  EXPECT_THAT(BlasLibrary::choice_reason(), ::testing::AnyOf(HasSubstr("AVX-512"), HasSubstr("MITA_BLAS=")));
 }
 
-TEST(BlasLibrary, AutoTakesOpenBlasOnlyWhenItIsClearlyFaster) {
-  using Choice = BlasLibrary::Choice;
-  const double margin = BlasLibrary::kAutoMargin;
-  EXPECT_TRUE(BlasLibrary::Choose("", 1.0, margin, "s").openblas);
-  EXPECT_TRUE(BlasLibrary::Choose("auto", 1.0, 2.0, "s").openblas);
-  EXPECT_FALSE(BlasLibrary::Choose("auto", 1.0, margin * 0.99, "s").openblas) << "within the margin: LibTorch's";
-  EXPECT_FALSE(BlasLibrary::Choose("", 2.0, 1.0, "s").openblas);
-  // An explicit setting wins over the timing; none can pick an OpenBLAS that
-  // did not load.
-  EXPECT_TRUE(BlasLibrary::Choose("openblas", 2.0, 1.0, "s").openblas);
-  EXPECT_FALSE(BlasLibrary::Choose("libtorch", 1.0, 2.0, "s").openblas);
-  const Choice missing = BlasLibrary::Choose("openblas", std::nullopt, 1.0, "s");
+TEST(BlasLibrary, OpenBlasOnAmdCpusWithAvx512UnlessTheEnvironmentSaysOtherwise) {
+  EXPECT_TRUE(BlasLibrary::Choose("", /*amd_with_avx512=*/true, /*openblas_loaded=*/true).openblas);
+  EXPECT_FALSE(BlasLibrary::Choose("", false, true).openblas);
+  EXPECT_EQ(BlasLibrary::Choose("", true, true).reason, "AMD CPU with AVX-512: OpenBLAS");
+  EXPECT_EQ(BlasLibrary::Choose("", false, true).reason, "not an AMD CPU with AVX-512: LibTorch's BLAS");
+  // MITA_BLAS wins over the CPU; nothing picks an OpenBLAS that did not load.
+  EXPECT_TRUE(BlasLibrary::Choose("openblas", false, true).openblas);
+  EXPECT_FALSE(BlasLibrary::Choose("libtorch", true, true).openblas);
+  EXPECT_EQ(BlasLibrary::Choose("libtorch", true, true).reason, "MITA_BLAS=libtorch: LibTorch's BLAS");
+  const BlasLibrary::Choice missing = BlasLibrary::Choose("openblas", true, false);
   EXPECT_FALSE(missing.openblas);
-  EXPECT_THAT(missing.reason, HasSubstr("no OpenBLAS loaded"));
-  // Anything else is auto, and the reason says so.
-  const Choice unknown = BlasLibrary::Choose("mkl", 1.0, 2.0, "4096 x 256 -> 256");
-  EXPECT_TRUE(unknown.openblas);
-  EXPECT_THAT(unknown.reason, HasSubstr("MITA_BLAS=mkl is not a choice"));
-  EXPECT_THAT(unknown.reason, HasSubstr("OpenBLAS 1000.00 ms, LibTorch's 2000.00 ms on 4096 x 256 -> 256"));
+  EXPECT_EQ(missing.reason, "MITA_BLAS=openblas, but no OpenBLAS loaded: LibTorch's BLAS");
+  // Any other value is ignored, and the reason says so.
+  EXPECT_EQ(BlasLibrary::Choose("mkl", true, true).reason,
+            "AMD CPU with AVX-512 (MITA_BLAS=mkl is not a choice): OpenBLAS");
 }
 
-// Each candidate library (kernels/blas_library.h), so that auto's choice on
-// another CPU is covered too.
+// Each candidate library (kernels/blas_library.h), so that the choice on another CPU is covered too.
 std::vector<const BlasLibrary*> Candidates() {
   std::vector<const BlasLibrary*> libraries = {&BlasLibrary::LibTorchBlas()};
   if (BlasLibrary::OpenBlas() != nullptr) libraries.push_back(BlasLibrary::OpenBlas());
@@ -101,21 +94,19 @@ TEST(BlasLibrary, GemmMatchesFloat64AtTheKernelsShapesAndTransposes) {
   for (const BlasLibrary* candidate : Candidates()) {
     const BlasLibrary& library = *candidate;
     SCOPED_TRACE(library.description());
-    // Column-major C[m, n] = op(A) op(B) with op(A) [m, k], op(B) [k, n]; a
-    // row-major tensor [r, c] is the column-major [c, r].
+    // Column-major C[m, n] = op(A) op(B) with op(A) [m, k], op(B) [k, n]; a row-major tensor [r, c] is the
+    // column-major [c, r].
     for (const auto& [m, n, k] : std::vector<std::array<int64_t, 3>>{{64, 512, 32}, {197, 576, 192}, {7, 3, 5}}) {
       for (const char transa : {'N', 'T'}) {
         for (const char transb : {'N', 'T'}) {
-          // Column-major A stored as: 'N' [m, k] (ld m) = row-major [k, m]; 'T'
-          // [k, m] (ld k) = row-major [m, k].
+          // Column-major A stored as: 'N' [m, k] (ld m) = row-major [k, m]; 'T' [k, m] (ld k) = row-major [m, k].
           const at::Tensor a = transa == 'N' ? at::randn({k, m}) : at::randn({m, k});
           const at::Tensor b = transb == 'N' ? at::randn({n, k}) : at::randn({k, n});
           at::Tensor c = at::randn({n, m});  // column-major [m, n]
           const at::Tensor c_before = c.clone();
           library.Gemm(transa, transb, m, n, k, 0.5f, a.data_ptr<float>(), transa == 'N' ? m : k, b.data_ptr<float>(),
                        transb == 'N' ? k : n, 2.0f, c.data_ptr<float>(), m);
-          // Row-major views: op(A) as [m, k], op(B) as [k, n]; the product as
-          // row-major [n, m] is (op(A) op(B))^T.
+          // Row-major views: op(A) as [m, k], op(B) as [k, n]; the product as row-major [n, m] is (op(A) op(B))^T.
           const at::Tensor op_a = (transa == 'N' ? a.t() : a).to(at::kDouble);
           const at::Tensor op_b = (transb == 'N' ? b.t() : b).to(at::kDouble);
           const at::Tensor expected = op_a.matmul(op_b).t().mul(0.5).add(c_before.to(at::kDouble).mul(2.0));
@@ -166,8 +157,7 @@ TEST(Linear, LeavesWhatBlasCannotTakeToAtLinear) {
   const at::Tensor y = Linear(x, w, at::Tensor());
   EXPECT_TRUE(y.requires_grad());
   EXPECT_LT(MaxRelativeError(y.detach(), ReferenceLinear(x, w.detach(), at::Tensor())), 1e-5);
-  // Mixed dtypes and mismatched shapes are at::linear's to refuse, with its own
-  // error.
+  // Mixed dtypes and mismatched shapes are at::linear's to refuse, with its own error.
   EXPECT_THROW(Linear(at::randn({2, 5}), at::randn({6, 5}).to(at::kDouble), at::Tensor()), c10::Error);
   EXPECT_THROW(Linear(at::randn({2, 5}), at::randn({6, 4}), at::Tensor()), c10::Error);
   EXPECT_THROW(Linear(at::randn({2, 5}), at::randn({6, 5}), at::randn({7})), c10::Error);

@@ -1,6 +1,6 @@
 // mita-blas-bench: the float32 GEMM rate of each BLAS this process can use (kernels/blas_library.h: the build's
 // OpenBLAS and LibTorch's BLAS) at the shapes the models' dense layers and the CPU kernel run, y = x W^T as
-// kernels::Linear computes it, on LibTorch-allocated (64-byte aligned) buffers; and which one MITA_BLAS=auto took.
+// kernels::Linear computes it, on LibTorch-allocated (64-byte aligned) buffers; and which one the process chose.
 //
 //   mita-blas-bench [--threads=2] [--repeats=20]
 //
