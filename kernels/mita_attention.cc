@@ -9,9 +9,11 @@
 #include <string>
 #include <vector>
 
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/record_function.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
 #include <ATen/ops/adaptive_avg_pool1d.h>
 #include <ATen/ops/adaptive_avg_pool2d.h>
 #include <ATen/ops/empty.h>
@@ -113,6 +115,38 @@ int64_t IntegerSquareRoot(int64_t value) {
   while (root > 0 && root * root > value) --root;
   while ((root + 1) * (root + 1) <= value) ++root;
   return root;
+}
+
+// SequenceLandmarks on the CPU: each window's mean read straight from q's rows (in the models' strided views of the
+// fused qkv output a row's d values are contiguous), in adaptive_avg_pool1d's order and precision (one sum per
+// value over the window's rows in token order, in T, then divided by the window's length), so the landmarks are the
+// ones LibTorch's pooling gives, bit for bit. LibTorch pools a transposed copy instead, several times slower
+// (docs/kernels.md, "Phases and floors"). Window i: [floor(i N / M), ceil((i + 1) N / M)). Returns [B, H, M, d].
+template <typename T>
+at::Tensor SequenceLandmarksOnCpu(const at::Tensor& q, int64_t expert_count) {
+  const int64_t batch = q.size(0), heads = q.size(1), tokens = q.size(2), head_dim = q.size(3);
+  at::Tensor landmarks = at::empty({batch, heads, expert_count, head_dim}, q.options());
+  const T* q_data = q.data_ptr<T>();
+  T* out = landmarks.data_ptr<T>();
+  const int64_t row_stride = q.stride(2), value_stride = q.stride(3);
+  at::parallel_for(0, batch * heads * expert_count, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
+    std::vector<T> sums(head_dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t head_task = task / expert_count, window = task % expert_count;
+      const int64_t b = head_task / heads, h = head_task % heads;
+      const int64_t first = window * tokens / expert_count;
+      const int64_t last = ((window + 1) * tokens + expert_count - 1) / expert_count;  // exclusive
+      const T* head = q_data + b * q.stride(0) + h * q.stride(1);
+      std::fill(sums.begin(), sums.end(), T(0));
+      for (int64_t n = first; n < last; ++n) {
+        const T* row = head + n * row_stride;
+        for (int64_t c = 0; c < head_dim; ++c) sums[c] += row[c * value_stride];
+      }
+      T* landmark = out + task * head_dim;
+      for (int64_t c = 0; c < head_dim; ++c) landmark[c] = sums[c] / static_cast<T>(last - first);
+    }
+  });
+  return landmarks;
 }
 
 }  // namespace
@@ -290,6 +324,10 @@ absl::StatusOr<at::Tensor> SequenceLandmarks(const at::Tensor& q, int64_t expert
   return RunWithoutThrowing("sequence landmarks", [&]() -> at::Tensor {
     at::NoGradGuard no_grad;
     if (batch * heads * head_dim == 0) return at::empty({batch, heads, expert_count, head_dim}, q.options());
+    if (q.device().is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble)) {
+      return AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "SequenceLandmarks",
+                                        [&] { return SequenceLandmarksOnCpu<scalar_t>(q, expert_count); });
+    }
     // adaptive_avg_pool1d's window i is [floor(i*N/M), ceil((i+1)*N/M)).
     const at::Tensor sequence = q.reshape({batch * heads, tokens, head_dim}).transpose(1, 2);  // [B*H, d, N]
     const at::Tensor pooled = at::adaptive_avg_pool1d(sequence, {expert_count});           // [B*H, d, M]

@@ -25,6 +25,7 @@
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/adaptive_avg_pool1d.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/randint.h>
@@ -853,6 +854,28 @@ TEST(Landmarks, ImageLandmarksMatchHandLoopWithOneTokenShift) {
   ASSERT_TRUE(base.ok() && after_last.ok() && after_cls.ok());
   EXPECT_TRUE(after_last->equal(*base));
   EXPECT_GT(MaxAbsDifference(ToDoubles(*after_cls), ToDoubles(*base)), 1.0);
+}
+
+// The CPU path reads q's rows in place; LibTorch's adaptive_avg_pool1d on the transposed view (the path it replaced,
+// and the PyTorch twin's) gives the same landmarks bit for bit, at the models' strided layout (a view of the fused
+// qkv output), uneven overlapping windows included.
+TEST(Landmarks, SequenceLandmarksOnTheCpuEqualLibTorchsPoolingBitForBit) {
+  const int64_t heads = 2, d = 32;
+  for (const at::ScalarType type : {at::kFloat, at::kDouble}) {
+    for (const int64_t tokens : {int64_t{16384}, int64_t{1000}}) {
+      const at::Tensor qkv = at::randn({tokens, 3 * heads * d}).to(type);
+      const at::Tensor q = qkv.view({1, tokens, 3, heads, d}).permute({2, 0, 3, 1, 4})[0];  // [1, H, N, d]
+      for (const int64_t experts : {int64_t{8}, int64_t{37}, int64_t{256}, tokens}) {
+        SCOPED_TRACE(std::to_string(tokens) + " tokens, " + std::to_string(experts) + " experts");
+        absl::StatusOr<at::Tensor> landmarks = SequenceLandmarks(q, experts);
+        ASSERT_TRUE(landmarks.ok()) << landmarks.status();
+        const at::Tensor expected = at::adaptive_avg_pool1d(q.reshape({heads, tokens, d}).transpose(1, 2), {experts})
+                                        .transpose(1, 2)
+                                        .reshape({1, heads, experts, d});
+        EXPECT_TRUE(landmarks->equal(expected)) << MaxAbsDifference(ToDoubles(*landmarks), ToDoubles(expected));
+      }
+    }
+  }
 }
 
 TEST(Landmarks, SequenceLandmarksMatchHandLoop) {

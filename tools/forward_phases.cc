@@ -179,6 +179,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("Where one forward's time goes, phase by phase, beside its floor. Flags below.");
   absl::ParseCommandLine(argc, argv);
   mita::kernels::SetIntraOpThreads(absl::GetFlag(FLAGS_threads));
+  mita::kernels::KeepFreedMemoryForReuse();  // as mita-server does by default (--keep_freed_memory)
   c10::InferenceMode inference;
   auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));
   if (!package.ok()) {
