@@ -225,7 +225,10 @@ int ListModels(const MitaClient& client, absl::Duration deadline) {
             ? absl::StrCat("one of ", absl::StrJoin(knobs.allowed_expert_counts(), ", "))
             : absl::StrCat(knobs.min_expert_count(), "..", knobs.max_expert_count());
     std::cout << "  expert_count: " << counts << "; expert_width: " << knobs.min_expert_width() << ".." << knobs.max_expert_width()
-              << "; default: " << knobs.default_budget().expert_count() << "/" << knobs.default_budget().expert_width()
+              << "; default: "
+              << (knobs.default_full_attention()
+                      ? std::string("full attention")
+                      : absl::StrCat(knobs.default_budget().expert_count(), "/", knobs.default_budget().expert_width()))
               << "; full attention: " << (knobs.full_attention_supported() ? "yes" : "no") << "\n";
     for (const v1::NamedBudget& preset : knobs.presets()) {
       if (preset.full_attention()) {

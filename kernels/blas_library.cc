@@ -118,14 +118,14 @@ const BlasLibrary& BlasLibrary::LibTorchBlas() {
   return *library;
 }
 
-BlasLibrary::Choice BlasLibrary::Choose(std::string_view setting, bool amd_with_avx512, bool openblas_loaded) {
+BlasLibrary::Choice BlasLibrary::Choose(std::string_view setting, bool amd, bool avx512, bool openblas_loaded) {
   Choice choice;
   if (setting == "openblas" || setting == "libtorch") {
     choice.openblas = setting == "openblas";
     choice.reason = absl::StrCat("MITA_BLAS=", std::string(setting));
   } else {
-    choice.openblas = amd_with_avx512;
-    choice.reason = amd_with_avx512 ? "AMD CPU with AVX-512" : "not an AMD CPU with AVX-512";
+    choice.openblas = amd && avx512;
+    choice.reason = absl::StrCat(amd ? "AMD" : "non-AMD", " CPU ", avx512 ? "with" : "without", " AVX-512");
     if (!setting.empty()) absl::StrAppend(&choice.reason, " (MITA_BLAS=", std::string(setting), " is not a choice)");
   }
   if (choice.openblas && !openblas_loaded) {
@@ -142,12 +142,12 @@ const Chosen& ChosenLibrary() {
   static const Chosen* const chosen = [] {
     const char* variable = std::getenv("MITA_BLAS");
     const std::string setting = variable != nullptr ? variable : "";
-    const bool amd_with_avx512 = __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f");
+    const bool amd = __builtin_cpu_is("amd"), avx512 = __builtin_cpu_supports("avx512f");
     // OpenBLAS is loaded (its thread pool started) only when the rule wants it.
-    const bool wanted = BlasLibrary::Choose(setting, amd_with_avx512, /*openblas_loaded=*/true).openblas;
+    const bool wanted = BlasLibrary::Choose(setting, amd, avx512, /*openblas_loaded=*/true).openblas;
     const BlasLibrary* openblas = wanted ? BlasLibrary::OpenBlas() : nullptr;
     if (openblas != nullptr) openblas->SetThreads(at::get_num_threads());
-    const BlasLibrary::Choice choice = BlasLibrary::Choose(setting, amd_with_avx512, openblas != nullptr);
+    const BlasLibrary::Choice choice = BlasLibrary::Choose(setting, amd, avx512, openblas != nullptr);
     const std::string& error = wanted ? BlasLibrary::openblas_load_error() : "";
     return new Chosen{choice.openblas ? openblas : &BlasLibrary::LibTorchBlas(),
                       error.empty() ? choice.reason : absl::StrCat(choice.reason, "; ", error)};

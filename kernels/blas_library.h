@@ -35,9 +35,9 @@ class BlasLibrary {
     std::string reason;  // one line for the log, e.g. "AMD CPU with AVX-512: OpenBLAS"
   };
   // The rule Get() applies (pure): MITA_BLAS = `setting` ("" for unset, "openblas" or "libtorch"; anything else is
-  // ignored and said in the reason), whether the CPU is AMD's with AVX-512F, and whether OpenBLAS loaded (without
-  // it, always LibTorch's).
-  static Choice Choose(std::string_view setting, bool amd_with_avx512, bool openblas_loaded);
+  // ignored and said in the reason), whether the CPU is AMD's, whether it has AVX-512F, and whether OpenBLAS loaded
+  // (without it, always LibTorch's).
+  static Choice Choose(std::string_view setting, bool amd, bool avx512, bool openblas_loaded);
 
   // Column-major C[m, n] = alpha op(A) op(B) + beta C, op 'N' (as is) or 'T' (transposed), as BLAS sgemm/dgemm.
   // Dimensions and leading dimensions must fit in an int (BLAS's LP64 interface).

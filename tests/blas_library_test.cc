@@ -67,19 +67,21 @@ TEST(BlasLibrary, LoadsTheBuildsOpenBlasWhenTheBuildNamesOne) {
 }
 
 TEST(BlasLibrary, OpenBlasOnAmdCpusWithAvx512UnlessTheEnvironmentSaysOtherwise) {
-  EXPECT_TRUE(BlasLibrary::Choose("", /*amd_with_avx512=*/true, /*openblas_loaded=*/true).openblas);
-  EXPECT_FALSE(BlasLibrary::Choose("", false, true).openblas);
-  EXPECT_EQ(BlasLibrary::Choose("", true, true).reason, "AMD CPU with AVX-512: OpenBLAS");
-  EXPECT_EQ(BlasLibrary::Choose("", false, true).reason, "not an AMD CPU with AVX-512: LibTorch's BLAS");
+  EXPECT_TRUE(BlasLibrary::Choose("", /*amd=*/true, /*avx512=*/true, /*openblas_loaded=*/true).openblas);
+  EXPECT_FALSE(BlasLibrary::Choose("", true, false, true).openblas);
+  EXPECT_FALSE(BlasLibrary::Choose("", false, true, true).openblas);
+  EXPECT_EQ(BlasLibrary::Choose("", true, true, true).reason, "AMD CPU with AVX-512: OpenBLAS");
+  EXPECT_EQ(BlasLibrary::Choose("", true, false, true).reason, "AMD CPU without AVX-512: LibTorch's BLAS");
+  EXPECT_EQ(BlasLibrary::Choose("", false, true, true).reason, "non-AMD CPU with AVX-512: LibTorch's BLAS");
   // MITA_BLAS wins over the CPU; nothing picks an OpenBLAS that did not load.
-  EXPECT_TRUE(BlasLibrary::Choose("openblas", false, true).openblas);
-  EXPECT_FALSE(BlasLibrary::Choose("libtorch", true, true).openblas);
-  EXPECT_EQ(BlasLibrary::Choose("libtorch", true, true).reason, "MITA_BLAS=libtorch: LibTorch's BLAS");
-  const BlasLibrary::Choice missing = BlasLibrary::Choose("openblas", true, false);
+  EXPECT_TRUE(BlasLibrary::Choose("openblas", false, false, true).openblas);
+  EXPECT_FALSE(BlasLibrary::Choose("libtorch", true, true, true).openblas);
+  EXPECT_EQ(BlasLibrary::Choose("libtorch", true, true, true).reason, "MITA_BLAS=libtorch: LibTorch's BLAS");
+  const BlasLibrary::Choice missing = BlasLibrary::Choose("openblas", true, true, false);
   EXPECT_FALSE(missing.openblas);
   EXPECT_EQ(missing.reason, "MITA_BLAS=openblas, but no OpenBLAS loaded: LibTorch's BLAS");
   // Any other value is ignored, and the reason says so.
-  EXPECT_EQ(BlasLibrary::Choose("mkl", true, true).reason,
+  EXPECT_EQ(BlasLibrary::Choose("mkl", true, true, true).reason,
             "AMD CPU with AVX-512 (MITA_BLAS=mkl is not a choice): OpenBLAS");
 }
 

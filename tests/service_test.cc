@@ -34,10 +34,12 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/aten_errors.h"
+#include "models/model_package.h"
 #include "prometheus/metric_family.h"
 #include "server/engine/inference_engine.h"
 #include "server/engine/model_registry.h"
 #include "server/frontend/grpc_status.h"
+#include "server/frontend/mita_v1_service.h"
 #include "server/metrics/metrics.h"
 #include "tests/server_test_util.h"
 #include "tests/test_util.h"
@@ -425,6 +427,20 @@ TEST_F(ServiceTest, BadRequestsGetTheRightCodeAndNameTheField) {
 // Deadlines and cancellation while queued: tests/cancellation_test.cc (a 60 s max queue delay there, so the
 // outcome does not depend on how fast a loaded machine runs the call; the 20 ms windows used here before
 // failed under load).
+
+// A model whose default is full attention says so (the embedded timm package), a MiTA default gives its budget.
+TEST(ModelMetadataTest, AFullAttentionDefaultIsDeclaredAsSuch) {
+  for (const auto& [name, full] : {std::pair<std::string, bool>{"timm-vit-fashion-mnist", true},
+                                   std::pair<std::string, bool>{"fashion-mnist-vit", false}}) {
+    SCOPED_TRACE(name);
+    absl::StatusOr<models::ModelPackage> package = models::LoadModelPackage(RepositoryPath() + "/" + name);
+    ASSERT_TRUE(package.ok()) << package.status();
+    const v1::Knobs knobs = ToModelMetadata(package->classifier->description(), models::InputLimits{}).knobs();
+    EXPECT_EQ(knobs.default_full_attention(), full);
+    EXPECT_EQ(knobs.has_default_budget(), !full);
+    if (!full) EXPECT_EQ(knobs.default_budget().expert_count(), 9);
+  }
+}
 
 TEST_F(ServiceTest, GetModelDeclaresTheKnobs) {
   absl::StatusOr<v1::ModelMetadata> model = client_->GetModel(kModel);

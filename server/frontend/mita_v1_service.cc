@@ -166,8 +166,12 @@ v1::ModelMetadata ToModelMetadata(const models::ClassifierDescription& model, co
   out->set_max_expert_count(knobs.max_expert_count);
   out->set_min_expert_width(knobs.min_expert_width);
   out->set_max_expert_width(knobs.max_expert_width);
-  out->mutable_default_budget()->set_expert_count(knobs.default_budget.expert_count);
-  out->mutable_default_budget()->set_expert_width(knobs.default_budget.expert_width);
+  if (knobs.default_budget.full_attention) {
+    out->set_default_full_attention(true);
+  } else {
+    out->mutable_default_budget()->set_expert_count(knobs.default_budget.expert_count);
+    out->mutable_default_budget()->set_expert_width(knobs.default_budget.expert_width);
+  }
   for (const auto& [name, preset] : knobs.presets) {
     v1::NamedBudget* named = out->add_presets();
     named->set_name(name);
