@@ -7,7 +7,6 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 
 // The BLAS LibTorch links (Fortran interface, column-major): MKL's, exported by the wheel's libtorch_cpu.so, or the
 // system BLAS linked with Debian's LibTorch (cmake/libtorch.cmake).
