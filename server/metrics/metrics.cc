@@ -1,6 +1,7 @@
 // Prometheus metrics (see metrics.h).
 #include "server/metrics/metrics.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -43,10 +44,10 @@ const Histogram::BucketBoundaries& FractionBuckets() {
   return *buckets;
 }
 
-constexpr const char* kMethodNames[kNumRpcMethods] = {"Classify",      "ListModels", "GetModel",
-                                                     "ModelInfer",    "ModelMetadata", "ModelReady",
-                                                     "ServerLive",    "ServerReady", "ServerMetadata",
-                                                     "ModelConfig"};
+constexpr const char* kMethodNames[kNumRpcMethods] = {
+    "Classify",    "ListModels",     "GetModel",   "ModelInfer",      "ModelMetadata",       "ModelReady",
+    "ServerLive",  "ServerReady",    "ServerMetadata", "ModelConfig", "RepositoryIndex",     "RepositoryModelLoad",
+    "RepositoryModelUnload", "ListRepository", "LoadModel", "UnloadModel"};
 
 }  // namespace
 
@@ -63,11 +64,17 @@ bool IsModelMethod(RpcMethod method) {
     case RpcMethod::kModelMetadata:
     case RpcMethod::kModelReady:
     case RpcMethod::kModelConfig:
+    case RpcMethod::kRepositoryModelLoad:
+    case RpcMethod::kRepositoryModelUnload:
+    case RpcMethod::kLoadModel:
+    case RpcMethod::kUnloadModel:
       return true;
     case RpcMethod::kListModels:
     case RpcMethod::kServerLive:
     case RpcMethod::kServerReady:
     case RpcMethod::kServerMetadata:
+    case RpcMethod::kRepositoryIndex:
+    case RpcMethod::kListRepository:
       return false;
   }
   return false;
@@ -224,18 +231,51 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
           .Help("Fraction of keys selected by no routed expert (emergent token pruning); per request and layer.")
           .Register(*registry_);
 
-  auto add_code_counters = [&requests](RpcMethod method, const std::string& model) {
-    ModelMetrics::CodeCounters counters{};
-    for (int code = 0; code < kNumStatusCodes; ++code) {
-      counters[code] = &requests.Add({{"method", kMethodNames[static_cast<int>(method)]},
-                                      {"model", model},
-                                      {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(code))}});
-    }
-    return counters;
-  };
+  families_.requests = &requests;
+  families_.latency = &latency;
+  families_.queue_delay = &queue_delay;
+  families_.compute = &compute;
+  families_.batch_size = &batch_size;
+  families_.queue_depth = &queue_depth;
+  families_.queue_compute_units = &queue_compute_units;
+  families_.rejected = &rejected;
+  families_.budget_choices = &budget_choices;
+  families_.prediction_ratio = &prediction_ratio;
+  families_.planning_slack = &planning_slack;
+  families_.request_tokens = &request_tokens;
+  families_.batch_tokens = &batch_tokens;
+  families_.expert_count = &expert_count;
+  families_.expert_width = &expert_width;
+  families_.applied_expert_count = &applied_expert_count;
+  families_.applied_expert_width = &applied_expert_width;
+  families_.full_attention = &full_attention;
+  families_.executed_after_cancel = &executed_after_cancel;
+  families_.compute_after_caller_left = &compute_after_caller_left;
+  families_.load_imbalance = &load_imbalance;
+  families_.routing_entropy = &routing_entropy;
+  families_.pruned_key_fraction = &pruned_key_fraction;
+  families_.model_ready = &prometheus::BuildGauge()
+                               .Name("mita_model_ready")
+                               .Help("1 while the model version serves requests, 0 once it is unloaded, replaced or "
+                                     "failed to load (model versions of the repository).")
+                               .Register(*registry_);
+  families_.model_load_seconds = &prometheus::BuildGauge()
+                                      .Name("mita_model_load_seconds")
+                                      .Help("Time the model version's last load took: reading the package, the "
+                                            "cost calibration and starting its lanes, seconds.")
+                                      .Register(*registry_);
+  families_.model_loads = &prometheus::BuildCounter()
+                               .Name("mita_model_loads_total")
+                               .Help("Loads of a model version from the repository, by result (ok, failed).")
+                               .Register(*registry_);
+  families_.model_unloads = &prometheus::BuildCounter()
+                                 .Name("mita_model_unloads_total")
+                                 .Help("Model versions unloaded (removed, replaced or no longer chosen by the "
+                                       "version policy) after their requests finished.")
+                                 .Register(*registry_);
   for (int m = 0; m < kNumRpcMethods; ++m) {
     const auto method = static_cast<RpcMethod>(m);
-    other_requests_[m] = add_code_counters(method, IsModelMethod(method) ? "unknown" : "");
+    other_requests_[m] = CodeCountersFor(method, IsModelMethod(method) ? "unknown" : "");
   }
   preparation_memory_ = &prometheus::BuildGauge()
                              .Name("mita_preparation_memory_bytes")
@@ -262,87 +302,131 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
                         .Register(*registry_)
                         .Add({});
 
+  for (const ModelInfo& info : models) AddModel(info);
+}
+
+ServerMetrics::CodeCounters ServerMetrics::CodeCountersFor(RpcMethod method, const std::string& model) {
+  CodeCounters counters{};
+  for (int code = 0; code < kNumStatusCodes; ++code) {
+    counters[code] = &families_.requests->Add({{"method", kMethodNames[static_cast<int>(method)]},
+                                               {"model", model},
+                                               {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(code))}});
+  }
+  return counters;
+}
+
+ModelMetrics* ServerMetrics::AddModel(const ModelInfo& info) {
+  absl::MutexLock lock(&models_mu_);
+  auto existing = models_.find(info.name);
+  if (existing != models_.end() && existing->second->layers() >= info.layers &&
+      existing->second->device_ == info.device) {
+    return existing->second.get();
+  }
   const Histogram::BucketBoundaries count_buckets = PowersOfTwo(12);  // up to 4096 experts
   const Histogram::BucketBoundaries width_buckets = PowersOfTwo(16);  // up to 65536 keys
   const Histogram::BucketBoundaries batch_buckets = PowersOfTwo(10);  // up to 1024 requests
   const Histogram::BucketBoundaries token_buckets = PowersOfTwo(20);  // up to 1M tokens
-  for (const ModelInfo& info : models) {
-    if (models_.count(info.name) > 0) continue;
-    auto model = std::make_unique<ModelMetrics>();
-    model->name_ = info.name;
-    const prometheus::Labels labels = {{"model", info.name}};
-    for (int m = 0; m < kNumRpcMethods; ++m) {
-      const auto method = static_cast<RpcMethod>(m);
-      if (IsModelMethod(method)) model->requests_[m] = add_code_counters(method, info.name);
-    }
-    model->queue_depth_ = &queue_depth.Add(labels);
-    model->queue_compute_units_ = &queue_compute_units.Add(labels);
-    model->latency_ = &latency.Add(labels, SecondsBuckets());
-    model->queue_delay_ = &queue_delay.Add(labels, SecondsBuckets());
-    model->compute_ = &compute.Add(labels, SecondsBuckets());
-    model->batch_size_ = &batch_size.Add(labels, batch_buckets);
-    model->batch_tokens_ = &batch_tokens.Add(labels, token_buckets);
-    model->request_tokens_ = &request_tokens.Add(labels, token_buckets);
-    for (int reason = 1; reason < kNumAdmissionRejections; ++reason) {
-      model->rejections_[static_cast<size_t>(reason)] = &rejected.Add(
-          {{"model", info.name}, {"reason", AdmissionRejectionName(static_cast<AdmissionRejection>(reason))}});
-    }
-    model->expert_count_ = &expert_count.Add(labels, count_buckets);
-    model->expert_width_ = &expert_width.Add(labels, width_buckets);
-    model->applied_expert_count_ = &applied_expert_count.Add(labels, count_buckets);
-    model->applied_expert_width_ = &applied_expert_width.Add(labels, width_buckets);
-    model->full_attention_ = &full_attention.Add(labels);
-    for (int reason = 0; reason < 4; ++reason) {
-      model->budget_choices_[static_cast<size_t>(reason)] = &budget_choices.Add(
-          {{"model", info.name}, {"reason", BudgetReasonName(static_cast<BudgetReason>(reason))}});
-    }
-    model->prediction_ratio_ = &prediction_ratio.Add(
-        labels, Histogram::BucketBoundaries{0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0});
-    model->planning_slack_ = &planning_slack.Add(labels);
-    model->executed_after_cancel_ = &executed_after_cancel.Add(labels);
-    model->compute_after_caller_left_ = &compute_after_caller_left.Add(labels);
-    for (int64_t layer = 0; layer < info.layers; ++layer) {
-      const prometheus::Labels layer_labels = {{"model", info.name}, {"layer", std::to_string(layer)}};
-      ModelMetrics::Layer series;
-      series.load_imbalance = &load_imbalance.Add(layer_labels, ImbalanceBuckets());
-      series.routing_entropy = &routing_entropy.Add(layer_labels, FractionBuckets());
-      series.pruned_key_fraction = &pruned_key_fraction.Add(layer_labels, FractionBuckets());
-      model->layers_.push_back(series);
-    }
-    models_.emplace(info.name, std::move(model));
+  // A model seen again with more layers or on another device gets a new object over the same series (the families
+  // return the series a label set already has); the old one stays valid for the runners that still hold it.
+  auto model = std::make_unique<ModelMetrics>();
+  model->name_ = info.name;
+  model->device_ = info.device;
+  const prometheus::Labels labels = {{"model", info.name}};
+  for (int m = 0; m < kNumRpcMethods; ++m) {
+    const auto method = static_cast<RpcMethod>(m);
+    if (IsModelMethod(method)) model->requests_[m] = CodeCountersFor(method, info.name);
   }
-
-  // GPU memory, per CUDA device a model runs on.
-  prometheus::Family<prometheus::Gauge>* allocated = nullptr;
-  prometheus::Family<prometheus::Gauge>* reserved = nullptr;
-  for (const ModelInfo& info : models) {
-    absl::StatusOr<c10::Device> device = kernels::ParseDevice(info.device);
-    if (!device.ok() || !device->is_cuda()) continue;
-    if (allocated == nullptr) {
-      allocated = &prometheus::BuildGauge()
-                       .Name("mita_gpu_memory_allocated_bytes")
-                       .Help("Bytes of the CUDA device's memory in tensors (LibTorch's caching allocator), after "
-                             "the last batch on it.")
-                       .Register(*registry_);
-      reserved = &prometheus::BuildGauge()
-                      .Name("mita_gpu_memory_reserved_bytes")
-                      .Help("Bytes of the CUDA device's memory LibTorch's caching allocator holds (in tensors and "
-                            "cached), after the last batch on it.")
-                      .Register(*registry_);
+  model->queue_depth_ = &families_.queue_depth->Add(labels);
+  model->queue_compute_units_ = &families_.queue_compute_units->Add(labels);
+  model->latency_ = &families_.latency->Add(labels, SecondsBuckets());
+  model->queue_delay_ = &families_.queue_delay->Add(labels, SecondsBuckets());
+  model->compute_ = &families_.compute->Add(labels, SecondsBuckets());
+  model->batch_size_ = &families_.batch_size->Add(labels, batch_buckets);
+  model->batch_tokens_ = &families_.batch_tokens->Add(labels, token_buckets);
+  model->request_tokens_ = &families_.request_tokens->Add(labels, token_buckets);
+  for (int reason = 1; reason < kNumAdmissionRejections; ++reason) {
+    model->rejections_[static_cast<size_t>(reason)] = &families_.rejected->Add(
+        {{"model", info.name}, {"reason", AdmissionRejectionName(static_cast<AdmissionRejection>(reason))}});
+  }
+  model->expert_count_ = &families_.expert_count->Add(labels, count_buckets);
+  model->expert_width_ = &families_.expert_width->Add(labels, width_buckets);
+  model->applied_expert_count_ = &families_.applied_expert_count->Add(labels, count_buckets);
+  model->applied_expert_width_ = &families_.applied_expert_width->Add(labels, width_buckets);
+  model->full_attention_ = &families_.full_attention->Add(labels);
+  for (int reason = 0; reason < 4; ++reason) {
+    model->budget_choices_[static_cast<size_t>(reason)] = &families_.budget_choices->Add(
+        {{"model", info.name}, {"reason", BudgetReasonName(static_cast<BudgetReason>(reason))}});
+  }
+  model->prediction_ratio_ = &families_.prediction_ratio->Add(
+      labels, Histogram::BucketBoundaries{0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0});
+  model->planning_slack_ = &families_.planning_slack->Add(labels);
+  model->executed_after_cancel_ = &families_.executed_after_cancel->Add(labels);
+  model->compute_after_caller_left_ = &families_.compute_after_caller_left->Add(labels);
+  // The repository's counters start at 0 with the model.
+  families_.model_unloads->Add(labels);
+  families_.model_loads->Add({{"model", info.name}, {"result", "ok"}});
+  families_.model_loads->Add({{"model", info.name}, {"result", "failed"}});
+  const int64_t layers = std::max(info.layers, existing != models_.end() ? existing->second->layers() : int64_t{0});
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const prometheus::Labels layer_labels = {{"model", info.name}, {"layer", std::to_string(layer)}};
+    ModelMetrics::Layer series;
+    series.load_imbalance = &families_.load_imbalance->Add(layer_labels, ImbalanceBuckets());
+    series.routing_entropy = &families_.routing_entropy->Add(layer_labels, FractionBuckets());
+    series.pruned_key_fraction = &families_.pruned_key_fraction->Add(layer_labels, FractionBuckets());
+    model->layers_.push_back(series);
+  }
+  // GPU memory, per CUDA device a model runs on (the families only once a model is on one).
+  if (absl::StatusOr<c10::Device> device = kernels::ParseDevice(info.device); device.ok() && device->is_cuda()) {
+    if (families_.gpu_allocated == nullptr) {
+      families_.gpu_allocated = &prometheus::BuildGauge()
+                                     .Name("mita_gpu_memory_allocated_bytes")
+                                     .Help("Bytes of the CUDA device's memory in tensors (LibTorch's caching "
+                                           "allocator), after the last batch on it.")
+                                     .Register(*registry_);
+      families_.gpu_reserved = &prometheus::BuildGauge()
+                                    .Name("mita_gpu_memory_reserved_bytes")
+                                    .Help("Bytes of the CUDA device's memory LibTorch's caching allocator holds (in "
+                                          "tensors and cached), after the last batch on it.")
+                                    .Register(*registry_);
     }
     std::unique_ptr<DeviceMemoryGauges>& gauges = devices_[info.device];
     if (gauges == nullptr) {
       gauges = std::make_unique<DeviceMemoryGauges>();
       gauges->device_ = *device;
-      gauges->allocated_ = &allocated->Add({{"device", info.device}});
-      gauges->reserved_ = &reserved->Add({{"device", info.device}});
+      gauges->allocated_ = &families_.gpu_allocated->Add({{"device", info.device}});
+      gauges->reserved_ = &families_.gpu_reserved->Add({{"device", info.device}});
       gauges->Update();
     }
-    if (ModelMetrics* model = ForModel(info.name); model != nullptr) model->device_memory_ = gauges.get();
+    model->device_memory_ = gauges.get();
+  }
+  ModelMetrics* added = model.get();
+  if (existing != models_.end()) {
+    replaced_models_.push_back(std::move(existing->second));
+    existing->second = std::move(model);
+  } else {
+    models_.emplace(info.name, std::move(model));
+  }
+  return added;
+}
+
+void ServerMetrics::ObserveModelLoad(const std::string& model, int64_t version, bool ok, absl::Duration took) {
+  families_.model_loads->Add({{"model", model}, {"result", ok ? "ok" : "failed"}}).Increment();
+  if (ok) {
+    families_.model_load_seconds->Add({{"model", model}, {"version", std::to_string(version)}})
+        .Set(absl::ToDoubleSeconds(took));
   }
 }
 
+void ServerMetrics::SetModelReady(const std::string& model, int64_t version, bool ready) {
+  families_.model_ready->Add({{"model", model}, {"version", std::to_string(version)}}).Set(ready ? 1 : 0);
+}
+
+void ServerMetrics::CountModelUnload(const std::string& model) {
+  families_.model_unloads->Add({{"model", model}}).Increment();
+}
+
 ModelMetrics* ServerMetrics::ForModel(const std::string& name) {
+  absl::MutexLock lock(&models_mu_);
   auto it = models_.find(name);
   return it == models_.end() ? nullptr : it->second.get();
 }

@@ -49,8 +49,14 @@ enum class RpcMethod {
   kServerReady = 7,
   kServerMetadata = 8,
   kModelConfig = 9,
+  kRepositoryIndex = 10,
+  kRepositoryModelLoad = 11,
+  kRepositoryModelUnload = 12,
+  kListRepository = 13,
+  kLoadModel = 14,
+  kUnloadModel = 15,
 };
-inline constexpr int kNumRpcMethods = 10;
+inline constexpr int kNumRpcMethods = 16;
 // The method's name in the label ("Classify", "ModelInfer", ...).
 const char* RpcMethodName(RpcMethod method);
 // Whether a call of `method` is about one model (counted with model="<name>" or "unknown"); the others are
@@ -125,6 +131,7 @@ class ModelMetrics {
 
   const std::string& name() const { return name_; }
   int64_t layers() const { return static_cast<int64_t>(layers_.size()); }
+  const std::string& device() const { return device_; }
 
  private:
   friend class ServerMetrics;
@@ -135,6 +142,7 @@ class ModelMetrics {
   };
   using CodeCounters = std::array<prometheus::Counter*, kNumStatusCodes>;
   std::string name_;
+  std::string device_;
   // mita_requests_total{method, model=name_, code} for Classify and GetModel (indexed by RpcMethod).
   std::array<CodeCounters, kNumRpcMethods> requests_{};
   prometheus::Histogram* latency_ = nullptr;
@@ -163,24 +171,37 @@ class ModelMetrics {
 // All server metrics, registered once in one prometheus::Registry. Thread-safe.
 class ServerMetrics {
  public:
-  // A model known at start: its name (from the registry), its number of attention layers, and its device
-  // ("cpu", "cuda:N": ClassifierDescription::device).
+  // A hosted model: its name (from the repository), its number of attention layers, and its device ("cpu",
+  // "cuda:N": ClassifierDescription::device).
   struct ModelInfo {
     std::string name;
     int64_t layers = 0;
     std::string device = "cpu";
   };
 
-  // Registers every family and creates every series for `models` (the GPU memory families only when a model is
-  // on a CUDA device: one series per such device, read once here).
+  // Registers every family and adds `models` (AddModel).
   explicit ServerMetrics(const std::vector<ModelInfo>& models);
 
   ServerMetrics(const ServerMetrics&) = delete;
   ServerMetrics& operator=(const ServerMetrics&) = delete;
 
-  // The metrics of model `name`, or nullptr when it was not declared at construction. Not for the hot path
-  // (a map lookup): resolve once and keep the pointer.
+  // Creates the series of model `info.name` (the GPU memory families only once a model is on a CUDA device: one
+  // series per such device) and returns its metrics; a model added before is returned as it is, unless `info` has
+  // more layers or another device (then a new object over the same series; the old one stays valid). Models are
+  // added at start and as the repository loads them; their names come from the repository, never from a request.
+  ModelMetrics* AddModel(const ModelInfo& info);
+
+  // The metrics of model `name`, or nullptr when it was never added. Not for the hot path (a map lookup under a
+  // lock): resolve once and keep the pointer.
   ModelMetrics* ForModel(const std::string& name);
+
+  // A load of `model` version `version` from the repository ended: mita_model_loads_total{model, result} and, when
+  // `ok`, mita_model_load_seconds{model, version} = `took`.
+  void ObserveModelLoad(const std::string& model, int64_t version, bool ok, absl::Duration took);
+  // mita_model_ready{model, version}: 1 while the version serves requests.
+  void SetModelReady(const std::string& model, int64_t version, bool ready);
+  // mita_model_unloads_total{model}: a version unloaded after its requests finished.
+  void CountModelUnload(const std::string& model);
 
   // Counts one answered RPC. `model` is nullptr for an unknown model (counted as model="unknown"), and
   // ignored for server-wide methods (model=""). Codes outside 0..16 count as UNKNOWN.
@@ -212,9 +233,48 @@ class ServerMetrics {
 
  private:
   using CodeCounters = std::array<prometheus::Counter*, kNumStatusCodes>;
+  // The families a model's series are added to (AddModel), and the repository's.
+  struct Families {
+    prometheus::Family<prometheus::Counter>* requests = nullptr;
+    prometheus::Family<prometheus::Histogram>* latency = nullptr;
+    prometheus::Family<prometheus::Histogram>* queue_delay = nullptr;
+    prometheus::Family<prometheus::Histogram>* compute = nullptr;
+    prometheus::Family<prometheus::Histogram>* batch_size = nullptr;
+    prometheus::Family<prometheus::Gauge>* queue_depth = nullptr;
+    prometheus::Family<prometheus::Gauge>* queue_compute_units = nullptr;
+    prometheus::Family<prometheus::Counter>* rejected = nullptr;
+    prometheus::Family<prometheus::Counter>* budget_choices = nullptr;
+    prometheus::Family<prometheus::Histogram>* prediction_ratio = nullptr;
+    prometheus::Family<prometheus::Gauge>* planning_slack = nullptr;
+    prometheus::Family<prometheus::Histogram>* request_tokens = nullptr;
+    prometheus::Family<prometheus::Histogram>* batch_tokens = nullptr;
+    prometheus::Family<prometheus::Histogram>* expert_count = nullptr;
+    prometheus::Family<prometheus::Histogram>* expert_width = nullptr;
+    prometheus::Family<prometheus::Histogram>* applied_expert_count = nullptr;
+    prometheus::Family<prometheus::Histogram>* applied_expert_width = nullptr;
+    prometheus::Family<prometheus::Counter>* full_attention = nullptr;
+    prometheus::Family<prometheus::Counter>* executed_after_cancel = nullptr;
+    prometheus::Family<prometheus::Counter>* compute_after_caller_left = nullptr;
+    prometheus::Family<prometheus::Histogram>* load_imbalance = nullptr;
+    prometheus::Family<prometheus::Histogram>* routing_entropy = nullptr;
+    prometheus::Family<prometheus::Histogram>* pruned_key_fraction = nullptr;
+    prometheus::Family<prometheus::Gauge>* gpu_allocated = nullptr;  // registered with the first CUDA model
+    prometheus::Family<prometheus::Gauge>* gpu_reserved = nullptr;
+    prometheus::Family<prometheus::Gauge>* model_ready = nullptr;
+    prometheus::Family<prometheus::Gauge>* model_load_seconds = nullptr;
+    prometheus::Family<prometheus::Counter>* model_loads = nullptr;
+    prometheus::Family<prometheus::Counter>* model_unloads = nullptr;
+  };
+  // mita_requests_total's counters of `method` about `model`, one per code.
+  CodeCounters CodeCountersFor(RpcMethod method, const std::string& model);
+
   std::shared_ptr<prometheus::Registry> registry_;
-  std::map<std::string, std::unique_ptr<ModelMetrics>> models_;
-  std::map<std::string, std::unique_ptr<DeviceMemoryGauges>> devices_;  // by device name
+  Families families_;
+  absl::Mutex models_mu_;
+  std::map<std::string, std::unique_ptr<ModelMetrics>> models_ ABSL_GUARDED_BY(models_mu_);
+  // Objects AddModel replaced, kept for the runners that hold them.
+  std::vector<std::unique_ptr<ModelMetrics>> replaced_models_ ABSL_GUARDED_BY(models_mu_);
+  std::map<std::string, std::unique_ptr<DeviceMemoryGauges>> devices_ ABSL_GUARDED_BY(models_mu_);  // by device
   // mita_requests_total with model="unknown" (model methods) and model="" (server-wide ones), by RpcMethod.
   std::array<CodeCounters, kNumRpcMethods> other_requests_{};
   prometheus::Gauge* preparation_memory_ = nullptr;
