@@ -68,7 +68,7 @@ struct PackageFiles {
 };
 
 // Reads config.json and labels.txt of the package in `directory`.
-absl::StatusOr<PackageFiles> ReadPackageFiles(const std::string& directory) {
+absl::StatusOr<PackageFiles> ReadPackageFiles(const std::string& directory, const std::string& name = "") {
   PackageFiles files;
   files.root = std::filesystem::path(directory);
   std::error_code error;
@@ -77,6 +77,7 @@ absl::StatusOr<PackageFiles> ReadPackageFiles(const std::string& directory) {
   }
   files.name = files.root.filename().string();
   if (files.name.empty()) files.name = files.root.parent_path().filename().string();  // "dir/" form
+  if (!name.empty()) files.name = name;
   ASSIGN_OR_RETURN(files.config_text, ReadFile(files.root / "config.json"));
   ASSIGN_OR_RETURN(files.labels_text, ReadFile(files.root / "labels.txt"));
   return files;
@@ -140,8 +141,9 @@ absl::Status CheckArchitecture(const PackageFiles& files, absl::string_view arch
 
 }  // namespace
 
-absl::StatusOr<ModelPackage> LoadModelPackage(const std::string& directory, const Placement& placement) {
-  ASSIGN_OR_RETURN(PackageFiles files, ReadPackageFiles(directory));
+absl::StatusOr<ModelPackage> LoadModelPackage(const std::string& directory, const Placement& placement,
+                                              const std::string& name) {
+  ASSIGN_OR_RETURN(PackageFiles files, ReadPackageFiles(directory, name));
   ASSIGN_OR_RETURN(const std::string architecture, ParseArchitecture(files.config_text));
   std::vector<std::string> known;
   for (const Architecture& candidate : kArchitectures) {

@@ -9,86 +9,23 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "models/request_error.h"
+#include "server/engine/model_repository.h"
 
 namespace mita::server {
-namespace {
-
-// OK when `directory` and every entry directly in it resolve to paths inside `repository`.
-// Errors: PERMISSION_DENIED naming the entry and where it resolves to.
-absl::Status CheckPackageInsideRepository(const std::string& repository, const std::string& directory) {
-  namespace fs = std::filesystem;
-  absl::StatusOr<std::string> resolved = ResolveInsideDirectory(repository, directory);
-  if (!resolved.ok()) {
-    return absl::Status(resolved.status().code(),
-                        absl::StrCat("model package '", directory, "': ", resolved.status().message(),
-                                     " (packages are read only from inside --model_repository)"));
-  }
-  std::error_code error;
-  for (fs::directory_iterator it(directory, error); !error && it != fs::directory_iterator(); it.increment(error)) {
-    absl::StatusOr<std::string> entry = ResolveInsideDirectory(repository, it->path().string());
-    if (!entry.ok()) {
-      return absl::Status(entry.status().code(),
-                          absl::StrCat("model package '", directory, "': ", entry.status().message(),
-                                       " (packages are read only from inside --model_repository)"));
-    }
-  }
-  if (error) {
-    return absl::NotFoundError(absl::StrCat("cannot read model package '", directory, "': ", error.message()));
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
-absl::StatusOr<std::vector<std::string>> ModelRegistry::PackageFolders(const std::string& repository) {
-  namespace fs = std::filesystem;
-  std::error_code error;
-  if (!fs::is_directory(repository, error)) {
-    return absl::NotFoundError(absl::StrCat("model repository '", repository, "' is not a directory",
-                                            error ? absl::StrCat(": ", error.message()) : std::string()));
-  }
-  std::vector<std::string> folders;
-  fs::directory_iterator it(repository, error);
-  if (error) {
-    return absl::NotFoundError(absl::StrCat("cannot read model repository '", repository, "': ", error.message()));
-  }
-  for (; it != fs::directory_iterator(); it.increment(error)) {
-    if (error) break;
-    const std::string name = it->path().filename().string();
-    if (name.empty() || name[0] == '.') continue;
-    std::error_code type_error;
-    if (!it->is_directory(type_error)) continue;
-    folders.push_back(name);
-  }
-  if (error) {
-    return absl::NotFoundError(absl::StrCat("cannot read model repository '", repository, "': ", error.message()));
-  }
-  if (folders.empty()) {
-    return absl::NotFoundError(absl::StrCat("model repository '", repository, "' holds no model package folder"));
-  }
-  std::sort(folders.begin(), folders.end());
-  return folders;
-}
-
 absl::StatusOr<std::unique_ptr<ModelRegistry>> ModelRegistry::LoadFromDirectory(
     const std::string& repository, const std::map<std::string, models::Placement>& placements) {
-  namespace fs = std::filesystem;
-  absl::StatusOr<std::vector<std::string>> folders = PackageFolders(repository);
+  absl::StatusOr<std::vector<std::string>> folders = ModelFolderNames(repository);
   if (!folders.ok()) return folders.status();
   std::vector<models::ModelPackage> packages;
-  for (const std::string& folder : *folders) {
-    const std::string directory = (fs::path(repository) / folder).string();
-    // Packages are read only from inside the repository: a package folder or file that is a symlink to
-    // somewhere else is refused (symlinks that stay inside are fine).
-    if (absl::Status inside = CheckPackageInsideRepository(repository, directory); !inside.ok()) return inside;
-    auto placement = placements.find(folder);
-    absl::StatusOr<models::ModelPackage> package = models::LoadModelPackage(
-        directory, placement == placements.end() ? models::Placement{} : placement->second);
-    if (!package.ok()) {
-      return absl::Status(package.status().code(),
-                          absl::StrCat("model package '", directory, "': ", package.status().message()));
-    }
-    package->name = folder;
+  for (const std::string& name : *folders) {
+    absl::StatusOr<ModelFolder> folder = ReadModelFolder(repository, name);
+    if (!folder.ok()) return folder.status();
+    absl::StatusOr<std::vector<VersionFolder>> versions = ServedVersions(*folder);
+    if (!versions.ok()) return versions.status();
+    auto placement = placements.find(name);
+    absl::StatusOr<models::ModelPackage> package = LoadModelVersion(
+        repository, *folder, versions->back(), placement == placements.end() ? models::Placement{} : placement->second);
+    if (!package.ok()) return package.status();
     packages.push_back(*std::move(package));
   }
   return FromPackages(std::move(packages));

@@ -1,4 +1,5 @@
-// The models this server hosts: every package folder under a model repository directory, loaded at start.
+// A fixed set of loaded model packages (tests, tools): every model of a repository directory, or packages given.
+// The server's own models change while it serves: server/engine/model_lifecycle.h.
 #pragma once
 
 #include <map>
@@ -15,21 +16,14 @@ namespace mita::server {
 // Model names from requests are only looked up here, never used to build paths.
 class ModelRegistry {
  public:
-  // Loads every sub-folder of `repository` (hidden entries and plain files are skipped) with
-  // models::LoadModelPackage; the model name is the folder name. Loading is all or nothing: a package that
-  // fails to load fails the whole registry.
-  // Errors: NOT_FOUND when `repository` is not a readable directory or holds no package folder; the package's
-  // own error (NOT_FOUND or INVALID_ARGUMENT), prefixed with its folder, when one fails to load;
-  // PERMISSION_DENIED when a package folder or a file directly in it is a symlink that resolves outside
-  // `repository` (packages are read only from inside it; symlinks that stay inside are followed).
-  // `placements`: the device and weights dtype of each model by name (server/process/placement.h); a model not in it
-  // runs on the CPU in float32.
+  // Loads every model folder of `repository` (server/engine/model_repository.h: the latest version its policy
+  // serves); the model name is the folder name. Loading is all or nothing: a package that fails to load fails the
+  // whole registry. Errors: ModelFolderNames', ReadModelFolder's, ServedVersions' and LoadModelVersion's (the
+  // package's own error prefixed with its folder; PERMISSION_DENIED for a package that resolves outside
+  // `repository`). `placements`: the device and weights dtype of each model by name (server/process/placement.h);
+  // a model not in it runs on the CPU in float32.
   static absl::StatusOr<std::unique_ptr<ModelRegistry>> LoadFromDirectory(
       const std::string& repository, const std::map<std::string, models::Placement>& placements = {});
-
-  // The package folders LoadFromDirectory would load (so the model names), sorted. Errors: NOT_FOUND as
-  // LoadFromDirectory's for the repository itself.
-  static absl::StatusOr<std::vector<std::string>> PackageFolders(const std::string& repository);
 
   // Builds a registry from already loaded packages (tests). Errors: INVALID_ARGUMENT for an empty or
   // duplicate name or a package without a classifier.
