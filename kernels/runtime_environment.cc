@@ -40,7 +40,8 @@ int SetIntraOpThreads(int threads) {
 bool KeepFreedMemoryForReuse() {
   const bool no_mmap = mallopt(M_MMAP_MAX, 0) == 1;
   const bool no_trim = mallopt(M_TRIM_THRESHOLD, INT_MAX) == 1;
-  return no_mmap && no_trim;
+  const bool one_arena = mallopt(M_ARENA_MAX, 1) == 1;
+  return no_mmap && no_trim && one_arena;
 }
 
 HeapMemory ReadHeapMemory() {

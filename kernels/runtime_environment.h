@@ -34,8 +34,11 @@ void ReexecWithPassiveOpenMpWaitIfUnset(char** argv);
 int SetIntraOpThreads(int threads);
 
 // Makes glibc's malloc keep freed memory for reuse: no allocation is served by its own mmap
-// (mallopt(M_MMAP_MAX, 0)) and the heap is never trimmed (mallopt(M_TRIM_THRESHOLD, INT_MAX)). Process-wide; call
-// before serving starts. Returns false when glibc refused either setting.
+// (mallopt(M_MMAP_MAX, 0)), the heap is never trimmed (mallopt(M_TRIM_THRESHOLD, INT_MAX)), and every thread
+// allocates from the main arena (mallopt(M_ARENA_MAX, 1)), the one whose free top ReturnFreedMemory can return:
+// malloc_trim leaves the free top of a thread's arena resident, so an unloaded model's memory stayed in the
+// arenas of the threads that had used it (docs/serving.md "Model repository"). Process-wide; call before any
+// thread allocates. Returns false when glibc refused a setting.
 //
 // Why: LibTorch's CPU tensors come from malloc, and glibc maps every block over 32 MiB (its largest mmap
 // threshold) afresh and unmaps it when freed, so a long document's multi-MiB activations are page-faulted in again
@@ -52,7 +55,7 @@ struct HeapMemory {
 HeapMemory ReadHeapMemory();
 
 // Returns every free page of the C heap to the system (malloc_trim(0): the free pages inside every arena, and the
-// top of the main heap). Returns by how much the resident anonymous memory went down, bytes (0 when it did not).
+// top of the main heap; a thread arena's free top stays, hence KeepFreedMemoryForReuse's one arena). Returns by how much the resident anonymous memory went down, bytes (0 when it did not).
 int64_t ReturnFreedMemory();
 
 // The bound of KeepFreedMemoryForReuse: a thread that, every `interval`, estimates the resident memory the C heap

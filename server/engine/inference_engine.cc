@@ -8,6 +8,8 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/runtime_environment.h"
 #include "kernels/status_macros.h"
 #include "models/request_error.h"
 
@@ -41,9 +43,7 @@ std::vector<ServerMetrics::ModelInfo> MetricsModelInfos(const ModelRegistry& reg
 absl::StatusOr<std::unique_ptr<InferenceEngine>> InferenceEngine::Create(const ModelRegistry* registry,
                                                                          ServerMetrics* metrics, EngineOptions options,
                                                                          const Clock* clock) {
-  if (registry == nullptr || metrics == nullptr || clock == nullptr) {
-    return absl::InvalidArgumentError("registry, metrics and clock must be set");
-  }
+  if (metrics == nullptr || clock == nullptr) return absl::InvalidArgumentError("metrics and clock must be set");
   RETURN_IF_ERROR(ValidateBatcherOptions(options.batching));
   if (options.preparation_threads < 0) {
     return absl::InvalidArgumentError(
@@ -62,22 +62,7 @@ absl::StatusOr<std::unique_ptr<InferenceEngine>> InferenceEngine::Create(const M
                                                    " must be >= 1 (", options.preparation_queue_capacity_source,
                                                    ")"));
   }
-  std::unique_ptr<InferenceEngine> engine(new InferenceEngine(registry, metrics, std::move(options), clock));
-  for (const models::ModelPackage* package : registry->packages()) {
-    ModelMetrics* model_metrics = metrics->ForModel(package->name);
-    if (model_metrics == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("metrics were not built for model '", package->name, "'"));
-    }
-    auto profile = engine->options_.cost_profiles.find(package->name);
-    ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner,
-                     ModelRunner::Create(package->classifier.get(), model_metrics, engine->options_.batching,
-                                         clock, engine->options_.long_document_tokens,
-                                         profile != engine->options_.cost_profiles.end()
-                                             ? profile->second
-                                             : PriorProfile(*package->classifier),
-                                         engine->options_.planning));
-    engine->runners_.emplace(package->name, std::move(runner));
-  }
+  std::unique_ptr<InferenceEngine> engine(new InferenceEngine(metrics, std::move(options), clock));
   const int threads = engine->options_.preparation_threads > 0
                           ? engine->options_.preparation_threads
                           : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -85,12 +70,20 @@ absl::StatusOr<std::unique_ptr<InferenceEngine>> InferenceEngine::Create(const M
                                                            engine->options_.preparation_queue_capacity_source);
   engine->preparation_memory_ = std::make_unique<PreparationMemory>(engine->options_.preparation_memory_bytes,
                                                                     engine->options_.preparation_memory_bytes_source);
+  if (registry != nullptr) {
+    for (const models::ModelPackage* package : registry->packages()) {
+      auto profile = engine->options_.cost_profiles.find(package->name);
+      // The registry owns its packages and outlives the engine: borrowed, never freed here.
+      RETURN_IF_ERROR(engine->ServeVersion(
+          package->name, 1, std::shared_ptr<const models::ModelPackage>(package, [](const models::ModelPackage*) {}),
+          profile != engine->options_.cost_profiles.end() ? profile->second : PriorProfile(*package->classifier)));
+    }
+  }
   return engine;
 }
 
-InferenceEngine::InferenceEngine(const ModelRegistry* registry, ServerMetrics* metrics, EngineOptions options,
-                                 const Clock* clock)
-    : registry_(registry), metrics_(metrics), options_(std::move(options)), clock_(clock) {
+InferenceEngine::InferenceEngine(ServerMetrics* metrics, EngineOptions options, const Clock* clock)
+    : metrics_(metrics), options_(std::move(options)), clock_(clock) {
   input_limits_.max_encoded_image_bytes = options_.max_encoded_image_bytes;
   input_limits_.max_tokens = options_.batching.max_batch_tokens;
   input_limits_.max_tokens_source = options_.batching.max_batch_tokens_source;
@@ -98,39 +91,161 @@ InferenceEngine::InferenceEngine(const ModelRegistry* registry, ServerMetrics* m
 
 InferenceEngine::~InferenceEngine() { Shutdown(); }
 
-absl::StatusOr<const models::ClassifierDescription*> InferenceEngine::FindModel(const std::string& name) const {
-  auto it = runners_.find(name);
-  if (it != runners_.end()) return &it->second->classifier().description();
-  // The registry's error says what is wrong with the name (empty, or unknown with the available ones).
-  absl::Status status = registry_->Lookup(name).status();
-  if (status.ok()) status = absl::InternalError(absl::StrCat("model '", name, "' is registered but not served"));
-  return status;
+absl::StatusOr<std::shared_ptr<ServedModel>> InferenceEngine::FindLocked(const std::string& name,
+                                                                         int64_t version) const {
+  auto model = served_.find(name);
+  if (model == served_.end() || model->second.empty()) {
+    std::vector<std::string> names;
+    for (const auto& [served_name, versions] : served_) {
+      if (!versions.empty()) names.push_back(served_name);
+    }
+    if (name.empty()) {
+      return models::InvalidRequest(models::RequestField::kModel,
+                                    absl::StrCat("the model name is empty; available: ", absl::StrJoin(names, ", ")));
+    }
+    // The name comes from a request: echo at most 100 bytes of it.
+    constexpr size_t kMaxEcho = 100;
+    const std::string shown = name.size() > kMaxEcho ? absl::StrCat(name.substr(0, kMaxEcho), "...") : name;
+    return absl::NotFoundError(
+        absl::StrCat("model '", shown, "' not found; available: ", absl::StrJoin(names, ", ")));
+  }
+  if (version == 0) return model->second.rbegin()->second;
+  auto found = model->second.find(version);
+  if (found == model->second.end()) {
+    std::vector<int64_t> versions;
+    for (const auto& [number, served] : model->second) versions.push_back(number);
+    return absl::NotFoundError(
+        absl::StrCat("model '", name, "' has no version ", version, "; served: ", absl::StrJoin(versions, ", ")));
+  }
+  return found->second;
+}
+
+absl::StatusOr<ModelHandle> InferenceEngine::FindModel(const std::string& name, int64_t version) const {
+  absl::ReaderMutexLock lock(&models_mu_);
+  return FindLocked(name, version);
 }
 
 absl::StatusOr<CostSummary> InferenceEngine::CostSummaryOf(const std::string& name) const {
-  auto it = runners_.find(name);
-  if (it == runners_.end()) return FindModel(name).status();
-  return it->second->cost_summary();
+  ASSIGN_OR_RETURN(const ModelHandle model, FindModel(name));
+  return model->runner().cost_summary();
 }
 
-std::vector<const models::ClassifierDescription*> InferenceEngine::models() const {
-  std::vector<const models::ClassifierDescription*> result;
-  for (const auto& [name, runner] : runners_) result.push_back(&runner->classifier().description());
+std::vector<ModelHandle> InferenceEngine::models() const {
+  absl::ReaderMutexLock lock(&models_mu_);
+  std::vector<ModelHandle> result;
+  for (const auto& [name, versions] : served_) {
+    if (!versions.empty()) result.push_back(versions.rbegin()->second);
+  }
   return result;
 }
 
-std::unique_ptr<InferenceCall> InferenceEngine::Submit(InferenceRequest request, InferenceDone done) {
+std::vector<int64_t> InferenceEngine::versions(const std::string& name) const {
+  absl::ReaderMutexLock lock(&models_mu_);
+  std::vector<int64_t> result;
+  if (auto model = served_.find(name); model != served_.end()) {
+    for (const auto& [version, served] : model->second) result.push_back(version);
+  }
+  return result;
+}
+
+absl::Status InferenceEngine::ServeVersion(const std::string& name, int64_t version,
+                                           std::shared_ptr<const models::ModelPackage> package, CostProfile profile) {
+  if (draining_.load()) return absl::UnavailableError("the server is shutting down: no model is loaded");
+  const models::ClassifierDescription& description = package->classifier->description();
+  ModelMetrics* model_metrics = metrics_->AddModel({name, description.layers, description.device});
+  ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner,
+                   ModelRunner::Create(package->classifier.get(), model_metrics, options_.batching, clock_,
+                                       options_.long_document_tokens, std::move(profile), options_.planning));
+  auto served = std::make_shared<ServedModel>(name, version, std::move(package), std::move(runner));
+  {
+    absl::MutexLock lock(&models_mu_);
+    std::shared_ptr<ServedModel>& slot = served_[name][version];
+    if (slot != nullptr) retired_.push_back(std::move(slot));
+    slot = std::move(served);
+  }
+  metrics_->SetModelReady(name, version, true);
+  return absl::OkStatus();
+}
+
+std::vector<int64_t> InferenceEngine::RetireVersions(const std::string& name, const std::set<int64_t>& keep) {
+  std::vector<int64_t> retired;
+  {
+    absl::MutexLock lock(&models_mu_);
+    auto model = served_.find(name);
+    if (model == served_.end()) return retired;
+    for (auto it = model->second.begin(); it != model->second.end();) {
+      if (keep.count(it->first) > 0) {
+        ++it;
+        continue;
+      }
+      retired.push_back(it->first);
+      retired_.push_back(std::move(it->second));
+      it = model->second.erase(it);
+    }
+    if (model->second.empty()) served_.erase(model);
+  }
+  for (int64_t version : retired) metrics_->SetModelReady(name, version, false);
+  return retired;
+}
+
+std::vector<std::pair<std::string, int64_t>> InferenceEngine::ReleaseRetired(absl::Time deadline) {
+  // A retired version is idle once the engine holds its only reference: no request (nor front end) has it, and
+  // none can take it again. Requests end by their own deadlines; the reference counts change without the lock, so
+  // they are polled.
+  const auto all_idle = [this]() {
+    absl::MutexLock lock(&models_mu_);
+    return std::all_of(retired_.begin(), retired_.end(), [](const auto& served) { return served.use_count() == 1; });
+  };
+  while (!all_idle() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  std::vector<std::shared_ptr<ServedModel>> idle;
+  {
+    absl::MutexLock lock(&models_mu_);
+    for (auto it = retired_.begin(); it != retired_.end();) {
+      if (it->use_count() == 1) {
+        idle.push_back(std::move(*it));
+        it = retired_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  std::vector<std::pair<std::string, int64_t>> released;
+  for (std::shared_ptr<ServedModel>& served : idle) {
+    served->runner().Shutdown();
+    released.emplace_back(served->name(), served->version());
+    metrics_->CountModelUnload(served->name());
+    served.reset();
+  }
+  if (!released.empty()) kernels::ReturnFreedMemory();
+  return released;
+}
+
+std::unique_ptr<InferenceCall> InferenceEngine::Submit(InferenceRequest request, InferenceDone done,
+                                                        ModelHandle model) {
   {
     absl::MutexLock lock(&in_flight_mu_);
     ++in_flight_;
   }
-  auto found = runners_.find(request.model);
-  ModelRunner* runner = found != runners_.end() ? found->second.get() : nullptr;
-  auto submitted = std::make_shared<Request>(std::move(request), clock_, std::move(done),
+  absl::Status found = absl::OkStatus();
+  if (model == nullptr) {
+    absl::StatusOr<ModelHandle> resolved = FindModel(request.model, request.model_version);
+    if (resolved.ok()) {
+      model = *std::move(resolved);
+    } else {
+      found = resolved.status();
+    }
+  }
+  ModelRunner* runner = model != nullptr ? &model->runner() : nullptr;
+  // The answer says which version ran it; the request holds the version until it is answered.
+  InferenceDone answer = [done = std::move(done), model](absl::StatusOr<InferenceResult> result) mutable {
+    if (result.ok() && model != nullptr) result->model_version = model->version();
+    done(std::move(result));
+  };
+  auto submitted = std::make_shared<Request>(std::move(request), clock_, std::move(answer),
                                              [this](bool admitted, bool ok) { Answered(admitted, ok); });
   const absl::Status ready = [&]() -> absl::Status {
     if (draining_.load()) return absl::UnavailableError("the server is shutting down: no new requests are accepted");
-    if (runner == nullptr) return FindModel(submitted->request().model).status();
+    RETURN_IF_ERROR(found);
     ASSIGN_OR_RETURN(const int64_t top_n,
                      ResolveTopN(submitted->request().top_n,
                                  static_cast<int64_t>(runner->classifier().description().labels.size())));
@@ -203,7 +318,11 @@ void InferenceEngine::Answered(bool admitted, bool ok) {
 
 void InferenceEngine::BeginDrain() {
   draining_.store(true);
-  for (auto& [name, runner] : runners_) runner->BeginShutdown();
+  absl::ReaderMutexLock lock(&models_mu_);
+  for (auto& [name, versions] : served_) {
+    for (auto& [version, served] : versions) served->runner().BeginShutdown();
+  }
+  for (auto& served : retired_) served->runner().BeginShutdown();
 }
 
 bool InferenceEngine::WaitUntilIdle(absl::Time deadline) {
@@ -215,7 +334,11 @@ bool InferenceEngine::WaitUntilIdle(absl::Time deadline) {
 void InferenceEngine::Shutdown() {
   draining_.store(true);
   if (preparation_ != nullptr) preparation_->Shutdown();
-  for (auto& [name, runner] : runners_) runner->Shutdown();
+  absl::ReaderMutexLock lock(&models_mu_);
+  for (auto& [name, versions] : served_) {
+    for (auto& [version, served] : versions) served->runner().Shutdown();
+  }
+  for (auto& served : retired_) served->runner().Shutdown();
 }
 
 InferenceEngine::AdmissionCounts InferenceEngine::admission_counts() const {

@@ -2,9 +2,9 @@
 // (inference_request.h) and submits it; the engine answers it exactly once (its Request, request.h). Who admits
 // what, in order:
 //
-//   1. Submit (front end's thread): draining (UNAVAILABLE) -> the model (NOT_FOUND) -> top_n (INVALID_ARGUMENT)
-//      -> the deadline (DEADLINE_EXCEEDED) -> the preparation queue (PreparationPool, RESOURCE_EXHAUSTED when
-//      --preparation_queue_capacity requests wait)
+//   1. Submit (front end's thread): draining (UNAVAILABLE) -> the model and version (NOT_FOUND) -> top_n
+//      (INVALID_ARGUMENT) -> the deadline (DEADLINE_EXCEEDED) -> the preparation queue (PreparationPool,
+//      RESOURCE_EXHAUSTED when --preparation_queue_capacity requests wait)
 //   2. preparation thread: the input's working memory (PreparationMemory: waits for room, RESOURCE_EXHAUSTED over
 //      --preparation_memory_bytes) -> Classifier::Prepare (input kind, budget, decode or tokenize:
 //      INVALID_ARGUMENT with field problems)
@@ -26,7 +26,9 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -71,6 +73,28 @@ struct EngineOptions {
   PlanningOptions planning;
 };
 
+// One version of a model as the engine serves it: its package and the runner of its lanes. Front ends hold it
+// (FindModel) while they read its description; a request holds it until it is answered, so a version replaced or
+// unloaded meanwhile finishes its requests on its own weights and is freed after the last (ReleaseRetired).
+class ServedModel {
+ public:
+  ServedModel(std::string name, int64_t version, std::shared_ptr<const models::ModelPackage> package,
+              std::unique_ptr<ModelRunner> runner)
+      : name_(std::move(name)), version_(version), package_(std::move(package)), runner_(std::move(runner)) {}
+  const std::string& name() const { return name_; }
+  // The version number (>= 1; a package without version folders is version 1).
+  int64_t version() const { return version_; }
+  const models::ClassifierDescription& description() const { return package_->classifier->description(); }
+  ModelRunner& runner() const { return *runner_; }
+
+ private:
+  const std::string name_;
+  const int64_t version_;
+  const std::shared_ptr<const models::ModelPackage> package_;
+  const std::unique_ptr<ModelRunner> runner_;
+};
+using ModelHandle = std::shared_ptr<const ServedModel>;
+
 // A submitted request, for its caller: Cancel() says the caller stopped waiting. Thread-safe.
 class InferenceCall {
  public:
@@ -84,8 +108,8 @@ class InferenceCall {
 
 class InferenceEngine final {
  public:
-  // Starts one ModelRunner per model of `registry`. `registry`, `metrics` (built for the registry's models) and
-  // `clock` must outlive the engine. Errors: INVALID_ARGUMENT for invalid options.
+  // Serves every model of `registry` as version 1 (nullptr: none yet; ServeVersion adds models). `registry`,
+  // `metrics` and `clock` must outlive the engine. Errors: INVALID_ARGUMENT for invalid options.
   static absl::StatusOr<std::unique_ptr<InferenceEngine>> Create(const ModelRegistry* registry,
                                                                  ServerMetrics* metrics, EngineOptions options,
                                                                  const Clock* clock = RealClock::Get());
@@ -94,15 +118,34 @@ class InferenceEngine final {
 
   // Starts answering `request`: `done` is called exactly once, with the result or the error (see the file
   // comment for the codes), on this thread or another. The returned call lets the caller give up.
-  std::unique_ptr<InferenceCall> Submit(InferenceRequest request, InferenceDone done);
+  // `model`: the version the front end resolved (FindModel) to translate the request, which then runs on it even
+  // if it was replaced meanwhile; nullptr: the engine resolves request.model and request.model_version.
+  std::unique_ptr<InferenceCall> Submit(InferenceRequest request, InferenceDone done, ModelHandle model = nullptr);
 
-  // The model called `name`. Errors: as ModelRegistry::Lookup (INVALID_ARGUMENT for an empty name, NOT_FOUND).
-  absl::StatusOr<const models::ClassifierDescription*> FindModel(const std::string& name) const;
-  // Every hosted model, sorted by name.
-  std::vector<const models::ClassifierDescription*> models() const;
-
-  // The cost figures of model `name` (GetModel). Errors: FindModel's.
+  // Version `version` of model `name`; version 0: its highest served version. Errors: INVALID_ARGUMENT (a
+  // RequestField::kModel problem) for an empty name; NOT_FOUND "model 'x' not found; available: a, b", or "model
+  // 'x' has no version 3; served: 1, 2".
+  absl::StatusOr<ModelHandle> FindModel(const std::string& name, int64_t version = 0) const;
+  // The highest served version of every model, sorted by name.
+  std::vector<ModelHandle> models() const;
+  // The cost figures of model `name`'s highest served version (GetModel). Errors: FindModel's.
   absl::StatusOr<CostSummary> CostSummaryOf(const std::string& name) const;
+  // The served versions of model `name`, ascending (empty when it is not served).
+  std::vector<int64_t> versions(const std::string& name) const;
+
+  // Starts serving `package` as version `version` (>= 1) of model `name` with cost profile `profile`: new requests
+  // for the model's highest version, or for this one, go to it from now on. A version of the same number already
+  // served is retired (its admitted requests finish on it). Errors: ModelRunner::Create's (INVALID_ARGUMENT);
+  // UNAVAILABLE while draining.
+  absl::Status ServeVersion(const std::string& name, int64_t version, std::shared_ptr<const models::ModelPackage> package,
+                            CostProfile profile);
+  // Stops routing new requests to the versions of `name` not in `keep` (all of them when `keep` is empty) and
+  // returns them, ascending. Their admitted requests finish on them; ReleaseRetired frees them.
+  std::vector<int64_t> RetireVersions(const std::string& name, const std::set<int64_t>& keep);
+  // Frees every retired version whose requests are all answered, waiting for them until `deadline`: its lanes stop
+  // and its package is released (and the freed heap returned to the system). Returns the (model, version) pairs
+  // freed; a version still in use at `deadline` stays retired for a later call.
+  std::vector<std::pair<std::string, int64_t>> ReleaseRetired(absl::Time deadline);
   // The limits an input meets (images: max_encoded_image_bytes; documents: max_tokens, the smaller of the
   // model's and max_batch_tokens, applied in Prepare).
   const models::InputLimits& input_limits() const { return input_limits_; }
@@ -127,19 +170,25 @@ class InferenceEngine final {
   AdmissionCounts admission_counts() const;
 
  private:
-  InferenceEngine(const ModelRegistry* registry, ServerMetrics* metrics, EngineOptions options, const Clock* clock);
+  InferenceEngine(ServerMetrics* metrics, EngineOptions options, const Clock* clock);
 
   // Prepares `request` for `runner` and hands it to its lane, on a preparation thread.
   void Prepare(const std::shared_ptr<Request>& request, ModelRunner* runner);
+  // FindModel under models_mu_.
+  absl::StatusOr<std::shared_ptr<ServedModel>> FindLocked(const std::string& name, int64_t version) const
+      ABSL_SHARED_LOCKS_REQUIRED(models_mu_);
   // A request was answered (Request's bookkeeping hook): in flight and admission counts.
   void Answered(bool admitted, bool ok);
 
-  const ModelRegistry* const registry_;
   ServerMetrics* const metrics_;
   const EngineOptions options_;
   const Clock* const clock_;
   models::InputLimits input_limits_;
-  std::map<std::string, std::unique_ptr<ModelRunner>> runners_;  // immutable after Create
+  mutable absl::Mutex models_mu_;
+  // The served versions of each model, by version.
+  std::map<std::string, std::map<int64_t, std::shared_ptr<ServedModel>>> served_ ABSL_GUARDED_BY(models_mu_);
+  // Versions no longer served whose requests may still run (ReleaseRetired frees them).
+  std::vector<std::shared_ptr<ServedModel>> retired_ ABSL_GUARDED_BY(models_mu_);
   std::unique_ptr<PreparationPool> preparation_;
   std::unique_ptr<PreparationMemory> preparation_memory_;
   std::atomic<bool> draining_{false};

@@ -17,8 +17,9 @@ namespace mita::server {
 
 // One classification request.
 struct InferenceRequest {
-  // The model's name (as listed by the registry).
+  // The model's name (a folder of the repository) and version (0: its highest served version).
   std::string model;
+  int64_t model_version = 0;
   // The input; it views the front end's request message, which outlives the call.
   models::ClassifierInput input;
   models::BudgetRequest budget;
@@ -32,8 +33,9 @@ struct InferenceRequest {
 
 // The answer to one InferenceRequest.
 struct InferenceResult {
-  // The model that answered (its labels name the classes); owned by the registry.
+  // The model that answered (its labels name the classes) and its version; valid while the result is.
   const models::ClassifierDescription* model = nullptr;
+  int64_t model_version = 0;
   // The top_n most probable classes, best first.
   std::vector<models::ClassScore> classes;
   // The budget applied to this input and the preset name to echo (models/budget.h ResolvedBudget).
