@@ -155,7 +155,7 @@ std::string TimingText(const v1::Timing& timing, absl::Duration client_latency) 
 // The full report of one image.
 void PrintDetailed(const std::string& path, const Outcome& outcome) {
   const v1::ClassifyResponse& response = outcome.response;
-  std::cout << path << ": model " << response.model() << ", " << BudgetText(response.budget()) << ", "
+  std::cout << path << ": model " << response.model() << " version " << response.model_version() << ", " << BudgetText(response.budget()) << ", "
             << BudgetReasonText(response.budget()) << ", " << response.token_count() << " tokens";
   if (response.input_token_count() > response.token_count()) {
     std::cout << " (truncated from " << response.input_token_count() << ")";
@@ -199,7 +199,8 @@ int ListModels(const MitaClient& client, absl::Duration deadline) {
   }
   for (const v1::ModelMetadata& model : models->models()) {
     const v1::Knobs& knobs = model.knobs();
-    std::cout << model.name() << " (" << model.architecture() << ", on " << model.device() << " in "
+    std::cout << model.name() << " version " << model.version() << " (" << model.architecture() << ", on "
+              << model.device() << " in "
               << model.weights_dtype() << "): " << model.labels_size() << " labels, "
               << model.layers() << " layers, " << model.heads() << " heads, embed_dim " << model.embed_dim();
     // Image models have a fixed token count; a document's is its own length (tokens_per_input is 0 then).

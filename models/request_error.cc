@@ -54,6 +54,8 @@ const char* RequestFieldName(RequestField field) {
   switch (field) {
     case RequestField::kModel:
       return "model";
+    case RequestField::kModelVersion:
+      return "model_version";
     case RequestField::kInput:
       return "input";
     case RequestField::kImage:

@@ -21,6 +21,7 @@ namespace mita::models {
 // The parts of a classification request, in the terms of the neutral request (server/engine/inference_request.h).
 enum class RequestField {
   kModel,             // the model name
+  kModelVersion,      // the model version
   kInput,             // which input the request carries (an image, a document, or none)
   kImage,             // the encoded image
   kDocument,          // the document as a whole (neither text nor token ids)

@@ -161,7 +161,7 @@ compare() {  # REFERENCE NAME KIND: classes and scores of NAME's outputs against
   python3 - "$OUT_DIR" "$1" "$2" "$3" <<'PYTHON' | tee -a "$summary"
 import os, re, sys
 out, reference, name, kind = sys.argv[1:]
-head = re.compile(r"^(\S.*?): model \S+, .*, (\d+) tokens")
+head = re.compile(r"^(\S.*?): model \S+ version \d+, .*, (\d+) tokens")
 score = re.compile(r"^\s+([0-9.]+)\s+.* \((\d+)\)$")
 def read(path):
     answers, current = {}, None

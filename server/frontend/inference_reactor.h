@@ -51,10 +51,12 @@ class InferenceReactor : public UnaryCallReactor {
     return true;
   }
 
-  // Submits `request`; the engine calls Answer exactly once, on this thread or another.
-  void Submit(InferenceEngine& engine, InferenceRequest request) {
-    std::unique_ptr<InferenceCall> call =
-        engine.Submit(std::move(request), [this](absl::StatusOr<InferenceResult> result) { Answer(std::move(result)); });
+  // Submits `request` (to `model` when the front end resolved it: InferenceEngine::Submit); the engine calls Answer
+  // exactly once, on this thread or another.
+  void Submit(InferenceEngine& engine, InferenceRequest request, ModelHandle model = nullptr) {
+    std::unique_ptr<InferenceCall> call = engine.Submit(
+        std::move(request), [this](absl::StatusOr<InferenceResult> result) { Answer(std::move(result)); },
+        std::move(model));
     absl::MutexLock lock(&mu_);
     call_ = std::move(call);
   }

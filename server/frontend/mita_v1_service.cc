@@ -8,12 +8,18 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "kernels/status_macros.h"
 
 namespace mita::server {
 
 absl::StatusOr<InferenceRequest> ToInferenceRequest(const v1::ClassifyRequest& request) {
   InferenceRequest neutral;
   neutral.model = request.model();
+  if (request.model_version() < 0) {
+    return models::InvalidRequest(models::RequestField::kModelVersion,
+                                  absl::StrCat(request.model_version(), " is out of range: allowed >= 0 (0: the latest)"));
+  }
+  neutral.model_version = request.model_version();
   models::ClassifierInput& input = neutral.input;
   switch (request.input_case()) {
     case v1::ClassifyRequest::kImage:
@@ -98,6 +104,7 @@ v1::ClassifyResponse ToClassifyResponse(const InferenceResult& result) {
   v1::ClassifyResponse response;
   const std::vector<std::string>& labels = result.model->labels;
   response.set_model(result.model->name);
+  response.set_model_version(result.model_version);
   for (const models::ClassScore& score : result.classes) {
     v1::ClassScore* entry = response.add_classes();
     entry->set_index(static_cast<int32_t>(score.index));
@@ -221,6 +228,8 @@ std::string MitaV1FieldName(const models::FieldProblem& problem) {
   switch (problem.field) {
     case RequestField::kModel:
       return "model";
+    case RequestField::kModelVersion:
+      return "model_version";
     case RequestField::kInput:
       return "input";
     case RequestField::kImage:
@@ -311,10 +320,7 @@ grpc::ServerUnaryReactor* MitaV1Service::ListModels(grpc::CallbackServerContext*
   return AnswerAtOnce<v1::ListModelsRequest, v1::ListModelsResponse>(
       context, request, response, *metrics_, options_, RpcMethod::kListModels, WordForMitaV1,
       [this](const v1::ListModelsRequest&, v1::ListModelsResponse* answer, std::string*) {
-        for (const models::ClassifierDescription* model : engine_->models()) {
-          absl::StatusOr<CostSummary> cost = engine_->CostSummaryOf(model->name);
-          *answer->add_models() = ToModelMetadata(*model, engine_->input_limits(), cost.ok() ? &*cost : nullptr);
-        }
+        for (const ModelHandle& model : engine_->models()) *answer->add_models() = Describe(*model);
         return absl::OkStatus();
       });
 }
@@ -325,11 +331,78 @@ grpc::ServerUnaryReactor* MitaV1Service::GetModel(grpc::CallbackServerContext* c
       context, request, response, *metrics_, options_, RpcMethod::kGetModel, WordForMitaV1,
       [this](const v1::GetModelRequest& asked, v1::ModelMetadata* answer, std::string* model_name) {
         *model_name = asked.name();
-        absl::StatusOr<const models::ClassifierDescription*> model = engine_->FindModel(asked.name());
-        if (!model.ok()) return model.status();
-        absl::StatusOr<CostSummary> cost = engine_->CostSummaryOf((*model)->name);
-        *answer = ToModelMetadata(**model, engine_->input_limits(), cost.ok() ? &*cost : nullptr);
+        if (asked.version() < 0) {
+          return models::InvalidRequest(models::RequestField::kModelVersion,
+                                        absl::StrCat(asked.version(), " is out of range: allowed >= 0 (0: the latest)"));
+        }
+        ASSIGN_OR_RETURN(const ModelHandle model, engine_->FindModel(asked.name(), asked.version()));
+        *answer = Describe(*model);
         return absl::OkStatus();
+      });
+}
+
+v1::ModelMetadata MitaV1Service::Describe(const ServedModel& model) const {
+  const CostSummary cost = model.runner().cost_summary();
+  v1::ModelMetadata metadata = ToModelMetadata(model.description(), engine_->input_limits(), &cost);
+  metadata.set_version(model.version());
+  for (const int64_t version : engine_->versions(model.name())) metadata.add_versions(version);
+  return metadata;
+}
+
+namespace {
+
+// The repository API's precondition: a lifecycle.
+absl::Status CheckLifecycle(const ModelLifecycle* lifecycle) {
+  if (lifecycle == nullptr) return absl::UnimplementedError("this server has no model repository API");
+  return absl::OkStatus();
+}
+
+void AddEntries(const std::vector<ModelLifecycle::Entry>& entries, const std::string& only,
+                google::protobuf::RepeatedPtrField<v1::RepositoryEntry>* out) {
+  for (const ModelLifecycle::Entry& entry : entries) {
+    if (!only.empty() && entry.name != only) continue;
+    v1::RepositoryEntry* added = out->Add();
+    added->set_name(entry.name);
+    added->set_version(entry.version);
+    added->set_state(entry.state);
+    added->set_reason(entry.reason);
+  }
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* MitaV1Service::ListRepository(grpc::CallbackServerContext* context,
+                                                        const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+  return AnswerAtOnce<v1::ListRepositoryRequest, v1::ListRepositoryResponse>(
+      context, request, response, *metrics_, options_, RpcMethod::kListRepository, WordForMitaV1,
+      [this](const v1::ListRepositoryRequest& asked, v1::ListRepositoryResponse* answer, std::string*) {
+        RETURN_IF_ERROR(CheckLifecycle(options_.lifecycle));
+        AddEntries(options_.lifecycle->Index(asked.ready_only()), "", answer->mutable_entries());
+        return absl::OkStatus();
+      });
+}
+
+grpc::ServerUnaryReactor* MitaV1Service::LoadModel(grpc::CallbackServerContext* context,
+                                                   const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+  return AnswerAtOnce<v1::LoadModelRequest, v1::LoadModelResponse>(
+      context, request, response, *metrics_, options_, RpcMethod::kLoadModel, WordForMitaV1,
+      [this](const v1::LoadModelRequest& asked, v1::LoadModelResponse* answer, std::string* model) {
+        *model = asked.name();
+        RETURN_IF_ERROR(CheckLifecycle(options_.lifecycle));
+        RETURN_IF_ERROR(options_.lifecycle->Load(asked.name()));
+        AddEntries(options_.lifecycle->Index(false), asked.name(), answer->mutable_entries());
+        return absl::OkStatus();
+      });
+}
+
+grpc::ServerUnaryReactor* MitaV1Service::UnloadModel(grpc::CallbackServerContext* context,
+                                                     const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+  return AnswerAtOnce<v1::UnloadModelRequest, v1::UnloadModelResponse>(
+      context, request, response, *metrics_, options_, RpcMethod::kUnloadModel, WordForMitaV1,
+      [this](const v1::UnloadModelRequest& asked, v1::UnloadModelResponse*, std::string* model) {
+        *model = asked.name();
+        RETURN_IF_ERROR(CheckLifecycle(options_.lifecycle));
+        return options_.lifecycle->Unload(asked.name());
       });
 }
 

@@ -1,5 +1,5 @@
-// The mita.v1 front end (proto/mita/v1/mita.proto): MitaService's Classify, ListModels and GetModel on gRPC's
-// callback API. It translates a ClassifyRequest into the neutral InferenceRequest, submits it to the
+// The mita.v1 front end (proto/mita/v1/mita.proto): MitaService's Classify, ListModels, GetModel and the
+// repository API (ListRepository, LoadModel, UnloadModel) on gRPC's callback API. It translates a ClassifyRequest into the neutral InferenceRequest, submits it to the
 // InferenceEngine, and words the answer and its errors in mita.v1's terms (its field names, e.g.
 // "field budget.experts.expert_width: 51 is out of range: allowed [1, 50]"). A call waiting for its batch holds
 // no thread; a cancelled call is given up through the reactor's OnCancel. Requests arrive as the bytes the
@@ -47,7 +47,8 @@ absl::Status WordForMitaV1(const absl::Status& status);
 // mita.v1's methods on the callback API, receiving the bytes the client sent (server/frontend/unary_call.h).
 using MitaV1RawService = v1::MitaService::WithRawCallbackMethod_Classify<
     v1::MitaService::WithRawCallbackMethod_ListModels<v1::MitaService::WithRawCallbackMethod_GetModel<
-        v1::MitaService::Service>>>;
+        v1::MitaService::WithRawCallbackMethod_ListRepository<v1::MitaService::WithRawCallbackMethod_LoadModel<
+            v1::MitaService::WithRawCallbackMethod_UnloadModel<v1::MitaService::Service>>>>>>;
 
 class MitaV1Service final : public MitaV1RawService {
  public:
@@ -63,9 +64,21 @@ class MitaV1Service final : public MitaV1RawService {
                                        grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
                                      grpc::ByteBuffer* response) override;
+  // The repository API on FrontEndOptions::lifecycle (server/engine/model_lifecycle.h; UNIMPLEMENTED without one):
+  // the index, a load or reload (answered when done, with the model's entries), an unload (answered when the
+  // model's requests are).
+  grpc::ServerUnaryReactor* ListRepository(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* LoadModel(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* UnloadModel(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
 
  private:
   class ClassifyReactor;
+
+  // A served model version's metadata: ToModelMetadata with its cost figures, its version and every served one.
+  v1::ModelMetadata Describe(const ServedModel& model) const;
 
   InferenceEngine* const engine_;
   ServerMetrics* const metrics_;

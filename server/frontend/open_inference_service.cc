@@ -389,10 +389,7 @@ absl::Status TranslateParameters(const inference::ModelInferRequest& request,
 absl::Status ToInferenceRequest(const inference::ModelInferRequest& request, const models::ClassifierDescription& model,
                                 TranslatedInferRequest* translated) {
   translated->request.model = request.model_name();
-  if (!request.model_version().empty() && request.model_version() != kModelVersion) {
-    return absl::NotFoundError(absl::StrCat("model '", model.name, "' version '", request.model_version(),
-                                            "' not found; available: ", kModelVersion));
-  }
+  ASSIGN_OR_RETURN(translated->request.model_version, ParseModelVersion(request.model_version()));
   RETURN_IF_ERROR(TranslateInput(request, model, translated));
   for (const auto& output : request.outputs()) {
     if (output.name() != kScoresOutput && output.name() != kLabelsOutput) {
@@ -427,7 +424,7 @@ absl::StatusOr<inference::ModelInferResponse> ToModelInferResponse(const inferen
   const bool raw = request.raw_input_contents_size() > 0;
   inference::ModelInferResponse response;
   response.set_model_name(model.name);
-  response.set_model_version(kModelVersion);
+  response.set_model_version(std::to_string(result.model_version));
   response.set_id(request.id());
   if (want_scores) {
     OutputTensor* scores = response.add_outputs();
@@ -484,10 +481,23 @@ absl::StatusOr<inference::ModelInferResponse> ToModelInferResponse(const inferen
   return response;
 }
 
-inference::ModelMetadataResponse ToModelMetadataResponse(const models::ClassifierDescription& model) {
+absl::StatusOr<int64_t> ParseModelVersion(const std::string& text) {
+  if (text.empty()) return 0;
+  int64_t version = 0;
+  if (text.size() > 18 || !std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
+      !absl::SimpleAtoi(text, &version) || version < 1) {
+    return models::InvalidRequest(models::RequestField::kModelVersion,
+                                  absl::StrCat("'", text.substr(0, 100),
+                                               "' is not a version number (1, 2, ...; empty for the latest)"));
+  }
+  return version;
+}
+
+inference::ModelMetadataResponse ToModelMetadataResponse(const models::ClassifierDescription& model,
+                                                         const std::vector<int64_t>& versions) {
   inference::ModelMetadataResponse response;
   response.set_name(model.name);
-  response.add_versions(kModelVersion);
+  for (const int64_t version : versions) response.add_versions(std::to_string(version));
   response.set_platform(kPlatform);
   auto add = [](google::protobuf::RepeatedPtrField<inference::ModelMetadataResponse::TensorMetadata>* tensors,
                 const std::string& name, const std::string& datatype, std::vector<int64_t> shape) {
@@ -585,6 +595,8 @@ std::string OpenInferenceFieldName(const models::FieldProblem& problem) {
   switch (problem.field) {
     case RequestField::kModel:
       return "model_name";
+    case RequestField::kModelVersion:
+      return "model_version";
     case RequestField::kInput:
     case RequestField::kDocument:
       return "input";
@@ -635,15 +647,16 @@ class OpenInferenceService::InferReactor final : public InferenceReactor {
       return;
     }
     model_ = request_.model_name();
-    absl::StatusOr<const models::ClassifierDescription*> model = service_->engine_->FindModel(model_);
+    // The version resolved here is the one the input is translated for and runs on.
+    absl::StatusOr<ModelHandle> model = service_->FindModel(model_, request_.model_version());
     absl::Status status = model.status();
-    if (status.ok()) status = ToInferenceRequest(request_, **model, &translated_);
+    if (status.ok()) status = ToInferenceRequest(request_, (*model)->description(), &translated_);
     if (!status.ok()) {
       Answer(status);
       return;
     }
     translated_.request.deadline = DeadlineOf(*context);
-    Submit(*service_->engine_, std::move(translated_.request));
+    Submit(*service_->engine_, std::move(translated_.request), *std::move(model));
   }
 
  private:
@@ -670,14 +683,11 @@ OpenInferenceService::OpenInferenceService(InferenceEngine* engine, ServerMetric
                                            std::string server_version)
     : engine_(engine), metrics_(metrics), options_(std::move(options)), server_version_(std::move(server_version)) {}
 
-absl::StatusOr<const models::ClassifierDescription*> OpenInferenceService::FindModel(const std::string& name,
-                                                                                    const std::string& version) const {
-  ASSIGN_OR_RETURN(const models::ClassifierDescription* model, engine_->FindModel(name));
-  if (!version.empty() && version != kModelVersion) {
-    return absl::NotFoundError(
-        absl::StrCat("model '", name, "' version '", version, "' not found; available: ", kModelVersion));
-  }
-  return model;
+absl::StatusOr<ModelHandle> OpenInferenceService::FindModel(const std::string& name,
+                                                             const std::string& version) const {
+  if (name.empty()) return engine_->FindModel(name).status();
+  ASSIGN_OR_RETURN(const int64_t number, ParseModelVersion(version));
+  return engine_->FindModel(name, number);
 }
 
 grpc::ServerUnaryReactor* OpenInferenceService::ServerLive(grpc::CallbackServerContext* context,
@@ -724,6 +734,7 @@ grpc::ServerUnaryReactor* OpenInferenceService::ServerMetadata(grpc::CallbackSer
         answer->set_name("mita-serve");
         answer->set_version(server_version_);
         answer->add_extensions(kModelConfigurationExtension);
+        if (options_.lifecycle != nullptr) answer->add_extensions(kModelRepositoryExtension);
         return absl::OkStatus();
       });
 }
@@ -736,9 +747,9 @@ grpc::ServerUnaryReactor* OpenInferenceService::ModelMetadata(grpc::CallbackServ
       [this, context](const inference::ModelMetadataRequest& asked, inference::ModelMetadataResponse* answer,
                       std::string* model_name) {
         *model_name = asked.name();
-        ASSIGN_OR_RETURN(const models::ClassifierDescription* model, FindModel(asked.name(), asked.version()));
-        *answer = ToModelMetadataResponse(*model);
-        context->AddInitialMetadata(kParametersMetadataKey, KnobsJson(*model));
+        ASSIGN_OR_RETURN(const ModelHandle model, FindModel(asked.name(), asked.version()));
+        *answer = ToModelMetadataResponse(model->description(), engine_->versions(model->name()));
+        context->AddInitialMetadata(kParametersMetadataKey, KnobsJson(model->description()));
         return absl::OkStatus();
       });
 }
@@ -751,8 +762,8 @@ grpc::ServerUnaryReactor* OpenInferenceService::ModelConfig(grpc::CallbackServer
       [this](const inference::ModelConfigRequest& asked, inference::ModelConfigResponse* answer,
              std::string* model_name) {
         *model_name = asked.name();
-        ASSIGN_OR_RETURN(const models::ClassifierDescription* model, FindModel(asked.name(), asked.version()));
-        *answer = ToModelConfigResponse(*model);
+        ASSIGN_OR_RETURN(const ModelHandle model, FindModel(asked.name(), asked.version()));
+        *answer = ToModelConfigResponse(model->description());
         return absl::OkStatus();
       });
 }
@@ -761,6 +772,76 @@ grpc::ServerUnaryReactor* OpenInferenceService::ModelInfer(grpc::CallbackServerC
                                                            const grpc::ByteBuffer* request,
                                                            grpc::ByteBuffer* response) {
   return new InferReactor(this, context, request, response);
+}
+
+namespace {
+
+// The repository API's preconditions: a lifecycle, and the server's one repository.
+absl::Status CheckRepository(const ModelLifecycle* lifecycle, const std::string& repository_name) {
+  if (lifecycle == nullptr) return absl::UnimplementedError("this server has no model repository API");
+  if (!repository_name.empty() && repository_name != kRepositoryName) {
+    return absl::NotFoundError(absl::StrCat("repository_name '", repository_name.substr(0, 100),
+                                            "' is not a repository of this server; use \"\" or \"", kRepositoryName,
+                                            "\""));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* OpenInferenceService::RepositoryIndex(grpc::CallbackServerContext* context,
+                                                                const grpc::ByteBuffer* request,
+                                                                grpc::ByteBuffer* response) {
+  return AnswerAtOnce<inference::RepositoryIndexRequest, inference::RepositoryIndexResponse>(
+      context, request, response, *metrics_, options_, RpcMethod::kRepositoryIndex, WordForOpenInference,
+      [this](const inference::RepositoryIndexRequest& asked, inference::RepositoryIndexResponse* answer,
+             std::string*) {
+        RETURN_IF_ERROR(CheckRepository(options_.lifecycle, asked.repository_name()));
+        for (const ModelLifecycle::Entry& entry : options_.lifecycle->Index(asked.ready())) {
+          inference::RepositoryIndexResponse::ModelIndex* index = answer->add_models();
+          index->set_name(entry.name);
+          if (entry.version > 0) index->set_version(std::to_string(entry.version));
+          index->set_state(entry.state);
+          index->set_reason(entry.reason);
+        }
+        return absl::OkStatus();
+      });
+}
+
+grpc::ServerUnaryReactor* OpenInferenceService::RepositoryModelLoad(grpc::CallbackServerContext* context,
+                                                                    const grpc::ByteBuffer* request,
+                                                                    grpc::ByteBuffer* response) {
+  return AnswerAtOnce<inference::RepositoryModelLoadRequest, inference::RepositoryModelLoadResponse>(
+      context, request, response, *metrics_, options_, RpcMethod::kRepositoryModelLoad, WordForOpenInference,
+      [this](const inference::RepositoryModelLoadRequest& asked, inference::RepositoryModelLoadResponse*,
+             std::string* model) {
+        *model = asked.model_name();
+        RETURN_IF_ERROR(CheckRepository(options_.lifecycle, asked.repository_name()));
+        for (const auto& [name, value] : asked.parameters()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "parameter '", name.substr(0, 100),
+              "' is not supported: a model loads from its repository folder as it is (no config or file overrides)"));
+        }
+        return options_.lifecycle->Load(asked.model_name());
+      });
+}
+
+grpc::ServerUnaryReactor* OpenInferenceService::RepositoryModelUnload(grpc::CallbackServerContext* context,
+                                                                      const grpc::ByteBuffer* request,
+                                                                      grpc::ByteBuffer* response) {
+  return AnswerAtOnce<inference::RepositoryModelUnloadRequest, inference::RepositoryModelUnloadResponse>(
+      context, request, response, *metrics_, options_, RpcMethod::kRepositoryModelUnload, WordForOpenInference,
+      [this](const inference::RepositoryModelUnloadRequest& asked, inference::RepositoryModelUnloadResponse*,
+             std::string* model) {
+        *model = asked.model_name();
+        RETURN_IF_ERROR(CheckRepository(options_.lifecycle, asked.repository_name()));
+        for (const auto& [name, value] : asked.parameters()) {
+          if (name == "unload_dependents" && value.has_bool_param()) continue;  // no model here has dependents
+          return absl::InvalidArgumentError(
+              absl::StrCat("parameter '", name.substr(0, 100), "' is not supported (only unload_dependents, bool)"));
+        }
+        return options_.lifecycle->Unload(asked.model_name());
+      });
 }
 
 }  // namespace mita::server

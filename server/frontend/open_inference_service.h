@@ -76,10 +76,13 @@ namespace mita::server {
 
 // gRPC initial-metadata key of the ModelMetadata response that carries KnobsJson.
 inline constexpr char kParametersMetadataKey[] = "mita-parameters";
-// The one model version served ("1"); ModelInfer and the metadata RPCs also accept an empty version.
-inline constexpr char kModelVersion[] = "1";
+// The name of the server's one model repository in Triton's repository API (RepositoryIndex and the others also
+// accept "").
+inline constexpr char kRepositoryName[] = "models";
 // ServerMetadata's extension name for ModelConfig (Triton's).
 inline constexpr char kModelConfigurationExtension[] = "model_configuration";
+// ServerMetadata's extension name for the repository API (Triton's).
+inline constexpr char kModelRepositoryExtension[] = "model_repository";
 // Output tensor names.
 inline constexpr char kScoresOutput[] = "scores";
 inline constexpr char kLabelsOutput[] = "labels";
@@ -99,7 +102,7 @@ struct TranslatedInferRequest {
 // Translates a ModelInfer request for `model` into `*translated` (whose request views `request` and
 // `*translated`), asking for every class (so that every class score comes back).
 // Errors: INVALID_ARGUMENT naming the input, parameter or output and the accepted forms (see the file
-// comment); NOT_FOUND for a model version other than "" or "1".
+// comment). The model version is the service's to resolve (ParseModelVersion, InferenceEngine::FindModel).
 absl::Status ToInferenceRequest(const inference::ModelInferRequest& request, const models::ClassifierDescription& model,
                                 TranslatedInferRequest* translated);
 
@@ -108,9 +111,14 @@ absl::Status ToInferenceRequest(const inference::ModelInferRequest& request, con
 absl::StatusOr<inference::ModelInferResponse> ToModelInferResponse(const inference::ModelInferRequest& request,
                                                                    const InferenceResult& result);
 
-// The ModelMetadata response of a model: platform "mita_safetensors", version "1", the input tensor(s) of its
-// input kind and the two outputs.
-inference::ModelMetadataResponse ToModelMetadataResponse(const models::ClassifierDescription& model);
+// The ModelMetadata response of a model: platform "mita_safetensors", its served `versions`, the input tensor(s) of
+// its input kind and the two outputs.
+inference::ModelMetadataResponse ToModelMetadataResponse(const models::ClassifierDescription& model,
+                                                         const std::vector<int64_t>& versions);
+
+// A request's model version: "" -> 0 (the highest served), "N" -> N >= 1. Errors: INVALID_ARGUMENT "model_version
+// 'x' is not a version number (1, 2, ...; empty for the latest)".
+absl::StatusOr<int64_t> ParseModelVersion(const std::string& text);
 
 // The ModelConfig response of a model (Triton's extension; see the file comment).
 inference::ModelConfigResponse ToModelConfigResponse(const models::ClassifierDescription& model);
@@ -143,7 +151,10 @@ using OpenInferenceRawService = inference::GRPCInferenceService::WithRawCallback
                 inference::GRPCInferenceService::WithRawCallbackMethod_ModelMetadata<
                     inference::GRPCInferenceService::WithRawCallbackMethod_ModelInfer<
                         inference::GRPCInferenceService::WithRawCallbackMethod_ModelConfig<
-                            inference::GRPCInferenceService::Service>>>>>>>;
+                            inference::GRPCInferenceService::WithRawCallbackMethod_RepositoryIndex<
+                                inference::GRPCInferenceService::WithRawCallbackMethod_RepositoryModelLoad<
+                                    inference::GRPCInferenceService::WithRawCallbackMethod_RepositoryModelUnload<
+                                        inference::GRPCInferenceService::Service>>>>>>>>>>;
 
 class OpenInferenceService final : public OpenInferenceRawService {
  public:
@@ -174,13 +185,23 @@ class OpenInferenceService final : public OpenInferenceRawService {
                                        grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ModelConfig(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
                                         grpc::ByteBuffer* response) override;
+  // Triton's repository extension on FrontEndOptions::lifecycle (server/engine/model_lifecycle.h): the index of
+  // every model version with its state and reason; a load or reload (answered when done); an unload (answered when
+  // the model's requests are). repository_name must be empty or "models"; Load refuses Triton's "config" and file
+  // parameters (INVALID_ARGUMENT). Without a lifecycle, UNIMPLEMENTED.
+  grpc::ServerUnaryReactor* RepositoryIndex(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                            grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* RepositoryModelLoad(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                                grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* RepositoryModelUnload(grpc::CallbackServerContext* context,
+                                                  const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
 
  private:
   class InferReactor;
 
-  // The model `name` at `version`. Errors: INVALID_ARGUMENT (empty name), NOT_FOUND.
-  absl::StatusOr<const models::ClassifierDescription*> FindModel(const std::string& name,
-                                                                 const std::string& version) const;
+  // The model `name` at `version` ("" for the highest served). Errors: INVALID_ARGUMENT (empty name, a version
+  // that is no number), NOT_FOUND.
+  absl::StatusOr<ModelHandle> FindModel(const std::string& name, const std::string& version) const;
 
   InferenceEngine* const engine_;
   ServerMetrics* const metrics_;

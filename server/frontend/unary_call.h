@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "google/protobuf/message.h"
+#include "server/engine/model_lifecycle.h"
 #include "server/frontend/grpc_status.h"
 #include "server/frontend/message_limits.h"
 #include "server/frontend/security.h"
@@ -33,6 +34,9 @@ struct FrontEndOptions {
   const BearerTokenAuthenticator* authenticator = nullptr;
   // When set, requests and responses over their limits get RESOURCE_EXHAUSTED naming the limit and its flag.
   std::shared_ptr<const MessageSizeGuard> message_size;
+  // When set (not owned, must outlive the service), the repository API (loading and unloading models) acts on it;
+  // else that API answers UNIMPLEMENTED.
+  ModelLifecycle* lifecycle = nullptr;
 };
 
 // The reactor of one unary call. FinishCall finishes the call; OnDone (gRPC is done with the call) counts it and

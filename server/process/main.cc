@@ -47,7 +47,8 @@
 #include "kernels/device.h"
 #include "kernels/runtime_environment.h"
 #include "server/engine/inference_engine.h"
-#include "server/engine/model_registry.h"
+#include "server/engine/model_lifecycle.h"
+#include "server/engine/model_repository.h"
 #include "server/frontend/health_service.h"
 #include "server/frontend/message_limits.h"
 #include "server/frontend/mita_v1_service.h"
@@ -63,7 +64,13 @@
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
           "gRPC listening address: host:port, [ipv6]:port, or :port for every address (IPv4 and IPv6).");
 ABSL_FLAG(std::string, model_repository, "models/repository",
-          "Directory holding one model package folder per model; the folder name is the model name.");
+          "Directory holding one folder per model (the folder name is the model name): a package, or numbered "
+          "version folders with an optional version_policy.json.");
+ABSL_FLAG(std::string, model_control_mode, "explicit",
+          "How models change while serving: none (fixed at start), explicit (the repository API loads, reloads and "
+          "unloads them), poll (the repository is re-read every --repository_poll_s). Every mode loads all models "
+          "at start.");
+ABSL_FLAG(int32_t, repository_poll_s, 5, "With --model_control_mode=poll: seconds between reads of the repository.");
 ABSL_FLAG(std::string, device, "cpu",
           "Where models run: cpu or cuda:N; comma-separated MODEL=DEVICE entries place models one by one (an entry "
           "without MODEL= is for the models not named).");
@@ -298,6 +305,7 @@ int main(int argc, char** argv) {
         CheckFlagRange("max_batch_tokens", absl::GetFlag(FLAGS_max_batch_tokens), int64_t{1}, int64_t{1} << 40),
         CheckFlagRange("max_queue_delay_ms", delay_ms, 0, 60000),
         CheckFlagRange("drain_timeout_s", drain_timeout_s, 0, 86400),
+        CheckFlagRange("repository_poll_s", absl::GetFlag(FLAGS_repository_poll_s), 1, 86400),
         CheckFlagRange("drain_notice_ms", drain_notice_ms, 0, 86400000),
         CheckFlagRange("cost_calibration_ms", absl::GetFlag(FLAGS_cost_calibration_ms), 0, 600000),
         CheckFlagRange("planning_slack_percentile", absl::GetFlag(FLAGS_planning_slack_percentile), 0, 100),
@@ -326,9 +334,10 @@ int main(int argc, char** argv) {
   }
 
   if (torch_threads == 0) torch_threads = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
-  const int blas_threads = mita::kernels::SetIntraOpThreads(torch_threads);
+  // Before any thread allocates: the allocator's arenas are chosen at a thread's first allocation.
   const bool keep_freed_memory =
       absl::GetFlag(FLAGS_keep_freed_memory) && mita::kernels::KeepFreedMemoryForReuse();
+  const int blas_threads = mita::kernels::SetIntraOpThreads(torch_threads);
   const int64_t freed_memory_limit_bytes = absl::GetFlag(FLAGS_keep_freed_memory_limit_bytes);
   // Debian's Abseil is built without NDEBUG, so absl::Mutex records every lock order in a global graph to detect
   // deadlocks (GraphCycles showed in server profiles under load); a serving process does not pay for that.
@@ -370,7 +379,10 @@ int main(int argc, char** argv) {
   absl::StatusOr<mita::server::PlacementFlags> placement_flags =
       mita::server::PlacementFlags::Parse(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_weights_dtype));
   if (!placement_flags.ok()) return Fail(std::string(placement_flags.status().message()));
-  absl::StatusOr<std::vector<std::string>> model_names = mita::server::ModelRegistry::PackageFolders(repository);
+  absl::StatusOr<mita::server::ModelControlMode> control_mode =
+      mita::server::ParseModelControlMode(absl::GetFlag(FLAGS_model_control_mode));
+  if (!control_mode.ok()) return Fail(std::string(control_mode.status().message()));
+  absl::StatusOr<std::vector<std::string>> model_names = mita::server::ModelFolderNames(repository);
   if (!model_names.ok()) return Fail(model_names.status().ToString());
   absl::StatusOr<std::map<std::string, mita::models::Placement>> placements = placement_flags->Resolve(*model_names);
   if (!placements.ok()) return Fail(std::string(placements.status().message()));
@@ -389,28 +401,20 @@ int main(int argc, char** argv) {
                      cuda_memory_fraction < 1 ? absl::StrCat(", each up to ", cuda_memory_fraction, " of its memory")
                                               : std::string()));
   }
-  const absl::Time load_start = absl::Now();
-  absl::StatusOr<std::unique_ptr<mita::server::ModelRegistry>> registry =
-      mita::server::ModelRegistry::LoadFromDirectory(repository, *placements);
-  if (!registry.ok()) return Fail(registry.status().ToString());
-  // A shutdown signal sent while the models loaded ends start-up here (and after each model's calibration below)
-  // instead of after every calibration: there is nothing to drain yet.
-  auto stopped_before_serving = [&shutdown_signals]() {
+  // A shutdown signal sent while the models load ends start-up after the model loading then (its calibration
+  // included) instead of after every model: there is nothing to drain yet.
+  bool stop_requested = false;
+  auto stopped_before_serving = [&shutdown_signals, &stop_requested]() {
+    if (stop_requested) return true;
     const int signal_number = PendingShutdownSignal(shutdown_signals);
     if (signal_number == 0) return false;
     Log(absl::StrCat("received ", SignalName(signal_number), " during start-up; exiting before serving"));
+    stop_requested = true;
     return true;
   };
-  if (stopped_before_serving()) return 0;
 
-  std::vector<std::string> model_lines;
-  for (const mita::models::ModelPackage* package : (*registry)->packages()) {
-    model_lines.push_back(package->classifier->description().Summary());
-  }
-  Log(absl::StrCat("loaded ", model_lines.size(), " model(s) from ", repository, " in ",
-                   absl::FormatDuration(absl::Now() - load_start), ": ", absl::StrJoin(model_lines, "; ")));
-
-  // Each model's cost model: loaded, or calibrated by a bounded sweep (server/planning/cost_calibration.h).
+  // Each model version's cost model: read from --cost_profile, or calibrated by a bounded sweep
+  // (server/planning/cost_calibration.h) when it loads, at start and when the repository API or a poll loads it.
   options.planning.deadline_admission = absl::GetFlag(FLAGS_deadline_admission);
   options.planning.slack_percentile = absl::GetFlag(FLAGS_planning_slack_percentile);
   const std::string cost_profile_file = absl::GetFlag(FLAGS_cost_profile);
@@ -422,38 +426,73 @@ int main(int argc, char** argv) {
     if (!file) return Fail(absl::StrCat("flag --cost_profile: cannot read ", cost_profile_file));
     cost_profile_text = text.str();
   }
-  std::map<std::string, const mita::models::ClassifierDescription*> descriptions;
-  for (const mita::models::ModelPackage* package : (*registry)->packages()) {
-    const mita::models::ClassifierDescription& model = package->classifier->description();
-    descriptions[package->name] = &model;
+  const absl::Duration calibration_time = absl::Milliseconds(absl::GetFlag(FLAGS_cost_calibration_ms));
+  auto cost_profile_of = [&](const std::string& name,
+                             const mita::models::Classifier& classifier) -> absl::StatusOr<mita::server::CostProfile> {
     absl::StatusOr<mita::server::CostProfile> profile =
-        cost_profile_file.empty()
-            ? mita::server::CalibrateCostModel(*package->classifier,
-                                               absl::Milliseconds(absl::GetFlag(FLAGS_cost_calibration_ms)),
-                                               options.batching.max_batch_size, options.batching.max_batch_tokens)
-            : mita::server::FindCostProfile(cost_profile_text, cost_profile_file, model);
+        cost_profile_file.empty() ? mita::server::CalibrateCostModel(classifier, calibration_time,
+                                                                      options.batching.max_batch_size,
+                                                                      options.batching.max_batch_tokens)
+                                  : mita::server::FindCostProfile(cost_profile_text, cost_profile_file,
+                                                                  classifier.description());
     if (!profile.ok()) {
-      return Fail(absl::StrCat(cost_profile_file.empty() ? "cost calibration of model '" + package->name + "': "
-                                                         : "flag --cost_profile: ",
-                               profile.status().message()));
+      return absl::Status(profile.status().code(),
+                          absl::StrCat(cost_profile_file.empty() ? "cost calibration: " : "flag --cost_profile: ",
+                                       profile.status().message()));
     }
-    Log(absl::StrCat("cost model of '", package->name, "': ", profile->source,
+    Log(absl::StrCat("cost model of '", name, "': ", profile->source,
                      profile->source == "calibrated"
                          ? absl::StrCat(" from ", profile->calibration_batches, " batches in ",
                                         absl::FormatDuration(profile->calibration_time), ", median fit error ",
                                         absl::StrFormat("%.1f%%", 100 * profile->fit_error))
                          : std::string()));
-    options.cost_profiles[package->name] = *std::move(profile);
-    if (stopped_before_serving()) return 0;
-  }
+    return profile;
+  };
+  // A model the repository gains while serving is placed by the same flags.
+  auto placement_of = [&](const std::string& name) -> absl::StatusOr<mita::models::Placement> {
+    if (auto found = placements->find(name); found != placements->end()) return found->second;
+    std::vector<std::string> names = *model_names;
+    names.push_back(name);
+    absl::StatusOr<std::map<std::string, mita::models::Placement>> resolved = placement_flags->Resolve(names);
+    if (!resolved.ok()) return resolved.status();
+    return resolved->at(name);
+  };
+
+  mita::server::ServerMetrics metrics({});
+  absl::StatusOr<std::unique_ptr<mita::server::InferenceEngine>> engine =
+      mita::server::InferenceEngine::Create(nullptr, &metrics, options);
+  if (!engine.ok()) return Fail(engine.status().ToString());
+  mita::server::ModelLifecycleOptions lifecycle_options;
+  lifecycle_options.repository = repository;
+  lifecycle_options.mode = *control_mode;
+  lifecycle_options.poll_interval = absl::Seconds(absl::GetFlag(FLAGS_repository_poll_s));
+  lifecycle_options.drain_timeout = absl::Seconds(drain_timeout_s);
+  lifecycle_options.placement = placement_of;
+  lifecycle_options.profile = cost_profile_of;
+  lifecycle_options.log = [](const std::string& line) { Log(line); };
+  mita::server::ModelLifecycle lifecycle(engine->get(), &metrics, lifecycle_options);
+  const absl::Time load_start = absl::Now();
+  if (absl::Status loaded = lifecycle.LoadAll(stopped_before_serving); !loaded.ok()) return Fail(loaded.ToString());
+  if (stopped_before_serving()) return 0;
+  std::vector<std::string> loaded_names;
+  for (const mita::server::ModelHandle& model : (*engine)->models()) loaded_names.push_back(model->name());
+  Log(absl::StrCat("loaded ", loaded_names.size(), " model(s) from ", repository, " in ",
+                   absl::FormatDuration(absl::Now() - load_start), " (model control: ",
+                   mita::server::ModelControlModeName(*control_mode), ")"));
   if (const std::string save = absl::GetFlag(FLAGS_save_cost_profile); !save.empty()) {
+    std::map<std::string, mita::server::CostProfile> profiles;
+    std::map<std::string, const mita::models::ClassifierDescription*> descriptions;
+    const std::vector<mita::server::ModelHandle> models = (*engine)->models();
+    for (const mita::server::ModelHandle& model : models) {
+      profiles[model->name()] = model->runner().cost_summary().profile;
+      descriptions[model->name()] = &model->description();
+    }
     std::ofstream file(save, std::ios::binary | std::ios::trunc);
-    file << mita::server::CostProfilesToJson(options.cost_profiles, descriptions);
+    file << mita::server::CostProfilesToJson(profiles, descriptions);
     if (!file) return Fail(absl::StrCat("flag --save_cost_profile: cannot write ", save));
     Log(absl::StrCat("cost profiles saved to ", save));
   }
 
-  mita::server::ServerMetrics metrics(mita::server::MetricsModelInfos(**registry));
   // What the calibration batches freed goes back to the system now, and the heap keeps at most the limit free from
   // here on (kernels::FreedMemoryLimit, checked every second; its figures in mita_heap_*).
   std::unique_ptr<mita::kernels::FreedMemoryLimit> freed_memory_limit;
@@ -480,9 +519,7 @@ int main(int argc, char** argv) {
     metrics_server = *std::move(started);
   }
 
-  absl::StatusOr<std::unique_ptr<mita::server::InferenceEngine>> engine =
-      mita::server::InferenceEngine::Create(registry->get(), &metrics, options);
-  if (!engine.ok()) return Fail(engine.status().ToString());
+  front_end.lifecycle = &lifecycle;
   mita::server::MitaV1Service mita_v1(engine->get(), &metrics, front_end);
   // Open Inference Protocol (KServe V2) on the same port, on the same engine.
   mita::server::OpenInferenceService open_inference(engine->get(), &metrics, front_end, "0.1.0");
@@ -530,7 +567,8 @@ int main(int argc, char** argv) {
   Log(absl::StrCat("serving gRPC", tls ? " over TLS" : "", client_certificates ? " (client certificates required)" : "",
                    authenticator != nullptr ? " with bearer-token authentication" : "", " on ", listen, " (port ",
                    selected_port, "; mita.v1.MitaService, grpc.health.v1, ",
-                   "inference.GRPCInferenceService, reflection), ", metrics_line, "; models: ", absl::StrJoin((*registry)->names(), ", "),
+                   "inference.GRPCInferenceService, reflection), ", metrics_line, "; models: ", absl::StrJoin(loaded_names, ", "),
+                   " (model control: ", mita::server::ModelControlModeName(*control_mode), ")",
                    "; max_batch_size=", options.batching.max_batch_size,
                    " max_queue_delay=", absl::FormatDuration(options.batching.max_queue_delay),
                    " max_batch_tokens=", options.batching.max_batch_tokens,
@@ -544,6 +582,7 @@ int main(int argc, char** argv) {
                    keep_freed_memory ? absl::StrCat(" keep_freed_memory_limit_bytes=", freed_memory_limit_bytes) : "",
                    "; returned ", returned_at_start >> 20, " MiB of freed memory to the system after start-up"));
 
+  lifecycle.StartPolling();
   int signal_number = 0;
   sigwait(&shutdown_signals, &signal_number);
   Log(absl::StrCat("received ", SignalName(signal_number), "; draining (up to ", drain_timeout_s,
