@@ -632,7 +632,13 @@ TEST_F(OpenInferenceTest, BadRequestsGetTheMitaV1CodesWithProtocolNames) {
   {
     inference::ModelInferRequest request = ImageRequest(image);
     request.set_model_version("2");
-    ExpectError(request, grpc::StatusCode::NOT_FOUND, "version '2' not found; available: 1");
+    ExpectError(request, grpc::StatusCode::NOT_FOUND, "model 'fashion-mnist-vit' has no version 2; served: 1");
+  }
+  {
+    inference::ModelInferRequest request = ImageRequest(image);
+    request.set_model_version("v1");
+    ExpectError(request, grpc::StatusCode::INVALID_ARGUMENT,
+                "model_version: 'v1' is not a version number (1, 2, ...; empty for the latest)");
   }
   {
     inference::ModelInferRequest request = ImageRequest(image);
@@ -914,7 +920,8 @@ TEST(OpenInferenceTranslationTest, DocumentsBecomeTextOrTokenIds) {
     EXPECT_EQ(ToInferenceRequest(tokens, image_model, &translated).code(), absl::StatusCode::kInvalidArgument);
   }
 
-  const inference::ModelMetadataResponse metadata = ToModelMetadataResponse(model);
+  const inference::ModelMetadataResponse metadata = ToModelMetadataResponse(model, {1, 3});
+  EXPECT_THAT(metadata.versions(), ElementsAre("1", "3"));
   ASSERT_EQ(metadata.inputs_size(), 2);
   EXPECT_EQ(metadata.inputs(0).name(), "text");
   EXPECT_EQ(metadata.inputs(1).name(), "token_ids");

@@ -129,7 +129,8 @@ InProcessServer::InProcessServer(const server::ModelRegistry* registry, server::
       }()) {}
 
 InProcessServer::InProcessServer(const server::ModelRegistry* registry, InProcessServerOptions options) {
-  metrics_ = std::make_unique<server::ServerMetrics>(server::MetricsModelInfos(*registry));
+  metrics_ = std::make_unique<server::ServerMetrics>(registry != nullptr ? server::MetricsModelInfos(*registry)
+                                                                         : std::vector<server::ServerMetrics::ModelInfo>{});
   if (options.metrics_http) {
     absl::StatusOr<std::unique_ptr<server::MetricsHttpServer>> metrics_server =
         server::MetricsHttpServer::Start("127.0.0.1:0", metrics_->registry());
@@ -151,6 +152,19 @@ InProcessServer::InProcessServer(const server::ModelRegistry* registry, InProces
     return;
   }
   engine_ = *std::move(engine);
+  if (options.lifecycle_repository.has_value()) {
+    server::ModelLifecycleOptions lifecycle;
+    lifecycle.repository = *options.lifecycle_repository;
+    lifecycle.mode = options.model_control_mode;
+    lifecycle.drain_timeout = absl::Seconds(10);
+    lifecycle.placement = [](const std::string&) -> absl::StatusOr<models::Placement> { return models::Placement{}; };
+    lifecycle.profile = [](const std::string&, const models::Classifier& classifier)
+        -> absl::StatusOr<server::CostProfile> { return server::PriorProfile(classifier); };
+    lifecycle_ = std::make_unique<server::ModelLifecycle>(engine_.get(), metrics_.get(), lifecycle);
+    status_ = lifecycle_->LoadAll({});
+    if (!status_.ok()) return;
+    options.front_end.lifecycle = lifecycle_.get();
+  }
   mita_v1_ = std::make_unique<server::MitaV1Service>(engine_.get(), metrics_.get(), options.front_end);
   if (options.open_inference) {
     open_inference_ =

@@ -68,6 +68,10 @@ struct InProcessServerOptions {
   bool open_inference = false;
   // /metrics of this server's registry on 127.0.0.1:0 (metrics_port()).
   bool metrics_http = false;
+  // Set: the models come from this repository through a ModelLifecycle (the registry may be null; every version
+  // gets its model's prior cost profile), in `model_control_mode`, and the front ends serve its repository API.
+  std::optional<std::string> lifecycle_repository;
+  server::ModelControlMode model_control_mode = server::ModelControlMode::kExplicit;
 };
 
 // An in-process server for the models of a registry: ServerMetrics, InferenceEngine, the mita.v1 front end and a
@@ -75,7 +79,7 @@ struct InProcessServerOptions {
 // construction.
 class InProcessServer {
  public:
-  // `registry` must outlive the server.
+  // `registry` (may be null with options.lifecycle_repository) must outlive the server.
   InProcessServer(const server::ModelRegistry* registry, InProcessServerOptions options);
   // Serves `registry` with `engine_options`; `max_receive_message_bytes` > 0 sets gRPC's receive limit.
   InProcessServer(const server::ModelRegistry* registry, server::EngineOptions engine_options,
@@ -94,6 +98,8 @@ class InProcessServer {
   server::InferenceEngine& engine() { return *engine_; }
   server::OpenInferenceService* open_inference() { return open_inference_.get(); }
   server::ServerMetrics& metrics() { return *metrics_; }
+  // With options.lifecycle_repository; else null.
+  server::ModelLifecycle* lifecycle() { return lifecycle_.get(); }
   // The registry, once every call whose answer went out is counted (calls are counted when gRPC is done with them,
   // which can be just after the client has its answer; ServerMetrics::AwaitFinishedCallsCounted).
   const prometheus::Registry& registry() const {
@@ -107,6 +113,7 @@ class InProcessServer {
  private:
   absl::Status status_;
   std::unique_ptr<server::ServerMetrics> metrics_;
+  std::unique_ptr<server::ModelLifecycle> lifecycle_;
   std::unique_ptr<server::MetricsHttpServer> metrics_server_;
   std::unique_ptr<server::InferenceEngine> engine_;
   std::unique_ptr<server::MitaV1Service> mita_v1_;
