@@ -3,14 +3,14 @@
 dashboard, Dockerfiles) without a cluster. Debian python3-yaml, and the tools of scripts/install_deploy_check.sh.
 
   1. kubernetes-validate (pinned in scripts/deploy-check-requirements.txt) --strict against Kubernetes
-     KUBERNETES_VERSION: every object of a built-in kind of the base (deploy/kubernetes) and of the GPU overlay as
-     kustomize renders it (deploy/kubernetes/gpu: its patch merged into the base Deployment here, containers by
-     name, the way a strategic merge patch does). Not validated by a schema: the CRDs' objects (KServe's
+     KUBERNETES_VERSION: every object of a built-in kind of the base (deploy/kubernetes) and of the overlays as
+     kustomize renders them (deploy/kubernetes/gpu, deploy/kubernetes/repository: each patch merged into the base
+     Deployment here, containers and volumes by name, the way a strategic merge patch does). Not validated by a schema: the CRDs' objects (KServe's
      ServingRuntime and InferenceService, the Prometheus operator's ServiceMonitor), whose schemas come with those
      operators' release manifests (not in any package this project installs; KServe's CRDs alone are megabytes of
      OpenAPI) and Kustomization files (kustomize's own config). Their fields are checked by the cross references
      below.
-  2. checkov (pinned likewise) with its Kubernetes and Dockerfile checks on deploy/, the GPU overlay rendered: every
+  2. checkov (pinned likewise) with its Kubernetes and Dockerfile checks on deploy/, the overlays rendered: every
      finding must be fixed or skipped in the manifest (a checkov.io/skipN annotation, or a Dockerfile's
      "# checkov:skip=ID: reason" comment) with its reason.
   3. What no tool checks, the cross references: Service/PDB/ServiceMonitor selectors match the Deployment's pod
@@ -352,13 +352,18 @@ def check_grafana():
     checked.append(f"{os.path.relpath(path, ROOT)}: {len(panels)} panels, {expressions} queries")
 
 
-def run_tools(base, gpu):
-    """kubernetes-validate and checkov on the rendered objects (a copy of deploy/ with the GPU patch rendered)."""
+# The overlays of deploy/kubernetes: (folder, its patch of the base Deployment).
+OVERLAYS = (("gpu", "deployment-gpu.yaml"), ("repository", "deployment-repository.yaml"))
+
+
+def run_tools(base, overlays):
+    """kubernetes-validate and checkov on the rendered objects (a copy of deploy/ with each overlay's patch
+    rendered)."""
     work = tempfile.mkdtemp(prefix="mita_deploy_check_")
     try:
         # 1. kubernetes-validate: each built-in object in its own file, named after where it comes from.
         files, names = [], {}
-        for overlay, objects in (("base", base), ("gpu", gpu)):
+        for overlay, objects in (("base", base), *overlays.items()):
             for index, (path, document) in enumerate(objects):
                 if document.get("kind") in NOT_BUILT_IN:
                     continue
@@ -378,14 +383,15 @@ def run_tools(base, gpu):
                     f"kubernetes-validate {KUBERNETES_VERSION} --strict failed (above)")
         checked.append(f"kubernetes-validate --strict -k {KUBERNETES_VERSION}: {len(files)} objects")
 
-        # 2. checkov on a copy of deploy/ whose GPU patch is the Deployment it renders to.
+        # 2. checkov on a copy of deploy/ whose overlay patches are the Deployments they render to.
         copy_root = os.path.join(work, "deploy")
         shutil.copytree(os.path.join(ROOT, "deploy"), copy_root)
-        patch = os.path.join(copy_root, "kubernetes", "gpu", "deployment-gpu.yaml")
-        rendered = [document for path, document in gpu if document.get("kind") == "Deployment"]
-        with open(patch, "w", encoding="utf-8") as out:
-            out.write("# deploy/kubernetes/gpu rendered: the base Deployment with deployment-gpu.yaml merged\n")
-            yaml.safe_dump_all(rendered, out, sort_keys=False)
+        for overlay, patch_name in OVERLAYS:
+            patch = os.path.join(copy_root, "kubernetes", overlay, patch_name)
+            rendered = [document for path, document in overlays[overlay] if document.get("kind") == "Deployment"]
+            with open(patch, "w", encoding="utf-8") as out:
+                out.write(f"# deploy/kubernetes/{overlay} rendered: the base Deployment with {patch_name} merged\n")
+                yaml.safe_dump_all(rendered, out, sort_keys=False)
         result = subprocess.run([os.path.join(TOOLS, "checkov"), "-d", copy_root, "--framework", "kubernetes",
                                  "dockerfile", "--skip-download", "--compact", "--quiet"],
                                 capture_output=True, text=True, cwd=work)
@@ -410,16 +416,18 @@ def main():
     if len(METRICS) < 10:
         problem(os.path.join(ROOT, "docs", "metrics.md"), "metrics table not found")
     base = render(os.path.join(ROOT, "deploy", "kubernetes"))
-    gpu = render(os.path.join(ROOT, "deploy", "kubernetes", "gpu"))
+    overlays = {overlay: render(os.path.join(ROOT, "deploy", "kubernetes", overlay)) for overlay, _ in OVERLAYS}
     kserve = [(path, document) for path in sorted(glob.glob(os.path.join(ROOT, "deploy/kubernetes/kserve/*.yaml")))
               for document in load(path)]
-    hpa_metrics = check_references(base, "base") | check_references(gpu, "gpu") | check_references(kserve, "kserve")
+    hpa_metrics = check_references(base, "base") | check_references(kserve, "kserve")
+    for overlay, objects in overlays.items():
+        hpa_metrics |= check_references(objects, overlay)
     check_adapter(hpa_metrics)
     check_prometheus()
     check_grafana()
     tools = all(os.access(os.path.join(TOOLS, t), os.X_OK) for t in ("kubernetes-validate", "checkov"))
     if tools:
-        run_tools(base, gpu)
+        run_tools(base, overlays)
     for line in checked:
         print("checked", line)
     if problems:
