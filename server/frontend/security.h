@@ -14,6 +14,7 @@
 #include <grpcpp/server_context.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -52,6 +53,9 @@ class BearerTokenAuthenticator {
   absl::Status Check(const grpc::ServerContextBase& context) const;
   // The same check on the value of an "authorization" header; nullptr: absent.
   absl::Status CheckHeader(const std::string* authorization) const;
+  // The token a call presents: the value of its one "authorization: Bearer <token>" metadata entry without the
+  // scheme; nullopt when it has none, several, or another scheme.
+  static std::optional<std::string> PresentedToken(const grpc::ServerContextBase& context);
 
  private:
   explicit BearerTokenAuthenticator(std::string token) : token_(std::move(token)) {}

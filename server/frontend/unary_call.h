@@ -17,12 +17,14 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "google/protobuf/message.h"
 #include "server/frontend/grpc_status.h"
 #include "server/frontend/message_limits.h"
 #include "server/frontend/security.h"
 #include "server/metrics/metrics.h"
+#include "server/policy/policy_holder.h"
 
 namespace mita::server {
 
@@ -33,6 +35,10 @@ struct FrontEndOptions {
   const BearerTokenAuthenticator* authenticator = nullptr;
   // When set, requests and responses over their limits get RESOURCE_EXHAUSTED naming the limit and its flag.
   std::shared_ptr<const MessageSizeGuard> message_size;
+  // When set (not owned, must outlive the service), the budget policy per client (mita-server
+  // --client_policy_file): each inference call is attributed to a client (AuthenticateClient) whose rules and quota
+  // the engine applies; a bearer token the policy names is a credential of the server as well.
+  const policy::ClientPolicyHolder* client_policy = nullptr;
 };
 
 // The reactor of one unary call. FinishCall finishes the call; OnDone (gRPC is done with the call) counts it and
@@ -53,6 +59,8 @@ class UnaryCallReactor : public grpc::ServerUnaryReactor {
 
   // Counts the call (see FinishCall) and deletes this reactor.
   void OnDone() override;
+  // The budget policy's client the call is from: OnDone counts it in mita_client_requests_total too.
+  void set_client_metrics(ClientMetrics* client) { client_ = client; }
 
  protected:
   ~UnaryCallReactor() override = default;
@@ -70,10 +78,19 @@ class UnaryCallReactor : public grpc::ServerUnaryReactor {
   absl::StatusCode code_ = absl::StatusCode::kUnknown;
   absl::Duration latency_;
   bool finished_ = false;
+  ClientMetrics* client_ = nullptr;
 };
 
-// The call's bearer-token check: OK without an authenticator, else its verdict (UNAUTHENTICATED).
+// The call's bearer-token check: OK without an authenticator, else its verdict (UNAUTHENTICATED), except that with
+// a client policy a token the policy names is valid too (AuthenticateClient's check).
 absl::Status Authenticate(const FrontEndOptions& options, const grpc::ServerContextBase& context);
+// Authenticates the call (Authenticate) and attributes it to a client of the budget policy: the client whose
+// token_sha256 is the SHA-256 of the call's bearer token, else the client whose certificate_subject is the call's
+// mTLS peer certificate subject (AuthContext "x509_subject_name"), else "default". With --auth_token_file, a call
+// must present that token or a token the policy names (UNAUTHENTICATED otherwise); without it, tokens are not
+// required and an unknown one is the default client. Returns null without a client policy. Never echoes a token.
+absl::StatusOr<std::shared_ptr<const policy::ClientAdmission>> AuthenticateClient(
+    const FrontEndOptions& options, const grpc::ServerContextBase& context);
 
 // The call's deadline as absl::Time: absl::InfiniteFuture() for none, and for a deadline beyond what
 // std::chrono::system_clock represents (about the year 2262; DeadlineFromTimespec).
