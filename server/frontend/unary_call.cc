@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
+#include "server/policy/budget_rules.h"
 
 namespace grpc::internal {
 
@@ -93,6 +94,15 @@ absl::StatusOr<std::shared_ptr<const policy::ClientAdmission>> AuthenticateClien
   }
   return options.client_policy->Identify(token.has_value() ? &*token : nullptr,
                                          subject.has_value() ? &*subject : nullptr);
+}
+
+void DeclareClientMetrics(const policy::ClientPolicyHolder& policy, ServerMetrics& metrics) {
+  for (const std::string& name : policy.client_names()) {
+    ClientMetrics* client = metrics.ForClient(name);
+    for (int rule = 0; rule < policy::kNumPolicyRules; ++rule) {
+      client->DeclarePolicyRule(policy::PolicyRuleName(static_cast<policy::PolicyRule>(rule)));
+    }
+  }
 }
 
 absl::Time DeadlineFromTimespec(gpr_timespec deadline) {

@@ -92,6 +92,9 @@ absl::Status Authenticate(const FrontEndOptions& options, const grpc::ServerCont
 absl::StatusOr<std::shared_ptr<const policy::ClientAdmission>> AuthenticateClient(
     const FrontEndOptions& options, const grpc::ServerContextBase& context);
 
+// Creates the per-client series of every client name `policy` has held (ClientPolicyHolder::client_names) at 0,
+// so that they are exported before their first call; call at start and after each reload.
+void DeclareClientMetrics(const policy::ClientPolicyHolder& policy, ServerMetrics& metrics);
 // The call's deadline as absl::Time: absl::InfiniteFuture() for none, and for a deadline beyond what
 // std::chrono::system_clock represents (about the year 2262; DeadlineFromTimespec).
 absl::Time DeadlineOf(const grpc::ServerContextBase& context);

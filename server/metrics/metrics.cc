@@ -390,6 +390,12 @@ void ClientMetrics::CountRequest(absl::StatusCode code) {
   requests_[static_cast<size_t>(index)]->Increment();
 }
 
+void ClientMetrics::DeclarePolicyRule(const std::string& rule) {
+  absl::MutexLock lock(&mu_);
+  prometheus::Counter*& counter = policy_refusals_[rule];
+  if (counter == nullptr) counter = &policy_refusals_family_->Add({{"client", name_}, {"rule", rule}});
+}
+
 void ClientMetrics::CountPolicyRefusal(const std::string& rule) {
   absl::MutexLock lock(&mu_);
   prometheus::Counter*& counter = policy_refusals_[rule];

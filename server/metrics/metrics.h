@@ -172,6 +172,8 @@ class ClientMetrics {
   void CountQuotaRefusal() { quota_refusals_->Increment(); }
   // One request refused by the client's rules; `rule` is a rule name of server/policy/budget_rules.h (a fixed set).
   void CountPolicyRefusal(const std::string& rule) ABSL_LOCKS_EXCLUDED(mu_);
+  // Creates the series of `rule` at 0, so that it is exported before the first refusal.
+  void DeclarePolicyRule(const std::string& rule) ABSL_LOCKS_EXCLUDED(mu_);
   const std::string& name() const { return name_; }
 
  private:

@@ -23,6 +23,7 @@ enum class PolicyRule {
   kFullAttentionTokens = 4,  // full attention on more tokens than full_attention_max_tokens
   kLatencyTarget = 5,        // none of a latency target's budgets is allowed
 };
+inline constexpr int kNumPolicyRules = 6;
 // "preset", "max_expert_count", "max_expert_width", "full_attention", "full_attention_max_tokens",
 // "latency_target".
 const char* PolicyRuleName(PolicyRule rule);

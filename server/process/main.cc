@@ -473,6 +473,7 @@ int main(int argc, char** argv) {
   }
 
   mita::server::ServerMetrics metrics(mita::server::MetricsModelInfos(**registry));
+  if (client_policy != nullptr) mita::server::DeclareClientMetrics(*client_policy, metrics);
   // What the calibration batches freed goes back to the system now, and the heap keeps at most the limit free from
   // here on (kernels::FreedMemoryLimit, checked every second; its figures in mita_heap_*).
   std::unique_ptr<mita::kernels::FreedMemoryLimit> freed_memory_limit;
@@ -570,7 +571,11 @@ int main(int argc, char** argv) {
     while (client_policy != nullptr && !stop_policy_poll.WaitForNotificationWithTimeout(interval)) {
       const absl::StatusOr<bool> reloaded = client_policy->ReloadIfChanged();
       if (!reloaded.ok()) Log(absl::StrCat("client policy not reloaded: ", reloaded.status().message()));
-      if (reloaded.ok() && *reloaded) Log(absl::StrCat("client policy reloaded from ", client_policy->path()));
+      if (reloaded.ok() && *reloaded) {
+        mita::server::DeclareClientMetrics(*client_policy, metrics);
+        Log(absl::StrCat("client policy reloaded from ", client_policy->path(), ": clients ",
+                         absl::StrJoin(client_policy->client_names(), ", ")));
+      }
     }
   });
 
