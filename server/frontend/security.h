@@ -6,7 +6,8 @@
 //   * Bearer token: BearerTokenAuthenticator checks the "authorization: Bearer <token>" metadata of a call
 //     against a token read from a file (constant-time comparison). The mita.v1 handlers call it first; the
 //     gRPC health service and reflection stay open so that load balancers and tools work without the token.
-//     Send tokens only over TLS (in plaintext anyone on the path can read them).
+//     Send tokens only over TLS (in plaintext anyone on the path can read them). With a client policy
+//     (server/policy/), a token the policy names by its SHA-256 is valid too (AuthenticateClient, unary_call.h).
 // (Containment of the model repository is the registry's: server/engine/model_registry.h.)
 #pragma once
 
