@@ -2,6 +2,7 @@
 #include "server/frontend/unary_call.h"
 
 #include <grpc/grpc.h>
+#include <grpc/grpc_security_constants.h>
 #include <grpc/support/time.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 #include <grpcpp/impl/codegen/proto_utils.h>
@@ -89,7 +90,7 @@ absl::StatusOr<std::shared_ptr<const policy::ClientAdmission>> AuthenticateClien
   if (options.client_policy == nullptr) return nullptr;
   std::optional<std::string> subject;
   if (const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context(); auth != nullptr) {
-    const std::vector<grpc::string_ref> subjects = auth->FindPropertyValues("x509_subject_name");
+    const std::vector<grpc::string_ref> subjects = auth->FindPropertyValues(GRPC_X509_SUBJECT_PROPERTY_NAME);
     if (subjects.size() == 1) subject = std::string(subjects.front().data(), subjects.front().size());
   }
   return options.client_policy->Identify(token.has_value() ? &*token : nullptr,

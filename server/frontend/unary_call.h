@@ -86,7 +86,7 @@ class UnaryCallReactor : public grpc::ServerUnaryReactor {
 absl::Status Authenticate(const FrontEndOptions& options, const grpc::ServerContextBase& context);
 // Authenticates the call (Authenticate) and attributes it to a client of the budget policy: the client whose
 // token_sha256 is the SHA-256 of the call's bearer token, else the client whose certificate_subject is the call's
-// mTLS peer certificate subject (AuthContext "x509_subject_name"), else "default". With --auth_token_file, a call
+// mTLS peer certificate subject (AuthContext "x509_subject"), else "default". With --auth_token_file, a call
 // must present that token or a token the policy names (UNAUTHENTICATED otherwise); without it, tokens are not
 // required and an unknown one is the default client. Returns null without a client policy. Never echoes a token.
 absl::StatusOr<std::shared_ptr<const policy::ClientAdmission>> AuthenticateClient(

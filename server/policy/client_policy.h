@@ -70,7 +70,7 @@ struct PolicyClient {
   std::string name;
   // SHA-256 of its bearer token, 64 lowercase hex digits; "" when it is not identified by a token.
   std::string token_sha256;
-  // The subject of its mTLS certificate as gRPC's AuthContext gives it ("x509_subject_name"); "" when none.
+  // The subject of its mTLS certificate as gRPC's AuthContext gives it ("x509_subject"); "" when none.
   std::string certificate_subject;
   ClientRules rules;
 };
