@@ -60,7 +60,7 @@ const absl::Duration kBulkSettle = absl::Seconds(3);
 // The answers one sender got.
 struct Tally {
   absl::Mutex mu;
-  std::vector<double> latencies_ms ABSL_GUARDED_BY(mu);  // OK calls
+  std::vector<double> latencies_ms ABSL_GUARDED_BY(mu);      // OK calls
   std::map<std::string, int64_t> codes ABSL_GUARDED_BY(mu);  // code name (and refusal kind) -> calls
   int64_t sent ABSL_GUARDED_BY(mu) = 0;
   int64_t answered ABSL_GUARDED_BY(mu) = 0;
@@ -98,7 +98,7 @@ void Send(v1::MitaService::Stub* stub, const std::string& token, const std::vect
       if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
         code += absl::StrContains(status.error_message(), "over its quota") ? " (quota)"
                 : absl::StrContains(status.error_message(), "low-priority") ? " (low-priority queue share)"
-                                                                              : " (other)";
+                                                                            : " (other)";
       }
       {
         absl::MutexLock lock(&tally->mu);
@@ -114,10 +114,10 @@ void Send(v1::MitaService::Stub* stub, const std::string& token, const std::vect
 // Waits until every call `tally` sent is answered (at most 60 s).
 void AwaitAnswers(Tally* tally) {
   absl::MutexLock lock(&tally->mu);
-  tally->mu.AwaitWithTimeout(absl::Condition(
-                                 +[](Tally* t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(t->mu) { return t->answered == t->sent; },
-                                 tally),
-                             absl::Seconds(60));
+  tally->mu.AwaitWithTimeout(
+      absl::Condition(
+          +[](Tally* t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(t->mu) { return t->answered == t->sent; }, tally),
+      absl::Seconds(60));
 }
 
 std::string Codes(Tally& tally) {
@@ -139,7 +139,8 @@ std::string Slowest(Tally& tally, size_t count) {
   std::vector<double> values = tally.latencies_ms;
   std::sort(values.rbegin(), values.rend());
   std::string text;
-  for (size_t i = 0; i < std::min(count, values.size()); ++i) absl::StrAppendFormat(&text, "%s%.1f", i ? " " : "", values[i]);
+  for (size_t i = 0; i < std::min(count, values.size()); ++i)
+    absl::StrAppendFormat(&text, "%s%.1f", i ? " " : "", values[i]);
   return text;
 }
 
@@ -154,12 +155,14 @@ TEST(ClientPolicyLoadTest, LowPriorityClientAtFourTimesItsQuotaBesideAnInteracti
       ModelRegistry::LoadFromDirectory(test_util::RepositoryPath());
   ASSERT_TRUE(registry.ok()) << registry.status();
   const std::string policy_path = test_util::MakeTempDirectory("client_policy_load") + "/policy.json";
-  test_util::WriteFile(policy_path,
-                       absl::StrCat(R"({"clients": [
-        {"name": "interactive", "token_sha256": ")", policy::Sha256Hex(kInteractiveToken), R"(",
+  test_util::WriteFile(policy_path, absl::StrCat(R"({"clients": [
+        {"name": "interactive", "token_sha256": ")",
+                                                 policy::Sha256Hex(kInteractiveToken), R"(",
          "priority": "interactive"},
-        {"name": "bulk", "token_sha256": ")", policy::Sha256Hex(kBulkToken), R"(", "priority": "batch",
-         "quota": {"compute_units_per_second": )", kBulkQuota, R"(, "burst_compute_units": )", kBulkBurst, R"(}}]})"));
+        {"name": "bulk", "token_sha256": ")",
+                                                 policy::Sha256Hex(kBulkToken), R"(", "priority": "batch",
+         "quota": {"compute_units_per_second": )",
+                                                 kBulkQuota, R"(, "burst_compute_units": )", kBulkBurst, R"(}}]})"));
   absl::StatusOr<std::unique_ptr<policy::ClientPolicyHolder>> holder = policy::ClientPolicyHolder::Load(policy_path);
   ASSERT_TRUE(holder.ok()) << holder.status();
   test_util::InProcessServerOptions options;
@@ -195,15 +198,15 @@ TEST(ClientPolicyLoadTest, LowPriorityClientAtFourTimesItsQuotaBesideAnInteracti
     std::thread meter([&] {
       absl::SleepFor(kBulkSettle);
       settled_at = absl::Now();
-      settled_units = test_util::MetricValue(*server.metrics().registry(), "mita_client_compute_units_total",
-                                             {{"client", "bulk"}});
+      settled_units =
+          test_util::MetricValue(*server.metrics().registry(), "mita_client_compute_units_total", {{"client", "bulk"}});
     });
     Send(stub.get(), kInteractiveToken, images->pngs, kInteractiveRate, end, &beside);
     bulk_sender.join();
     meter.join();
     const absl::Time sent_until = absl::Now();
-    const double final_units = test_util::MetricValue(*server.metrics().registry(), "mita_client_compute_units_total",
-                                                      {{"client", "bulk"}});
+    const double final_units =
+        test_util::MetricValue(*server.metrics().registry(), "mita_client_compute_units_total", {{"client", "bulk"}});
     AwaitAnswers(&beside);
     AwaitAnswers(&bulk);
 
@@ -219,8 +222,8 @@ TEST(ClientPolicyLoadTest, LowPriorityClientAtFourTimesItsQuotaBesideAnInteracti
         "slowest interactive calls alone (ms): %s\nslowest interactive calls beside bulk (ms): %s\n",
         attempt, kInteractiveRate, absl::ToDoubleSeconds(kPhase), P50(alone), alone_p99, Codes(alone).c_str(),
         P50(beside), beside_p99, Codes(beside).c_str(), beside_p99 / alone_p99, kBulkRate, kBulkQuota, kBulkBurst,
-        bulk_rate, absl::ToDoubleSeconds(kBulkSettle), 100 * (bulk_rate - kBulkQuota) / kBulkQuota,
-        Codes(bulk).c_str(), Slowest(alone, 10).c_str(), Slowest(beside, 10).c_str());
+        bulk_rate, absl::ToDoubleSeconds(kBulkSettle), 100 * (bulk_rate - kBulkQuota) / kBulkQuota, Codes(bulk).c_str(),
+        Slowest(alone, 10).c_str(), Slowest(beside, 10).c_str());
     std::fflush(stdout);
 
     // No call lost: every call answered; the interactive ones OK; the low-priority ones OK or refused for its

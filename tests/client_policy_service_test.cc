@@ -39,10 +39,13 @@ constexpr char kMeteredToken[] = "metered-t0ken";
 
 std::string PolicyText(int64_t free_max_expert_width) {
   return absl::StrCat(R"({"clients": [
-      {"name": "free", "token_sha256": ")", policy::Sha256Hex(kFreeToken), R"(", "presets": ["fast", "balanced"],
-       "max_expert_count": 9, "max_expert_width": )", free_max_expert_width, R"(, "full_attention_max_tokens": 0,
+      {"name": "free", "token_sha256": ")",
+                      policy::Sha256Hex(kFreeToken), R"(", "presets": ["fast", "balanced"],
+       "max_expert_count": 9, "max_expert_width": )",
+                      free_max_expert_width, R"(, "full_attention_max_tokens": 0,
        "default_preset": "fast", "priority": "batch"},
-      {"name": "metered", "token_sha256": ")", policy::Sha256Hex(kMeteredToken), R"(",
+      {"name": "metered", "token_sha256": ")",
+                      policy::Sha256Hex(kMeteredToken), R"(",
        "quota": {"compute_units_per_second": 1000, "burst_compute_units": 1000}}
     ]})");
 }
@@ -164,7 +167,8 @@ TEST_F(ClientPolicyServiceTest, PolicyTokensAreCredentialsBesideTheServerToken) 
 
 // A budget outside the client's rules is PERMISSION_DENIED naming the client and the rule, over both protocols.
 TEST_F(ClientPolicyServiceTest, BudgetsOutsideTheRulesArePermissionDeniedOverBothFrontEnds) {
-  const double denied_before = Metric("mita_client_requests_total", {{"client", "free"}, {"code", "PERMISSION_DENIED"}});
+  const double denied_before =
+      Metric("mita_client_requests_total", {{"client", "free"}, {"code", "PERMISSION_DENIED"}});
   v1::ClassifyResponse response;
   v1::Budget full;
   full.mutable_full_attention();

@@ -2,6 +2,8 @@
 // its message, the compute quota on a manual clock (rate and burst exact), the policy in force and its reload (a good
 // file swapped in, a bad one keeping the old and saying why, quotas surviving), and a client's rules applied to
 // requests for the embedded image model's knobs.
+#include "server/policy/client_policy.h"
+
 #include <memory>
 #include <string>
 
@@ -13,7 +15,6 @@
 #include "models/budget.h"
 #include "server/planning/clock.h"
 #include "server/policy/budget_rules.h"
-#include "server/policy/client_policy.h"
 #include "server/policy/compute_quota.h"
 #include "server/policy/policy_holder.h"
 #include "tests/test_util.h"
@@ -30,10 +31,12 @@ const std::string kFreeSha = Sha256Hex("free-token");
 std::string GoodPolicy() {
   return absl::StrCat(R"({
     "clients": [
-      {"name": "frontend", "token_sha256": ")", kFrontendSha, R"(", "priority": "interactive"},
+      {"name": "frontend", "token_sha256": ")",
+                      kFrontendSha, R"(", "priority": "interactive"},
       {"name": "nightly", "certificate_subject": "CN=nightly,O=Example", "priority": "batch",
        "quota": {"compute_units_per_second": 20000, "burst_compute_units": 40000}},
-      {"name": "free", "token_sha256": ")", kFreeSha, R"(", "presets": ["fast", "balanced"],
+      {"name": "free", "token_sha256": ")",
+                      kFreeSha, R"(", "presets": ["fast", "balanced"],
        "max_expert_count": 9, "max_expert_width": 16, "full_attention_max_tokens": 0, "default_preset": "fast",
        "priority": 3}
     ],
@@ -129,7 +132,8 @@ TEST(ClientPolicyTest, BadFilesNameTheFileTheClientAndTheKey) {
       {R"({"clients": [{"name": "free"}]})", "client 'free': has no identity: give token_sha256"},
       {R"({"clients": [{"name": "free", "token_sha256": "abc"}]})",
        "client 'free': key 'token_sha256': must be the token's SHA-256 as 64 hex digits"},
-      {absl::StrCat(R"({"clients": [{"name": "free", )", token, R"(}, {"name": "free", "certificate_subject": "CN=x"}]})"),
+      {absl::StrCat(R"({"clients": [{"name": "free", )", token,
+                    R"(}, {"name": "free", "certificate_subject": "CN=x"}]})"),
        "client 'free': key 'name': a client of this name is listed already"},
       {absl::StrCat(R"({"clients": [{"name": "free", )", token, R"(}, {"name": "paid", )", token, R"(}]})"),
        "client 'paid': key 'token_sha256': the same token identifies client 'free'"},
@@ -261,7 +265,8 @@ TEST(ClientPolicyHolderTest, ReloadSwapsAGoodFileAndKeepsTheOldForABadOne) {
   test_util::WriteFile(path, absl::StrCat(R"({"clients": [
       {"name": "nightly", "certificate_subject": "CN=nightly,O=Example", "priority": "batch", "max_expert_width": 8,
        "quota": {"compute_units_per_second": 10000, "burst_compute_units": 20000}},
-      {"name": "reports", "token_sha256": ")", kFreeSha, R"("}]})"));
+      {"name": "reports", "token_sha256": ")",
+                                          kFreeSha, R"("}]})"));
   absl::StatusOr<bool> swapped = holder.ReloadIfChanged();
   ASSERT_TRUE(swapped.ok()) << swapped.status();
   EXPECT_TRUE(*swapped);
@@ -377,8 +382,8 @@ TEST(BudgetRulesTest, FixedBudgetsOutsideTheRulesArePermissionDeniedNamingTheRul
 TEST(BudgetRulesTest, ClientDefaultPresetReplacesTheModelsDefault) {
   const models::BudgetKnobs knobs = ImageKnobs();
   const ClientAdmission free = Free();
-  for (models::BudgetRequest::Choice choice : {models::BudgetRequest::Choice::kDefault,
-                                               models::BudgetRequest::Choice::kPreset}) {
+  for (models::BudgetRequest::Choice choice :
+       {models::BudgetRequest::Choice::kDefault, models::BudgetRequest::Choice::kPreset}) {
     models::BudgetRequest request;
     request.choice = choice;  // kPreset with "" is the default too
     PolicyRule rule;
@@ -409,8 +414,8 @@ TEST(BudgetRulesTest, LatencyTargetIsPlannedWithinThePolicy) {
   item.tokens = 50;
   item.latency_target = true;
   for (const models::DeclaredBudget& declared : knobs.accuracy_order) {
-    item.allowed_budgets.push_back({models::ApplyBudget(declared.budget, 50),
-                                    declared.name == "full" ? std::string() : declared.name});
+    item.allowed_budgets.push_back(
+        {models::ApplyBudget(declared.budget, 50), declared.name == "full" ? std::string() : declared.name});
   }
   item.budget = item.allowed_budgets.front();
   item.requested_budget = knobs.accuracy_order.front().budget;

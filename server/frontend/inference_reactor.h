@@ -34,10 +34,10 @@ class InferenceReactor : public UnaryCallReactor {
  protected:
   ~InferenceReactor() override = default;
 
-  // Authenticates the call and finds its client of the budget policy (AuthenticateClient), then receives the bytes the client sent into `*request` (ReceiveRequest: a whole
-  // message, inflated within the size limit, parsed). Returns false when the call is already answered: an
-  // unauthenticated one finished at once and counted with model "unknown" (its request is not trusted, nor
-  // inflated or parsed), one whose bytes are refused through Answer.
+  // Authenticates the call and finds its client of the budget policy (AuthenticateClient), then receives the bytes
+  // the client sent into `*request` (ReceiveRequest: a whole message, inflated within the size limit, parsed).
+  // Returns false when the call is already answered: an unauthenticated one finished at once and counted with model
+  // "unknown" (its request is not trusted, nor inflated or parsed), one whose bytes are refused through Answer.
   bool Receive(const FrontEndOptions& options, const grpc::ByteBuffer& wire_request,
                google::protobuf::Message* request) {
     absl::StatusOr<std::shared_ptr<const policy::ClientAdmission>> client = AuthenticateClient(options, context());

@@ -402,8 +402,8 @@ class BatchQueue {
     bool full = false;
   };
 
-  // The longest prefix of the queue (priority, then FIFO order) within max_batch_size tasks and max_batch_tokens tokens. Requires a non-empty
-  // queue (and every task fits alone, which Enqueue checks).
+  // The longest prefix of the queue (priority, then FIFO order) within max_batch_size tasks and max_batch_tokens
+  // tokens. Requires a non-empty queue (and every task fits alone, which Enqueue checks).
   Extent NextBatchExtent() const {
     Extent extent;
     while (extent.count < entries_.size() && static_cast<int64_t>(extent.count) < options_.max_batch_size &&

@@ -26,10 +26,10 @@ std::optional<Refusal> BudgetRefusal(const ClientAdmission& client, const models
   const std::string who = absl::StrCat("client '", client.name, "'");
   if (!preset.empty() && rules.presets.has_value() &&
       std::find(rules.presets->begin(), rules.presets->end(), preset) == rules.presets->end()) {
-    return Refusal{PolicyRule::kPreset,
-                   absl::StrCat(who, " may not use preset '", preset, "' (policy: presets ",
-                                rules.presets->empty() ? std::string("none") : absl::StrJoin(*rules.presets, ", "),
-                                ")")};
+    return Refusal{
+        PolicyRule::kPreset,
+        absl::StrCat(who, " may not use preset '", preset, "' (policy: presets ",
+                     rules.presets->empty() ? std::string("none") : absl::StrJoin(*rules.presets, ", "), ")")};
   }
   if (budget.full_attention) {
     if (!rules.full_attention_max_tokens.has_value()) return std::nullopt;
@@ -64,9 +64,9 @@ absl::Status Deny(const Refusal& refusal, PolicyRule* rule) {
 absl::Status DenyLatencyTarget(const ClientAdmission& client, const std::vector<std::string>& reasons,
                                PolicyRule* rule) {
   *rule = PolicyRule::kLatencyTarget;
-  return absl::PermissionDeniedError(absl::StrCat("client '", client.name,
-                                                  "' may use none of the budgets its latency target allows: ",
-                                                  absl::StrJoin(reasons, "; ")));
+  return absl::PermissionDeniedError(
+      absl::StrCat("client '", client.name,
+                   "' may use none of the budgets its latency target allows: ", absl::StrJoin(reasons, "; ")));
 }
 
 std::string NameOf(const models::ResolvedBudget& budget) {
@@ -96,9 +96,10 @@ const char* PolicyRuleName(PolicyRule rule) {
 absl::Status AdmitBudgetRequest(const ClientAdmission& client, const models::BudgetKnobs& knobs,
                                 models::BudgetRequest* budget, PolicyRule* rule) {
   using Choice = models::BudgetRequest::Choice;
-  const bool asks_default = budget->choice == Choice::kDefault ||
-                            (budget->choice == Choice::kPreset && (budget->preset.empty() || budget->preset == "default") &&
-                             knobs.presets.count(budget->preset) == 0);
+  const bool asks_default =
+      budget->choice == Choice::kDefault ||
+      (budget->choice == Choice::kPreset && (budget->preset.empty() || budget->preset == "default") &&
+       knobs.presets.count(budget->preset) == 0);
   if (asks_default && !client.rules.default_preset.empty() && knobs.presets.count(client.rules.default_preset) > 0) {
     budget->choice = Choice::kPreset;
     budget->preset = client.rules.default_preset;
@@ -164,10 +165,9 @@ absl::Status CheckQuota(const ClientAdmission& client) {
   if (wait == absl::ZeroDuration()) return absl::OkStatus();
   const ClientRules::Quota quota = client.quota->quota();
   const int64_t wait_ms = static_cast<int64_t>(std::ceil(absl::ToDoubleMilliseconds(wait)));
-  return absl::ResourceExhaustedError(
-      absl::StrCat("client '", client.name, "' is over its quota of ", quota.compute_units_per_second,
-                   " compute units/s (burst ", quota.burst_compute_units, "); retry in ", std::max<int64_t>(wait_ms, 1),
-                   " ms"));
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "client '", client.name, "' is over its quota of ", quota.compute_units_per_second, " compute units/s (burst ",
+      quota.burst_compute_units, "); retry in ", std::max<int64_t>(wait_ms, 1), " ms"));
 }
 
 }  // namespace mita::server::policy

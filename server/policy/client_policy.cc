@@ -82,9 +82,9 @@ absl::StatusOr<int> ReadPriority(const Json& value, const Where& where) {
     if (name == "interactive") return kInteractivePriority;
     if (name == "normal") return kNormalPriority;
     if (name == "batch") return kBatchPriority;
-    return where.Error("priority", absl::StrCat("unknown priority \"", name,
-                                                "\"; use interactive, normal, batch or an integer in [",
-                                                kMinPriority, ", ", kMaxPriority, "]"));
+    return where.Error(
+        "priority", absl::StrCat("unknown priority \"", name, "\"; use interactive, normal, batch or an integer in [",
+                                 kMinPriority, ", ", kMaxPriority, "]"));
   }
   if (!value.is_number_integer()) {
     return where.Error("priority", absl::StrCat("must be \"interactive\", \"normal\", \"batch\" or an integer (got ",
@@ -100,17 +100,17 @@ absl::StatusOr<int> ReadPriority(const Json& value, const Where& where) {
 
 // The rule keys of a client object and of the default object.
 const std::set<std::string>& RuleKeys() {
-  static const std::set<std::string>* const keys =
-      new std::set<std::string>{"presets",       "max_expert_count", "max_expert_width", "full_attention_max_tokens",
-                                "default_preset", "quota",            "priority"};
+  static const std::set<std::string>* const keys = new std::set<std::string>{
+      "presets", "max_expert_count", "max_expert_width", "full_attention_max_tokens", "default_preset",
+      "quota",   "priority"};
   return *keys;
 }
 
 absl::StatusOr<ClientRules> ReadRules(const Json& object, const Where& where) {
   ClientRules rules;
   if (auto it = object.find("presets"); it != object.end()) {
-    if (!it->is_array()) return where.Error("presets", absl::StrCat("must be a list of preset names (got ",
-                                                                     TypeName(*it), ")"));
+    if (!it->is_array())
+      return where.Error("presets", absl::StrCat("must be a list of preset names (got ", TypeName(*it), ")"));
     std::vector<std::string> presets;
     for (const Json& entry : *it) {
       absl::StatusOr<std::string> name = ReadString(entry, "presets", where);
@@ -142,8 +142,7 @@ absl::StatusOr<ClientRules> ReadRules(const Json& object, const Where& where) {
       bool listed = false;
       for (const std::string& preset : *rules.presets) listed = listed || preset == rules.default_preset;
       if (!listed) {
-        return where.Error("default_preset", absl::StrCat("\"", rules.default_preset,
-                                                          "\" is not one of its presets: ",
+        return where.Error("default_preset", absl::StrCat("\"", rules.default_preset, "\" is not one of its presets: ",
                                                           absl::StrJoin(*rules.presets, ", ")));
       }
     }
@@ -161,11 +160,11 @@ absl::StatusOr<ClientRules> ReadRules(const Json& object, const Where& where) {
     for (const std::string& key : quota_keys) {
       if (!it->contains(key)) return where.Error(absl::StrCat("quota.", key), "missing");
     }
-    absl::StatusOr<double> rate = ReadPositiveNumber(it->at("compute_units_per_second"),
-                                                     "quota.compute_units_per_second", where);
+    absl::StatusOr<double> rate =
+        ReadPositiveNumber(it->at("compute_units_per_second"), "quota.compute_units_per_second", where);
     if (!rate.ok()) return rate.status();
-    absl::StatusOr<double> burst = ReadPositiveNumber(it->at("burst_compute_units"), "quota.burst_compute_units",
-                                                      where);
+    absl::StatusOr<double> burst =
+        ReadPositiveNumber(it->at("burst_compute_units"), "quota.burst_compute_units", where);
     if (!burst.ok()) return burst.status();
     rules.quota = ClientRules::Quota{*rate, *burst};
   }
@@ -252,9 +251,9 @@ absl::StatusOr<ClientPolicy> ClientPolicy::Parse(const std::string& text, const 
         absl::StatusOr<std::string> value = ReadString(*subject, "certificate_subject", where);
         if (!value.ok()) return value.status();
         if (policy.by_subject_.count(*value) > 0) {
-          return where.Error("certificate_subject", absl::StrCat("the same subject identifies client '",
-                                                                 policy.clients_[policy.by_subject_[*value]].name,
-                                                                 "'"));
+          return where.Error("certificate_subject",
+                             absl::StrCat("the same subject identifies client '",
+                                          policy.clients_[policy.by_subject_[*value]].name, "'"));
         }
         client.certificate_subject = *std::move(value);
       }

@@ -29,7 +29,7 @@ class ClientPolicyHolder {
  public:
   // Reads `path` (ClientPolicy::FromFile). `clock` must outlive the holder. Errors: FromFile's.
   static absl::StatusOr<std::unique_ptr<ClientPolicyHolder>> Load(const std::string& path,
-                                                                   const Clock* clock = RealClock::Get());
+                                                                  const Clock* clock = RealClock::Get());
 
   // Reads the file again; when its content differs from the last content read, parses it and, when valid, swaps
   // it in (atomically for the callers of Identify: a call holds the version it was identified with). Quotas of
@@ -41,7 +41,8 @@ class ClientPolicyHolder {
   // The client a call is: the one whose token_sha256 is the SHA-256 of `bearer_token`, else the one whose
   // certificate_subject is `certificate_subject`, else "default" (null pointers: not presented). Never null.
   std::shared_ptr<const ClientAdmission> Identify(const std::string* bearer_token,
-                                                  const std::string* certificate_subject) const ABSL_LOCKS_EXCLUDED(mu_);
+                                                  const std::string* certificate_subject) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Whether the policy in force identifies a client by a bearer token that is `bearer_token`.
   bool IsPolicyToken(const std::string& bearer_token) const ABSL_LOCKS_EXCLUDED(mu_);
   // Whether the policy in force names clients by bearer tokens at all.
@@ -67,7 +68,7 @@ class ClientPolicyHolder {
   const Clock* const clock_;
   mutable absl::Mutex mu_;
   std::shared_ptr<const Version> current_ ABSL_GUARDED_BY(mu_);
-  std::string last_content_ ABSL_GUARDED_BY(mu_);                 // what the file held at the last read
+  std::string last_content_ ABSL_GUARDED_BY(mu_);                    // what the file held at the last read
   std::optional<std::string> last_read_error_ ABSL_GUARDED_BY(mu_);  // the file could not be read last time
   std::vector<std::string> names_seen_ ABSL_GUARDED_BY(mu_);
 };
