@@ -16,7 +16,8 @@ dashboard, Dockerfiles) without a cluster. Debian python3-yaml, and the tools of
   3. What no tool checks, the cross references: Service/PDB/ServiceMonitor selectors match the Deployment's pod
      labels, named target ports exist, the gRPC Service is headless, the HPA targets the Deployment and its metric
      is the prometheus-adapter rule's, the InferenceService's runtime and model format exist, the KServe runtime's
-     h2c port, kustomization resources and patches exist; container args are real mita-server flags
+     h2c port, kustomization resources and patches exist, the ConfigMaps pods mount (the client policy) exist and are
+     mounted; container args are real mita-server flags
      (server/process/main.cc); terminationGracePeriodSeconds covers preStop plus --drain_timeout_s; readiness and liveness
      use the gRPC health service, liveness on the server's liveness name (server/frontend/health_service.h); every metric
      named in the Grafana dashboard, the HPA, the adapter rule and the Prometheus config is a series of
@@ -223,6 +224,19 @@ def check_references(objects, where_name):
                                   f"'{service}' (server/frontend/health_service.h), not '{handler.get('service', '')}'")
         deployments[name] = labels
         ports_of[name] = ports
+
+    # Every ConfigMap a pod mounts (the client policy) is among the objects, and is mounted by some container.
+    config_maps = {document["metadata"]["name"] for _, document in by_kind.get("ConfigMap", [])}
+    for path, deployment in by_kind.get("Deployment", []):
+        pod = get(deployment, "spec.template.spec", path, dict) or {}
+        mounted = {mount.get("name") for container in pod.get("containers", [])
+                   for mount in container.get("volumeMounts", [])}
+        for volume in pod.get("volumes", []):
+            config_map = (volume.get("configMap") or {}).get("name")
+            if config_map is not None and config_map not in config_maps:
+                problem(path, f"volume {volume.get('name')} mounts ConfigMap {config_map}, which is not applied")
+            if volume.get("name") not in mounted:
+                problem(path, f"volume {volume.get('name')} is mounted by no container")
 
     services = {}
     for path, service in by_kind.get("Service", []):

@@ -386,6 +386,88 @@ TEST(BatchQueueTest, CancelTakesAQueuedTaskBackAndFreesItsUnits) {
   EXPECT_EQ(queue.Cancel(tickets[0]), nullptr) << "a batched task cannot be removed";
 }
 
+// A task with a priority (server/policy/: a client's priority), one token and one compute unit.
+struct PriorityTask {
+  int id = 0;
+  int level = 0;
+  int64_t tokens() const { return 1; }
+  int64_t compute_units() const { return 1; }
+  absl::Duration predicted_compute() const { return absl::Milliseconds(1); }
+  int priority() const { return level; }
+};
+
+std::vector<int> PriorityIds(const Batch<PriorityTask>& batch) {
+  std::vector<int> ids;
+  for (const auto& task : batch.tasks) ids.push_back(task->id);
+  return ids;
+}
+
+// Batches take higher priorities first and keep FIFO order within a priority; a task without a priority is 0.
+TEST(BatchQueueTest, BatchOrderFollowsPriorityThenArrival) {
+  static_assert(TaskHasPriority<PriorityTask>::value);
+  static_assert(!TaskHasPriority<FakeTask>::value);
+  ManualClock clock;
+  BatchQueue<PriorityTask> queue(Options(3, absl::Milliseconds(5), 64));
+  // Arrival order: ids 0..7 with priorities -1, 0, 1, 0, -1, 1, 0, 1.
+  const int priorities[] = {-1, 0, 1, 0, -1, 1, 0, 1};
+  for (int id = 0; id < 8; ++id) {
+    auto task = std::make_unique<PriorityTask>(PriorityTask{id, priorities[id]});
+    ASSERT_TRUE(queue.Enqueue(&task, clock.Now()).ok());
+    clock.Advance(absl::Microseconds(10));
+  }
+  std::vector<std::vector<int>> batches;
+  while (std::optional<Batch<PriorityTask>> batch = queue.TakeBatch(clock.Now(), /*flush=*/true)) {
+    batches.push_back(PriorityIds(*batch));
+  }
+  EXPECT_THAT(batches, ElementsAre(ElementsAre(2, 5, 7), ElementsAre(1, 3, 6), ElementsAre(0, 4)));
+}
+
+// A partial batch is due when the longest-waiting task (behind newer ones of higher priority) has waited
+// max_queue_delay, not only when the first task of the queue has.
+TEST(BatchQueueTest, PartialBatchIsDueByItsLongestWaitingTask) {
+  ManualClock clock;
+  BatchQueue<PriorityTask> queue(Options(4, absl::Milliseconds(5), 64));
+  auto low = std::make_unique<PriorityTask>(PriorityTask{0, -1});
+  ASSERT_TRUE(queue.Enqueue(&low, clock.Now()).ok());
+  const absl::Time first = clock.Now();
+  clock.Advance(absl::Milliseconds(3));
+  auto high = std::make_unique<PriorityTask>(PriorityTask{1, 1});
+  ASSERT_TRUE(queue.Enqueue(&high, clock.Now()).ok());
+  EXPECT_EQ(queue.NextDeadline(), first + absl::Milliseconds(5));
+  clock.Advance(absl::Milliseconds(1));
+  EXPECT_FALSE(queue.TakeBatch(clock.Now()).has_value());
+  clock.Advance(absl::Milliseconds(1));
+  std::optional<Batch<PriorityTask>> batch = queue.TakeBatch(clock.Now());
+  ASSERT_TRUE(batch.has_value());
+  EXPECT_THAT(PriorityIds(*batch), ElementsAre(1, 0));
+}
+
+// Tasks of negative priority may fill only low_priority_queue_share of the queue; the others may fill the rest.
+TEST(BatchQueueTest, LowPriorityFillsOnlyItsShareOfTheQueue) {
+  ManualClock clock;
+  BatcherOptions options = Options(4, absl::Milliseconds(5), 8);
+  options.low_priority_queue_share = 0.5;
+  BatchQueue<PriorityTask> queue(options);
+  for (int id = 0; id < 4; ++id) {
+    auto task = std::make_unique<PriorityTask>(PriorityTask{id, -1});
+    ASSERT_TRUE(queue.Enqueue(&task, clock.Now()).ok()) << id;
+  }
+  auto refused = std::make_unique<PriorityTask>(PriorityTask{4, -1});
+  AdmissionRejection rejection = AdmissionRejection::kNone;
+  const absl::Status status = queue.Enqueue(&refused, clock.Now(), &rejection);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(rejection, AdmissionRejection::kLowPriorityQueueShare);
+  EXPECT_EQ(status.message(),
+            "queue is too full for a low-priority request (priority -1): 4 requests and 4 compute units queued; low "
+            "priority may fill 4 requests (flag --queue_capacity) and 562949953421312 compute units (flag "
+            "--queue_compute_units)");
+  for (int id = 5; id < 9; ++id) {
+    auto task = std::make_unique<PriorityTask>(PriorityTask{id, 0});
+    ASSERT_TRUE(queue.Enqueue(&task, clock.Now()).ok()) << id;
+  }
+  EXPECT_EQ(queue.num_queued_tasks(), 8);
+}
+
 TEST(BatcherOptionsTest, Validation) {
   EXPECT_TRUE(ValidateBatcherOptions(BatcherOptions()).ok());
   BatcherOptions options;
@@ -406,6 +488,9 @@ TEST(BatcherOptionsTest, Validation) {
   options = BatcherOptions();
   options.queue_compute_units = 0;
   EXPECT_THAT(ValidateBatcherOptions(options).message(), HasSubstr("flag --queue_compute_units"));
+  options = BatcherOptions();
+  options.low_priority_queue_share = 0;
+  EXPECT_THAT(ValidateBatcherOptions(options).message(), HasSubstr("low_priority_queue_share 0 must be in (0, 1]"));
 }
 
 // Records processed task ids; thread-safe.

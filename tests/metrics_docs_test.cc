@@ -154,12 +154,15 @@ TEST(MetricsDocsTest, EveryFamilyTheServerExportsIsDocumentedAndNothingElse) {
       ReadDocumentedTable(absl::StrCat(SourceDirectory(), "/docs/metrics.md"));
   ASSERT_GE(documented.size(), 10u) << "the docs/metrics.md table was not found or is short";
 
-  // The real server on the embedded models (an image and a document model), as scripts/run_main_job.sh runs it.
+  // The real server on the embedded models (an image and a document model), as scripts/run_main_job.sh runs it,
+  // with a client policy (its per-client families are exported only with one).
+  const std::string policy_path = absl::StrCat(::testing::TempDir(), "/metrics_docs_test_policy_", getpid(), ".json");
+  test_util::WriteFile(policy_path, R"({"clients": [{"name": "batch", "certificate_subject": "CN=batch"}]})");
   const std::string log_path = absl::StrCat(::testing::TempDir(), "/metrics_docs_test_server_", getpid(), ".log");
   const pid_t pid = test_util::StartProcess(
       MITA_SERVER_PATH,
       {absl::StrCat("--model_repository=", SourceDirectory(), "/models/repository"), "--listen=127.0.0.1:0",
-       "--metrics_listen=127.0.0.1:0", "--torch_threads=1"},
+       "--metrics_listen=127.0.0.1:0", "--torch_threads=1", absl::StrCat("--client_policy_file=", policy_path)},
       log_path);
   ASSERT_GT(pid, 0);
   const int port = WaitForMetricsPort(log_path, absl::Seconds(120));

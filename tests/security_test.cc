@@ -38,6 +38,7 @@
 #include "server/engine/inference_engine.h"
 #include "server/engine/model_registry.h"
 #include "server/metrics/metrics.h"
+#include "server/policy/policy_holder.h"
 #include "server/process/metrics_http_server.h"
 #include "tests/server_test_util.h"
 #include "tests/test_util.h"
@@ -79,7 +80,8 @@ struct TestServer {
   std::string target;
 
   static std::unique_ptr<TestServer> Start(std::shared_ptr<grpc::ServerCredentials> credentials,
-                                           const BearerTokenAuthenticator* authenticator = nullptr) {
+                                           const BearerTokenAuthenticator* authenticator = nullptr,
+                                           const policy::ClientPolicyHolder* client_policy = nullptr) {
     auto test = std::make_unique<TestServer>();
     absl::StatusOr<std::unique_ptr<ModelRegistry>> registry = ModelRegistry::LoadFromDirectory(RepositoryPath());
     EXPECT_TRUE(registry.ok()) << registry.status();
@@ -87,6 +89,7 @@ struct TestServer {
     test->registry = *std::move(registry);
     test_util::InProcessServerOptions options;
     options.front_end.authenticator = authenticator;
+    options.front_end.client_policy = client_policy;
     options.credentials = std::move(credentials);
     options.health = true;
     options.open_inference = true;
@@ -171,6 +174,47 @@ TEST(TlsTest, MutualTlsRequiresAClientCertificateSignedByTheClientCa) {
   options.tls_cert_file = client_cert;
   options.tls_key_file = client_key;
   EXPECT_EQ(ListModelsCode(options), absl::StatusCode::kOk);
+}
+
+// With a client policy, a caller with a verified client certificate is the client its certificate subject names
+// (gRPC's x509_subject), and that client's rules apply; a plaintext-token caller is not needed.
+TEST(TlsTest, ClientPolicyIdentifiesCallersByTheirCertificateSubject) {
+  const fs::path directory = MakeTempDirectory("mtls_policy");
+  const auto [cert, key] = MakeSelfSignedCertificate(directory, "server");
+  const auto [client_cert, client_key] = MakeSelfSignedCertificate(directory, "client");
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials({cert, key, client_cert});
+  ASSERT_TRUE(credentials.ok()) << credentials.status();
+  const std::string policy_path = (directory / "policy.json").string();
+  WriteText(policy_path, R"({"clients": [{"name": "certified", "certificate_subject": "CN=localhost",
+                                          "max_expert_width": 8}]})");
+  absl::StatusOr<std::unique_ptr<policy::ClientPolicyHolder>> holder = policy::ClientPolicyHolder::Load(policy_path);
+  ASSERT_TRUE(holder.ok()) << holder.status();
+  std::unique_ptr<TestServer> server = TestServer::Start(*credentials, nullptr, holder->get());
+  ASSERT_NE(server, nullptr);
+  client::ConnectionOptions connection;
+  connection.target = server->target;
+  connection.tls_ca_file = cert;
+  connection.tls_server_name = "localhost";
+  connection.tls_cert_file = client_cert;
+  connection.tls_key_file = client_key;
+  absl::StatusOr<std::unique_ptr<client::MitaClient>> client = client::MitaClient::Connect(connection);
+  ASSERT_TRUE(client.ok()) << client.status();
+  absl::StatusOr<test_util::TestImages> test_images = test_util::FashionMnistTestPngs(1);
+  ASSERT_TRUE(test_images.ok()) << test_images.status();
+  client::ClassifyOptions options;
+  options.model = kModel;
+  options.deadline = absl::Seconds(20);
+  options.expert_count = 4;
+  options.expert_width = 16;
+  absl::StatusOr<v1::ClassifyResponse> refused = (*client)->Classify(test_images->pngs[0], options);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied) << refused.status();
+  EXPECT_EQ(refused.status().message(), "client 'certified' may use expert width up to 8; asked 16");
+  options.expert_width = 8;
+  EXPECT_TRUE((*client)->Classify(test_images->pngs[0], options).ok());
+  EXPECT_EQ(test_util::MetricValue(server->in_process->registry(), "mita_client_requests_total",
+                                   {{"client", "certified"}, {"code", "PERMISSION_DENIED"}}),
+            1);
 }
 
 TEST(TlsTest, BadCredentialFilesAreClearErrors) {

@@ -12,6 +12,7 @@
 #include "kernels/runtime_environment.h"
 #include "kernels/status_macros.h"
 #include "models/request_error.h"
+#include "server/policy/budget_rules.h"
 
 namespace mita::server {
 namespace {
@@ -236,6 +237,8 @@ std::unique_ptr<InferenceCall> InferenceEngine::Submit(InferenceRequest request,
     }
   }
   ModelRunner* runner = model != nullptr ? &model->runner() : nullptr;
+  const absl::Status client_admitted =
+      runner != nullptr && !draining_.load() ? AdmitClient(*runner, &request) : absl::OkStatus();
   // The answer says which version ran it; the request holds the version until it is answered.
   InferenceDone answer = [done = std::move(done), model](absl::StatusOr<InferenceResult> result) mutable {
     if (result.ok() && model != nullptr) result->model_version = model->version();
@@ -250,6 +253,7 @@ std::unique_ptr<InferenceCall> InferenceEngine::Submit(InferenceRequest request,
                      ResolveTopN(submitted->request().top_n,
                                  static_cast<int64_t>(runner->classifier().description().labels.size())));
     submitted->set_top_n(top_n);
+    RETURN_IF_ERROR(client_admitted);
     RETURN_IF_ERROR(submitted->CallerWaits(Request::Missed::kPreparation));
     return preparation_->Submit([this, submitted, runner] { Prepare(submitted, runner); });
   }();
@@ -291,6 +295,12 @@ void InferenceEngine::Prepare(const std::shared_ptr<Request>& request, ModelRunn
   if (item.ok()) {
     if (absl::Status waits = request->CallerWaits(Request::Missed::kPreparing); !waits.ok()) item = waits;
   }
+  const policy::ClientAdmission* client = request->request().client.get();
+  if (item.ok() && client != nullptr) {
+    if (absl::Status allowed = AdmitPreparedForClient(*runner, request->request(), &*item); !allowed.ok()) {
+      item = allowed;
+    }
+  }
   if (!item.ok()) {
     request->Answer(item.status());
     return;
@@ -299,15 +309,52 @@ void InferenceEngine::Prepare(const std::shared_ptr<Request>& request, ModelRunn
   task->item = *std::move(item);
   task->request = request;
   task->end = request->PlannedEnd(task->item.latency_target, &task->target_binds);
+  // The client's quota is charged the request's cost before it is queued (concurrent requests see the debt), and
+  // given back when the lane refuses it.
+  const int64_t compute_units = task->item.compute_units;
+  if (client != nullptr) {
+    task->client_priority = client->rules.priority;
+    if (client->quota != nullptr) client->quota->Charge(compute_units);
+  }
   request->BeginQueueing();
   ++admitted_;
   QueueTicket ticket;
   if (absl::Status admitted = runner->Admit(&task, &ticket); !admitted.ok()) {
     --admitted_;
+    if (client != nullptr && client->quota != nullptr) client->quota->Refund(compute_units);
     request->Refused(admitted);
     return;
   }
+  if (client != nullptr) metrics_->ForClient(client->name)->AddComputeUnits(compute_units);
   request->Queued(ticket);
+}
+
+absl::Status InferenceEngine::AdmitClient(const ModelRunner& runner, InferenceRequest* request) {
+  if (request->client == nullptr) return absl::OkStatus();
+  const policy::ClientAdmission& client = *request->client;
+  policy::PolicyRule rule = policy::PolicyRule::kPreset;
+  if (absl::Status allowed =
+          policy::AdmitBudgetRequest(client, runner.classifier().description().knobs, &request->budget, &rule);
+      !allowed.ok()) {
+    metrics_->ForClient(client.name)->CountPolicyRefusal(policy::PolicyRuleName(rule));
+    return allowed;
+  }
+  if (absl::Status quota = policy::CheckQuota(client); !quota.ok()) {
+    metrics_->ForClient(client.name)->CountQuotaRefusal();
+    return quota;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status InferenceEngine::AdmitPreparedForClient(const ModelRunner& runner, const InferenceRequest& request,
+                                                     models::BatchItem* item) {
+  policy::PolicyRule rule = policy::PolicyRule::kPreset;
+  absl::Status allowed = policy::AdmitPreparedItem(*request.client, runner.classifier().description().knobs,
+                                                   request.budget, item, &rule);
+  if (!allowed.ok() && allowed.code() == absl::StatusCode::kPermissionDenied) {
+    metrics_->ForClient(request.client->name)->CountPolicyRefusal(policy::PolicyRuleName(rule));
+  }
+  return allowed;
 }
 
 void InferenceEngine::Answered(bool admitted, bool ok) {

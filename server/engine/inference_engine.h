@@ -3,11 +3,15 @@
 // what, in order:
 //
 //   1. Submit (front end's thread): draining (UNAVAILABLE) -> the model and version (NOT_FOUND) -> top_n
-//      (INVALID_ARGUMENT) -> the deadline (DEADLINE_EXCEEDED) -> the preparation queue (PreparationPool,
-//      RESOURCE_EXHAUSTED when --preparation_queue_capacity requests wait)
+//      (INVALID_ARGUMENT) -> the client's budget rules (PERMISSION_DENIED naming the rule; its default preset for
+//      the model's default) and quota (RESOURCE_EXHAUSTED with the time to wait; server/policy/budget_rules.h) ->
+//      the deadline (DEADLINE_EXCEEDED) -> the preparation queue (PreparationPool, RESOURCE_EXHAUSTED when
+//      --preparation_queue_capacity requests wait)
 //   2. preparation thread: the input's working memory (PreparationMemory: waits for room, RESOURCE_EXHAUSTED over
 //      --preparation_memory_bytes) -> Classifier::Prepare (input kind, budget, decode or tokenize:
-//      INVALID_ARGUMENT with field problems)
+//      INVALID_ARGUMENT with field problems) -> the client's rules that need the token count (full attention up
+//      to a length; a latency target's budgets narrowed to the allowed ones: PERMISSION_DENIED when none is left)
+//      -> the client's quota charged the item's compute units (given back if the lane refuses it)
 //   3. its lane (ModelRunner routes, Lane plans then queues): the planner (a budget for a latency target;
 //      DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED when predicted to miss its deadline or target) -> the queue
 //      (BatchQueue: RESOURCE_EXHAUSTED naming --queue_capacity or --queue_compute_units, UNAVAILABLE while
@@ -177,6 +181,13 @@ class InferenceEngine final {
   // FindModel under models_mu_.
   absl::StatusOr<std::shared_ptr<ServedModel>> FindLocked(const std::string& name, int64_t version) const
       ABSL_SHARED_LOCKS_REQUIRED(models_mu_);
+  // The client's budget rules and quota before any work (server/policy/budget_rules.h: AdmitBudgetRequest, then
+  // CheckQuota), counted per client; OK for a request without a client. May rewrite request->budget (the client's
+  // default preset).
+  absl::Status AdmitClient(const ModelRunner& runner, InferenceRequest* request);
+  // The client's rules on the prepared `*item` (AdmitPreparedItem), counted per client.
+  absl::Status AdmitPreparedForClient(const ModelRunner& runner, const InferenceRequest& request,
+                                      models::BatchItem* item);
   // A request was answered (Request's bookkeeping hook): in flight and admission counts.
   void Answered(bool admitted, bool ok);
 

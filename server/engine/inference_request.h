@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -11,6 +12,7 @@
 #include "kernels/mita_attention.h"
 #include "models/budget.h"
 #include "models/classifier.h"
+#include "server/policy/policy_holder.h"
 #include "server/planning/latency_planner.h"
 
 namespace mita::server {
@@ -29,6 +31,9 @@ struct InferenceRequest {
   bool return_statistics = false;
   // When the caller stops waiting (absl::InfiniteFuture() for never).
   absl::Time deadline = absl::InfiniteFuture();
+  // The budget policy's client that sent it, with its rules and quota as the policy in force when it arrived
+  // (server/policy/policy_holder.h; the front end identifies it); null when the server has no client policy.
+  std::shared_ptr<const policy::ClientAdmission> client;
 };
 
 // The answer to one InferenceRequest.

@@ -33,6 +33,8 @@ struct BatchTask {
   absl::Time end = absl::InfiniteFuture();
   bool target_binds = false;
   PlannedBudget plan;
+  // Its client's priority (server/policy/client_policy.h): the batcher batches higher priorities first.
+  int client_priority = 0;
 
   // The applied budget it runs with: the planned choice of its allowed budgets, or its one budget.
   const models::ResolvedBudget& budget() const {
@@ -45,6 +47,7 @@ struct BatchTask {
   int64_t tokens() const { return item.tokens; }
   int64_t compute_units() const { return models::ComputeUnits(item.tokens, budget().budget); }
   absl::Duration predicted_compute() const { return plan.share; }
+  int priority() const { return client_priority; }
 };
 
 class Lane;

@@ -34,16 +34,19 @@ class InferenceReactor : public UnaryCallReactor {
  protected:
   ~InferenceReactor() override = default;
 
-  // Authenticates the call, then receives the bytes the client sent into `*request` (ReceiveRequest: a whole
-  // message, inflated within the size limit, parsed). Returns false when the call is already answered: an
-  // unauthenticated one finished at once and counted with model "unknown" (its request is not trusted, nor
-  // inflated or parsed), one whose bytes are refused through Answer.
+  // Authenticates the call and finds its client of the budget policy (AuthenticateClient), then receives the bytes
+  // the client sent into `*request` (ReceiveRequest: a whole message, inflated within the size limit, parsed).
+  // Returns false when the call is already answered: an unauthenticated one finished at once and counted with model
+  // "unknown" (its request is not trusted, nor inflated or parsed), one whose bytes are refused through Answer.
   bool Receive(const FrontEndOptions& options, const grpc::ByteBuffer& wire_request,
                google::protobuf::Message* request) {
-    if (absl::Status status = Authenticate(options, context()); !status.ok()) {
-      FinishCall("", status);
+    absl::StatusOr<std::shared_ptr<const policy::ClientAdmission>> client = AuthenticateClient(options, context());
+    if (!client.ok()) {
+      FinishCall("", client.status());
       return false;
     }
+    client_ = *std::move(client);
+    if (client_ != nullptr) set_client_metrics(metrics().ForClient(client_->name));
     if (absl::Status received = ReceiveRequest(options, context(), wire_request, request); !received.ok()) {
       Answer(received);
       return false;
@@ -51,9 +54,10 @@ class InferenceReactor : public UnaryCallReactor {
     return true;
   }
 
-  // Submits `request` (to `model` when the front end resolved it: InferenceEngine::Submit); the engine calls Answer
-  // exactly once, on this thread or another.
+  // Submits `request` (as from the client Receive identified; to `model` when the front end resolved it:
+  // InferenceEngine::Submit); the engine calls Answer exactly once, on this thread or another.
   void Submit(InferenceEngine& engine, InferenceRequest request, ModelHandle model = nullptr) {
+    request.client = client_;
     std::unique_ptr<InferenceCall> call = engine.Submit(
         std::move(request), [this](absl::StatusOr<InferenceResult> result) { Answer(std::move(result)); },
         std::move(model));
@@ -67,6 +71,8 @@ class InferenceReactor : public UnaryCallReactor {
  private:
   absl::Mutex mu_;
   std::unique_ptr<InferenceCall> call_ ABSL_GUARDED_BY(mu_);
+  // The budget policy's client of the call (null without a policy).
+  std::shared_ptr<const policy::ClientAdmission> client_;
 };
 
 }  // namespace mita::server

@@ -114,6 +114,18 @@ absl::Status BearerTokenAuthenticator::Check(const grpc::ServerContextBase& cont
   return CheckHeader(&value);
 }
 
+std::optional<std::string> BearerTokenAuthenticator::PresentedToken(const grpc::ServerContextBase& context) {
+  constexpr absl::string_view kScheme = "bearer ";
+  const auto& metadata = context.client_metadata();
+  const auto [first, last] = metadata.equal_range("authorization");
+  if (first == last || std::next(first) != last) return std::nullopt;
+  const absl::string_view value(first->second.data(), first->second.size());
+  if (value.size() < kScheme.size() || !absl::EqualsIgnoreCase(value.substr(0, kScheme.size()), kScheme)) {
+    return std::nullopt;
+  }
+  return std::string(absl::StripAsciiWhitespace(value.substr(kScheme.size())));
+}
+
 absl::Status BearerTokenAuthenticator::CheckHeader(const std::string* authorization) const {
   constexpr absl::string_view kScheme = "bearer ";
   if (authorization == nullptr) {

@@ -6,7 +6,8 @@
 //   * Bearer token: BearerTokenAuthenticator checks the "authorization: Bearer <token>" metadata of a call
 //     against a token read from a file (constant-time comparison). The mita.v1 handlers call it first; the
 //     gRPC health service and reflection stay open so that load balancers and tools work without the token.
-//     Send tokens only over TLS (in plaintext anyone on the path can read them).
+//     Send tokens only over TLS (in plaintext anyone on the path can read them). With a client policy
+//     (server/policy/), a token the policy names by its SHA-256 is valid too (AuthenticateClient, unary_call.h).
 // (Containment of the model repository is the registry's: server/engine/model_registry.h.)
 #pragma once
 
@@ -14,6 +15,7 @@
 #include <grpcpp/server_context.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -52,6 +54,9 @@ class BearerTokenAuthenticator {
   absl::Status Check(const grpc::ServerContextBase& context) const;
   // The same check on the value of an "authorization" header; nullptr: absent.
   absl::Status CheckHeader(const std::string* authorization) const;
+  // The token a call presents: the value of its one "authorization: Bearer <token>" metadata entry without the
+  // scheme; nullopt when it has none, several, or another scheme.
+  static std::optional<std::string> PresentedToken(const grpc::ServerContextBase& context);
 
  private:
   explicit BearerTokenAuthenticator(std::string token) : token_(std::move(token)) {}

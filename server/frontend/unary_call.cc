@@ -2,12 +2,16 @@
 #include "server/frontend/unary_call.h"
 
 #include <grpc/grpc.h>
+#include <grpc/grpc_security_constants.h>
 #include <grpc/support/time.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 #include <grpcpp/impl/codegen/proto_utils.h>
+#include <grpcpp/security/auth_context.h>
 #include <grpcpp/support/proto_buffer_writer.h>
 
 #include <deque>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "google/protobuf/io/zero_copy_stream_impl.h"
@@ -15,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
+#include "server/policy/budget_rules.h"
 
 namespace grpc::internal {
 
@@ -64,12 +69,41 @@ void UnaryCallReactor::OnDone() {
       attempts != client_metadata.end() && attempts->second != "0") {
     metrics_->CountRetriedCall();
   }
+  if (client_ != nullptr) client_->CountRequest(code);
   if (finished_) metrics_->CallCounted();
   delete this;
 }
 
 absl::Status Authenticate(const FrontEndOptions& options, const grpc::ServerContextBase& context) {
-  return options.authenticator == nullptr ? absl::OkStatus() : options.authenticator->Check(context);
+  return AuthenticateClient(options, context).status();
+}
+
+absl::StatusOr<std::shared_ptr<const policy::ClientAdmission>> AuthenticateClient(
+    const FrontEndOptions& options, const grpc::ServerContextBase& context) {
+  std::optional<std::string> token;
+  if (options.client_policy != nullptr) token = BearerTokenAuthenticator::PresentedToken(context);
+  if (options.authenticator != nullptr) {
+    absl::Status checked = options.authenticator->Check(context);
+    // A token the policy names is a credential of its own.
+    if (!checked.ok() && !(token.has_value() && options.client_policy->IsPolicyToken(*token))) return checked;
+  }
+  if (options.client_policy == nullptr) return nullptr;
+  std::optional<std::string> subject;
+  if (const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context(); auth != nullptr) {
+    const std::vector<grpc::string_ref> subjects = auth->FindPropertyValues(GRPC_X509_SUBJECT_PROPERTY_NAME);
+    if (subjects.size() == 1) subject = std::string(subjects.front().data(), subjects.front().size());
+  }
+  return options.client_policy->Identify(token.has_value() ? &*token : nullptr,
+                                         subject.has_value() ? &*subject : nullptr);
+}
+
+void DeclareClientMetrics(const policy::ClientPolicyHolder& policy, ServerMetrics& metrics) {
+  for (const std::string& name : policy.client_names()) {
+    ClientMetrics* client = metrics.ForClient(name);
+    for (int rule = 0; rule < policy::kNumPolicyRules; ++rule) {
+      client->DeclarePolicyRule(policy::PolicyRuleName(static_cast<policy::PolicyRule>(rule)));
+    }
+  }
 }
 
 absl::Time DeadlineFromTimespec(gpr_timespec deadline) {

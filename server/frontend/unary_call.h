@@ -17,6 +17,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "google/protobuf/message.h"
 #include "server/engine/model_lifecycle.h"
@@ -24,6 +25,7 @@
 #include "server/frontend/message_limits.h"
 #include "server/frontend/security.h"
 #include "server/metrics/metrics.h"
+#include "server/policy/policy_holder.h"
 
 namespace mita::server {
 
@@ -37,6 +39,10 @@ struct FrontEndOptions {
   // When set (not owned, must outlive the service), the repository API (loading and unloading models) acts on it;
   // else that API answers UNIMPLEMENTED.
   ModelLifecycle* lifecycle = nullptr;
+  // When set (not owned, must outlive the service), the budget policy per client (mita-server
+  // --client_policy_file): each inference call is attributed to a client (AuthenticateClient) whose rules and quota
+  // the engine applies; a bearer token the policy names is a credential of the server as well.
+  const policy::ClientPolicyHolder* client_policy = nullptr;
 };
 
 // The reactor of one unary call. FinishCall finishes the call; OnDone (gRPC is done with the call) counts it and
@@ -57,6 +63,8 @@ class UnaryCallReactor : public grpc::ServerUnaryReactor {
 
   // Counts the call (see FinishCall) and deletes this reactor.
   void OnDone() override;
+  // The budget policy's client the call is from: OnDone counts it in mita_client_requests_total too.
+  void set_client_metrics(ClientMetrics* client) { client_ = client; }
 
  protected:
   ~UnaryCallReactor() override = default;
@@ -74,11 +82,23 @@ class UnaryCallReactor : public grpc::ServerUnaryReactor {
   absl::StatusCode code_ = absl::StatusCode::kUnknown;
   absl::Duration latency_;
   bool finished_ = false;
+  ClientMetrics* client_ = nullptr;
 };
 
-// The call's bearer-token check: OK without an authenticator, else its verdict (UNAUTHENTICATED).
+// The call's bearer-token check: OK without an authenticator, else its verdict (UNAUTHENTICATED), except that with
+// a client policy a token the policy names is valid too (AuthenticateClient's check).
 absl::Status Authenticate(const FrontEndOptions& options, const grpc::ServerContextBase& context);
+// Authenticates the call (Authenticate) and attributes it to a client of the budget policy: the client whose
+// token_sha256 is the SHA-256 of the call's bearer token, else the client whose certificate_subject is the call's
+// mTLS peer certificate subject (AuthContext "x509_subject"), else "default". With --auth_token_file, a call
+// must present that token or a token the policy names (UNAUTHENTICATED otherwise); without it, tokens are not
+// required and an unknown one is the default client. Returns null without a client policy. Never echoes a token.
+absl::StatusOr<std::shared_ptr<const policy::ClientAdmission>> AuthenticateClient(
+    const FrontEndOptions& options, const grpc::ServerContextBase& context);
 
+// Creates the per-client series of every client name `policy` has held (ClientPolicyHolder::client_names) at 0,
+// so that they are exported before their first call; call at start and after each reload.
+void DeclareClientMetrics(const policy::ClientPolicyHolder& policy, ServerMetrics& metrics);
 // The call's deadline as absl::Time: absl::InfiniteFuture() for none, and for a deadline beyond what
 // std::chrono::system_clock represents (about the year 2262; DeadlineFromTimespec).
 absl::Time DeadlineOf(const grpc::ServerContextBase& context);

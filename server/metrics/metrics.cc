@@ -150,7 +150,7 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
                        .Name("mita_rejected_requests_total")
                        .Help("Classify requests refused at admission, by reason (queue_tasks, queue_compute_units, "
                              "task_over_queue_compute_units, shutting_down, deadline_unmeetable, "
-                             "latency_target_unmeetable).")
+                             "latency_target_unmeetable, low_priority_queue_share).")
                        .Register(*registry_);
   auto& budget_choices =
       prometheus::BuildCounter()
@@ -302,6 +302,26 @@ ServerMetrics::ServerMetrics(const std::vector<ModelInfo>& models)
                         .Register(*registry_)
                         .Add({});
 
+  client_requests_ = &prometheus::BuildCounter()
+                         .Name("mita_client_requests_total")
+                         .Help("Inference calls (Classify, ModelInfer) answered, by client of the budget policy and "
+                               "final gRPC status code.")
+                         .Register(*registry_);
+  client_compute_units_ = &prometheus::BuildCounter()
+                              .Name("mita_client_compute_units_total")
+                              .Help("Compute units (tokens x attention width) of the requests admitted to a lane, by "
+                                    "client of the budget policy: what its quota is charged.")
+                              .Register(*registry_);
+  client_quota_refusals_ = &prometheus::BuildCounter()
+                               .Name("mita_client_quota_refusals_total")
+                               .Help("Requests refused because their client was over its compute quota "
+                                     "(RESOURCE_EXHAUSTED).")
+                               .Register(*registry_);
+  client_policy_refusals_ = &prometheus::BuildCounter()
+                                .Name("mita_client_policy_refusals_total")
+                                .Help("Requests refused by their client's budget rules (PERMISSION_DENIED), by rule.")
+                                .Register(*registry_);
+
   for (const ModelInfo& info : models) AddModel(info);
 }
 
@@ -429,6 +449,42 @@ ModelMetrics* ServerMetrics::ForModel(const std::string& name) {
   absl::MutexLock lock(&models_mu_);
   auto it = models_.find(name);
   return it == models_.end() ? nullptr : it->second.get();
+}
+
+ClientMetrics* ServerMetrics::ForClient(const std::string& name) {
+  absl::MutexLock lock(&clients_mu_);
+  std::unique_ptr<ClientMetrics>& client = clients_[name];
+  if (client == nullptr) {
+    client = std::make_unique<ClientMetrics>();
+    client->name_ = name;
+    for (int code = 0; code < kNumStatusCodes; ++code) {
+      client->requests_[static_cast<size_t>(code)] = &client_requests_->Add(
+          {{"client", name}, {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(code))}});
+    }
+    client->compute_units_ = &client_compute_units_->Add({{"client", name}});
+    client->quota_refusals_ = &client_quota_refusals_->Add({{"client", name}});
+    client->policy_refusals_family_ = client_policy_refusals_;
+  }
+  return client.get();
+}
+
+void ClientMetrics::CountRequest(absl::StatusCode code) {
+  int index = static_cast<int>(code);
+  if (index < 0 || index >= kNumStatusCodes) index = static_cast<int>(absl::StatusCode::kUnknown);
+  requests_[static_cast<size_t>(index)]->Increment();
+}
+
+void ClientMetrics::DeclarePolicyRule(const std::string& rule) {
+  absl::MutexLock lock(&mu_);
+  prometheus::Counter*& counter = policy_refusals_[rule];
+  if (counter == nullptr) counter = &policy_refusals_family_->Add({{"client", name_}, {"rule", rule}});
+}
+
+void ClientMetrics::CountPolicyRefusal(const std::string& rule) {
+  absl::MutexLock lock(&mu_);
+  prometheus::Counter*& counter = policy_refusals_[rule];
+  if (counter == nullptr) counter = &policy_refusals_family_->Add({{"client", name_}, {"rule", rule}});
+  counter->Increment();
 }
 
 void ServerMetrics::CountRequest(RpcMethod method, const ModelMetrics* model, absl::StatusCode code) {

@@ -168,6 +168,33 @@ class ModelMetrics {
   DeviceMemoryGauges* device_memory_ = nullptr;  // the model's CUDA device; null on the CPU
 };
 
+// The metrics of one client of the budget policy (label client="<name>": a name from the policy file, or
+// "default"; server/policy/client_policy.h). Thread-safe.
+class ClientMetrics {
+ public:
+  // One inference call of this client answered with `code` (counted when gRPC is done with it).
+  void CountRequest(absl::StatusCode code);
+  // Compute units (models::ComputeUnits) of one request admitted to its lane, as charged to the client's quota.
+  void AddComputeUnits(int64_t compute_units) { compute_units_->Increment(static_cast<double>(compute_units)); }
+  // One request refused because the client was over its quota.
+  void CountQuotaRefusal() { quota_refusals_->Increment(); }
+  // One request refused by the client's rules; `rule` is a rule name of server/policy/budget_rules.h (a fixed set).
+  void CountPolicyRefusal(const std::string& rule) ABSL_LOCKS_EXCLUDED(mu_);
+  // Creates the series of `rule` at 0, so that it is exported before the first refusal.
+  void DeclarePolicyRule(const std::string& rule) ABSL_LOCKS_EXCLUDED(mu_);
+  const std::string& name() const { return name_; }
+
+ private:
+  friend class ServerMetrics;
+  std::string name_;
+  std::array<prometheus::Counter*, kNumStatusCodes> requests_{};
+  prometheus::Counter* compute_units_ = nullptr;
+  prometheus::Counter* quota_refusals_ = nullptr;
+  prometheus::Family<prometheus::Counter>* policy_refusals_family_ = nullptr;
+  absl::Mutex mu_;
+  std::map<std::string, prometheus::Counter*> policy_refusals_ ABSL_GUARDED_BY(mu_);
+};
+
 // All server metrics, registered once in one prometheus::Registry. Thread-safe.
 class ServerMetrics {
  public:
@@ -203,6 +230,9 @@ class ServerMetrics {
   // mita_model_unloads_total{model}: a version unloaded after its requests finished.
   void CountModelUnload(const std::string& model);
 
+  // The metrics of the budget policy's client `name`, its series created on first use. `name` must come from the
+  // policy (a client's name or "default"), never from a request: the label set stays as bounded as the policy.
+  ClientMetrics* ForClient(const std::string& name) ABSL_LOCKS_EXCLUDED(clients_mu_);
   // Counts one answered RPC. `model` is nullptr for an unknown model (counted as model="unknown"), and
   // ignored for server-wide methods (model=""). Codes outside 0..16 count as UNKNOWN.
   void CountRequest(RpcMethod method, const ModelMetrics* model, absl::StatusCode code);
@@ -282,6 +312,13 @@ class ServerMetrics {
   prometheus::Counter* heap_returned_ = nullptr;
   prometheus::Counter* retried_calls_ = nullptr;
   absl::Mutex heap_mu_;  // SetHeapMemory's read and increment of heap_returned_
+  // The families of the budget policy's clients, and each client's series.
+  prometheus::Family<prometheus::Counter>* client_requests_ = nullptr;
+  prometheus::Family<prometheus::Counter>* client_compute_units_ = nullptr;
+  prometheus::Family<prometheus::Counter>* client_quota_refusals_ = nullptr;
+  prometheus::Family<prometheus::Counter>* client_policy_refusals_ = nullptr;
+  absl::Mutex clients_mu_;
+  std::map<std::string, std::unique_ptr<ClientMetrics>> clients_ ABSL_GUARDED_BY(clients_mu_);
   mutable absl::Mutex uncounted_mu_;
   int64_t uncounted_calls_ ABSL_GUARDED_BY(uncounted_mu_) = 0;  // finished, not yet counted
 };

@@ -32,24 +32,32 @@
 // caller that gives up (cancelled call, passed deadline) frees its queue slot at once instead of at batch
 // formation.
 //
-// Policy: tasks are batched in FIFO order. A batch is the longest prefix of the queue that holds at most
+// Policy: tasks are batched in priority order, higher first, and FIFO within a priority (a task without a priority
+// has priority 0, so a queue of such tasks is FIFO). A batch is the longest prefix of the queue that holds at most
 // max_batch_size tasks and max_batch_tokens tokens. It is released when it is full (max_batch_size tasks, or
-// max_batch_tokens tokens, or the next task would not fit) or when its oldest task has waited
-// max_queue_delay; while draining, at once.
+// max_batch_tokens tokens, or the next task would not fit) or when the oldest queued task has waited
+// max_queue_delay; while draining, at once. Admission favours priority: a task of negative priority (a client's
+// "batch" priority, server/policy/client_policy.h) is refused (RESOURCE_EXHAUSTED) when it would take the queue over
+// low_priority_queue_share of queue_capacity or of queue_compute_units, so that room is left for the others.
 //
 // The Task type needs only:
 //   int64_t tokens() const;                     // tokens in a packed batch, >= 1
 //   int64_t compute_units() const;              // tokens x attention width, >= 1
 //   absl::Duration predicted_compute() const;   // its predicted share of a batch's compute, >= 0
+// and may have:
+//   int priority() const;                       // higher is batched first; 0 when absent
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -79,6 +87,8 @@ struct BatcherOptions {
   // document under full attention (65536 x 65536), or about 200 such documents under MiTA with
   // M + k = 320, or 3.4 million 50-token images at M + k = 25 (then queue_capacity binds first).
   int64_t queue_compute_units = int64_t{1} << 32;
+  // The share of queue_capacity and of queue_compute_units that tasks of negative priority may fill, in (0, 1].
+  double low_priority_queue_share = 0.5;
   // Threads that form and process batches (DynamicBatcher only).
   int num_batch_threads = 1;
   // Where the limits come from, for error messages (e.g. "flag --queue_capacity").
@@ -105,11 +115,15 @@ enum class AdmissionRejection {
   // (DEADLINE_EXCEEDED), or its latency target (RESOURCE_EXHAUSTED).
   kDeadlineUnmeetable = 5,
   kLatencyTargetUnmeetable = 6,
+  // A task of negative priority would take the queue over low_priority_queue_share of its tasks or compute units
+  // (RESOURCE_EXHAUSTED).
+  kLowPriorityQueueShare = 7,
 };
-inline constexpr int kNumAdmissionRejections = 7;
+inline constexpr int kNumAdmissionRejections = 8;
 
 // A short name for metrics labels: "none", "queue_tasks", "queue_compute_units",
-// "task_over_queue_compute_units", "shutting_down", "deadline_unmeetable", "latency_target_unmeetable".
+// "task_over_queue_compute_units", "shutting_down", "deadline_unmeetable", "latency_target_unmeetable",
+// "low_priority_queue_share".
 inline const char* AdmissionRejectionName(AdmissionRejection reason) {
   switch (reason) {
     case AdmissionRejection::kNone:
@@ -126,6 +140,8 @@ inline const char* AdmissionRejectionName(AdmissionRejection reason) {
       return "deadline_unmeetable";
     case AdmissionRejection::kLatencyTargetUnmeetable:
       return "latency_target_unmeetable";
+    case AdmissionRejection::kLowPriorityQueueShare:
+      return "low_priority_queue_share";
   }
   return "none";
 }
@@ -152,13 +168,33 @@ inline absl::Status ValidateBatcherOptions(const BatcherOptions& options) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_queue_delay ", absl::FormatDuration(options.max_queue_delay), " must be finite and >= 0"));
   }
+  if (!(options.low_priority_queue_share > 0 && options.low_priority_queue_share <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("low_priority_queue_share ", options.low_priority_queue_share,
+                                                   " must be in (0, 1]"));
+  }
   if (options.num_batch_threads < 1) {
     return absl::InvalidArgumentError(absl::StrCat("num_batch_threads ", options.num_batch_threads, " must be >= 1"));
   }
   return absl::OkStatus();
 }
 
-// A batch released by the queue: tasks in FIFO order.
+// Whether Task has `int priority() const` (else its tasks have priority 0).
+template <typename Task, typename = void>
+struct TaskHasPriority : std::false_type {};
+template <typename Task>
+struct TaskHasPriority<Task, std::void_t<decltype(std::declval<const Task&>().priority())>> : std::true_type {};
+
+// A task's priority: Task::priority() when it has one, else 0.
+template <typename Task>
+int TaskPriority(const Task& task) {
+  if constexpr (TaskHasPriority<Task>::value) {
+    return static_cast<int>(task.priority());
+  } else {
+    return 0;
+  }
+}
+
+// A batch released by the queue: tasks in queue order (priority, then FIFO).
 template <typename Task>
 struct Batch {
   std::vector<std::unique_ptr<Task>> tasks;
@@ -250,9 +286,26 @@ class BatchQueue {
                                  " queued compute units, the request needs ", compute_units, " (",
                                  options_.queue_compute_units_source, ")"));
     }
+    const int priority = TaskPriority(**task);
+    if (priority < 0) {
+      const double share = options_.low_priority_queue_share;
+      const auto task_room = static_cast<int64_t>(share * static_cast<double>(options_.queue_capacity));
+      const auto compute_room = static_cast<int64_t>(share * static_cast<double>(options_.queue_compute_units));
+      if (num_queued_tasks() + 1 > task_room || queued_compute_units_ + compute_units > compute_room) {
+        return refuse(AdmissionRejection::kLowPriorityQueueShare,
+                      absl::StrCat("queue is too full for a low-priority request (priority ", priority, "): ",
+                                   num_queued_tasks(), " requests and ", queued_compute_units_,
+                                   " compute units queued; low priority may fill ", task_room, " requests (",
+                                   options_.queue_capacity_source, ") and ", compute_room, " compute units (",
+                                   options_.queue_compute_units_source, ")"));
+      }
+    }
     const uint64_t assigned = next_ticket_++;
     const absl::Duration predicted = (*task)->predicted_compute();
-    entries_.push_back(Entry{std::move(*task), tokens, compute_units, predicted, now, assigned});
+    // After every task of the same or a higher priority: FIFO within a priority.
+    auto position = entries_.end();
+    while (position != entries_.begin() && std::prev(position)->priority < priority) --position;
+    entries_.insert(position, Entry{std::move(*task), tokens, compute_units, predicted, now, assigned, priority});
     queued_tokens_ += tokens;
     queued_compute_units_ += compute_units;
     queued_predicted_compute_ += predicted;
@@ -282,7 +335,7 @@ class BatchQueue {
   std::optional<Batch<Task>> TakeBatch(absl::Time now, bool flush = false) {
     if (entries_.empty()) return std::nullopt;
     const Extent extent = NextBatchExtent();
-    const bool waited_enough = now - entries_.front().enqueue_time >= options_.max_queue_delay;
+    const bool waited_enough = now - OldestEnqueueTime() >= options_.max_queue_delay;
     if (!extent.full && !waited_enough && !flush) return std::nullopt;
     Batch<Task> batch;
     batch.tasks.reserve(extent.count);
@@ -307,7 +360,7 @@ class BatchQueue {
   // next batch is full; otherwise the oldest task's enqueue time + max_queue_delay.
   absl::Time NextDeadline() const {
     if (entries_.empty()) return absl::InfiniteFuture();
-    const absl::Time oldest = entries_.front().enqueue_time;
+    const absl::Time oldest = OldestEnqueueTime();
     return NextBatchExtent().full ? oldest : oldest + options_.max_queue_delay;
   }
 
@@ -332,7 +385,15 @@ class BatchQueue {
     absl::Duration predicted_compute;
     absl::Time enqueue_time;
     uint64_t ticket;
+    int priority;
   };
+  // When the longest-waiting queued task was enqueued (not always the first: a later one of lower priority may
+  // wait behind newer ones of higher priority). Requires a non-empty queue.
+  absl::Time OldestEnqueueTime() const {
+    absl::Time oldest = entries_.front().enqueue_time;
+    for (const Entry& entry : entries_) oldest = std::min(oldest, entry.enqueue_time);
+    return oldest;
+  }
 
   // The batch TakeBatch would release now: its task count and tokens, and whether it is full.
   struct Extent {
@@ -341,8 +402,8 @@ class BatchQueue {
     bool full = false;
   };
 
-  // The longest FIFO prefix within max_batch_size tasks and max_batch_tokens tokens. Requires a non-empty
-  // queue (and every task fits alone, which Enqueue checks).
+  // The longest prefix of the queue (priority, then FIFO order) within max_batch_size tasks and max_batch_tokens
+  // tokens. Requires a non-empty queue (and every task fits alone, which Enqueue checks).
   Extent NextBatchExtent() const {
     Extent extent;
     while (extent.count < entries_.size() && static_cast<int64_t>(extent.count) < options_.max_batch_size &&

@@ -41,6 +41,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kernels/blas_library.h"
@@ -57,6 +58,7 @@
 #include "server/frontend/unary_call.h"
 #include "server/metrics/metrics.h"
 #include "server/planning/cost_calibration.h"
+#include "server/policy/policy_holder.h"
 #include "server/process/listen_address.h"
 #include "server/process/metrics_http_server.h"
 #include "server/process/placement.h"
@@ -149,6 +151,11 @@ ABSL_FLAG(int32_t, keepalive_timeout_s, 20,
 ABSL_FLAG(std::string, auth_token_file, "",
           "File holding a bearer token that every mita.v1 call must send as 'authorization: Bearer <token>' "
           "(health checks and reflection stay open); empty: no authentication.");
+ABSL_FLAG(std::string, client_policy_file, "",
+          "JSON budget policy per client (README, 'Budget policy per client'): clients by bearer-token SHA-256 or "
+          "mTLS certificate subject, their allowed budgets, default preset, compute quota and priority; empty: none.");
+ABSL_FLAG(int32_t, client_policy_poll_s, 5,
+          "Seconds between checks of --client_policy_file for a new content (a bad file keeps the policy in force).");
 
 namespace {
 
@@ -320,6 +327,7 @@ int main(int argc, char** argv) {
         CheckFlagRange("max_connection_idle_s", max_connection_idle_s, 0, 86400 * 365),
         CheckFlagRange("keepalive_time_s", keepalive_time_s, 1, 86400 * 365),
         CheckFlagRange("keepalive_timeout_s", keepalive_timeout_s, 1, 3600),
+        CheckFlagRange("client_policy_poll_s", absl::GetFlag(FLAGS_client_policy_poll_s), 1, 86400),
         CheckFlagRange("keep_freed_memory_limit_bytes", absl::GetFlag(FLAGS_keep_freed_memory_limit_bytes),
                        int64_t{0}, std::numeric_limits<int64_t>::max())}) {
     if (!status.ok()) return Fail(std::string(status.message()));
@@ -373,6 +381,17 @@ int main(int argc, char** argv) {
   }
   mita::server::FrontEndOptions front_end;
   front_end.authenticator = authenticator.get();
+  std::unique_ptr<mita::server::policy::ClientPolicyHolder> client_policy;
+  if (const std::string policy_file = absl::GetFlag(FLAGS_client_policy_file); !policy_file.empty()) {
+    absl::StatusOr<std::unique_ptr<mita::server::policy::ClientPolicyHolder>> loaded =
+        mita::server::policy::ClientPolicyHolder::Load(policy_file);
+    if (!loaded.ok()) return Fail(absl::StrCat(loaded.status().message(), " (flag --client_policy_file)"));
+    client_policy = *std::move(loaded);
+    front_end.client_policy = client_policy.get();
+    Log(absl::StrCat("client policy from ", policy_file, ": clients ",
+                     absl::StrJoin(client_policy->client_names(), ", "), "; checked for changes every ",
+                     absl::GetFlag(FLAGS_client_policy_poll_s), " s"));
+  }
 
   const std::string repository = absl::GetFlag(FLAGS_model_repository);
   // Where each model runs, checked before any weights are read: a CUDA device that is not there fails here.
@@ -459,6 +478,7 @@ int main(int argc, char** argv) {
   };
 
   mita::server::ServerMetrics metrics({});
+  if (client_policy != nullptr) mita::server::DeclareClientMetrics(*client_policy, metrics);
   absl::StatusOr<std::unique_ptr<mita::server::InferenceEngine>> engine =
       mita::server::InferenceEngine::Create(nullptr, &metrics, options);
   if (!engine.ok()) return Fail(engine.status().ToString());
@@ -583,8 +603,25 @@ int main(int argc, char** argv) {
                    "; returned ", returned_at_start >> 20, " MiB of freed memory to the system after start-up"));
 
   lifecycle.StartPolling();
+  // The client policy is reloaded when its file changes; a bad file keeps the policy in force and is logged once.
+  absl::Notification stop_policy_poll;
+  std::thread policy_poll([&] {
+    const absl::Duration interval = absl::Seconds(absl::GetFlag(FLAGS_client_policy_poll_s));
+    while (client_policy != nullptr && !stop_policy_poll.WaitForNotificationWithTimeout(interval)) {
+      const absl::StatusOr<bool> reloaded = client_policy->ReloadIfChanged();
+      if (!reloaded.ok()) Log(absl::StrCat("client policy not reloaded: ", reloaded.status().message()));
+      if (reloaded.ok() && *reloaded) {
+        mita::server::DeclareClientMetrics(*client_policy, metrics);
+        Log(absl::StrCat("client policy reloaded from ", client_policy->path(), ": clients ",
+                         absl::StrJoin(client_policy->client_names(), ", ")));
+      }
+    }
+  });
+
   int signal_number = 0;
   sigwait(&shutdown_signals, &signal_number);
+  stop_policy_poll.Notify();
+  policy_poll.join();
   Log(absl::StrCat("received ", SignalName(signal_number), "; draining (up to ", drain_timeout_s,
                    " s; health NOT_SERVING, new calls admitted for ", drain_notice_ms, " ms more)"));
   // Readiness turns false at once: "" and both services NOT_SERVING (watchers are told now), liveness stays.
