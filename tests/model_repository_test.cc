@@ -92,9 +92,15 @@ TEST(ModelRepositoryTest, ReadsPackagesVersionsAndPolicies) {
 
   ExpectStatus(ReadModelFolder(root.string(), "empty").status(), absl::StatusCode::kNotFound,
                "holds neither config.json nor a version folder (1, 2, ...)");
-  for (const char* name : {"missing", "../plain", ".hidden-model", "versioned/1", ""}) {
-    ExpectStatus(ReadModelFolder(root.string(), name).status(), absl::StatusCode::kNotFound, "has no folder");
+  ExpectStatus(ReadModelFolder(root.string(), "missing").status(), absl::StatusCode::kNotFound,
+               "has no folder 'missing'");
+  for (const std::string& name : std::vector<std::string>{"../plain", ".hidden-model", "versioned/1", "",
+                                                         std::string(300, 'x')}) {
+    ExpectStatus(ReadModelFolder(root.string(), name).status(), absl::StatusCode::kInvalidArgument,
+                 "is not a model folder name: 1 to 255 bytes, no '/', not starting with '.'");
   }
+  // Names come from requests: echoed escaped.
+  ExpectStatus(ReadModelFolder(root.string(), "a\nb").status(), absl::StatusCode::kNotFound, "has no folder 'a\\nb'");
 
   // The fingerprint follows the files: a changed file changes it, an unchanged folder keeps it.
   const std::string before = ReadModelFolder(root.string(), "versioned")->fingerprint;

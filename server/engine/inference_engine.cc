@@ -107,8 +107,8 @@ absl::StatusOr<std::shared_ptr<ServedModel>> InferenceEngine::FindLocked(const s
     // The name comes from a request: echo at most 100 bytes of it.
     constexpr size_t kMaxEcho = 100;
     const std::string shown = name.size() > kMaxEcho ? absl::StrCat(name.substr(0, kMaxEcho), "...") : name;
-    return absl::NotFoundError(
-        absl::StrCat("model '", shown, "' not found; available: ", absl::StrJoin(names, ", ")));
+    return absl::NotFoundError(absl::StrCat("model '", shown, "' not found; available: ",
+                                            names.empty() ? "none" : absl::StrJoin(names, ", ")));
   }
   if (version == 0) return model->second.rbegin()->second;
   auto found = model->second.find(version);

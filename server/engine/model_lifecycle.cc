@@ -47,6 +47,42 @@ ModelLifecycle::ModelLifecycle(InferenceEngine* engine, ServerMetrics* metrics, 
 ModelLifecycle::~ModelLifecycle() {
   if (!stop_polling_.HasBeenNotified()) stop_polling_.Notify();
   if (poller_.joinable()) poller_.join();
+  {
+    absl::MutexLock lock(&posted_mu_);
+    stopping_ = true;
+  }
+  if (operations_thread_.joinable()) operations_thread_.join();
+}
+
+void ModelLifecycle::Post(std::function<void()> operation) {
+  absl::MutexLock lock(&posted_mu_);
+  posted_.push_back(std::move(operation));
+  if (operations_thread_.joinable()) return;
+  operations_thread_ = std::thread([this] {
+    while (true) {
+      std::function<void()> next;
+      {
+        absl::MutexLock lock(&posted_mu_);
+        posted_mu_.Await(absl::Condition(
+            +[](ModelLifecycle* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->posted_mu_) {
+              return self->stopping_ || !self->posted_.empty();
+            },
+            this));
+        if (posted_.empty()) return;  // stopping, nothing left
+        next = std::move(posted_.front());
+        posted_.pop_front();
+      }
+      next();
+    }
+  });
+}
+
+void ModelLifecycle::LoadInBackground(const std::string& name, std::function<void(absl::Status)> done) {
+  Post([this, name, done = std::move(done)] { done(Load(name)); });
+}
+
+void ModelLifecycle::UnloadInBackground(const std::string& name, std::function<void(absl::Status)> done) {
+  Post([this, name, done = std::move(done)] { done(Unload(name)); });
 }
 
 void ModelLifecycle::Log(const std::string& line) const {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -57,7 +58,7 @@ class ModelLifecycle {
  public:
   // `engine` and `metrics` must outlive this object.
   ModelLifecycle(InferenceEngine* engine, ServerMetrics* metrics, ModelLifecycleOptions options);
-  // Stops polling.
+  // Stops polling; runs the operations posted (LoadInBackground, UnloadInBackground) and joins their thread.
   ~ModelLifecycle();
 
   // Loads every model folder of the repository (start-up); `stop` is asked between models. Errors: the first
@@ -76,6 +77,11 @@ class ModelLifecycle {
   // once its admitted requests are answered (waiting up to the drain timeout). Unloading a model not loaded is OK.
   // Errors: FAILED_PRECONDITION outside kExplicit mode; NOT_FOUND for a name neither served nor in the repository.
   absl::Status Unload(const std::string& name);
+  // Load or Unload on the lifecycle's own thread; `done` gets its status there. For the front ends: an operation
+  // takes seconds (calibration, draining), and one that held a gRPC thread could hold the very threads that answer
+  // the requests it waits for. Operations run in the order they were posted; the destructor runs those posted.
+  void LoadInBackground(const std::string& name, std::function<void(absl::Status)> done);
+  void UnloadInBackground(const std::string& name, std::function<void(absl::Status)> done);
   // One read of the repository (the poll thread's step; tests call it directly).
   void PollOnce();
 
@@ -122,6 +128,12 @@ class ModelLifecycle {
   std::map<std::string, ModelState> states_ ABSL_GUARDED_BY(state_mu_);
   absl::Notification stop_polling_;
   std::thread poller_;
+  // The operations posted for the lifecycle's thread, and that thread (started with the first).
+  void Post(std::function<void()> operation) ABSL_LOCKS_EXCLUDED(posted_mu_);
+  absl::Mutex posted_mu_;
+  std::deque<std::function<void()>> posted_ ABSL_GUARDED_BY(posted_mu_);
+  bool stopping_ ABSL_GUARDED_BY(posted_mu_) = false;
+  std::thread operations_thread_;
 };
 
 }  // namespace mita::server

@@ -13,7 +13,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_join.h"
+#include "models/request_error.h"
 #include "nlohmann/json.hpp"
 #include "server/engine/model_registry.h"
 
@@ -153,9 +155,17 @@ absl::StatusOr<ModelFolder> ReadModelFolder(const std::string& repository, const
   folder.name = name;
   folder.directory = (fs::path(repository) / name).string();
   std::error_code error;
-  if (!IsPlainName(name) || !fs::is_directory(folder.directory, error)) {
+  if (!IsPlainName(name) || name.size() > 255) {
+    const std::string shown = absl::CHexEscape(name.substr(0, 100));
+    return models::InvalidRequest(
+        models::RequestField::kModel,
+        absl::StrCat("'", shown, name.size() > 100 ? "..." : "",
+                     "' is not a model folder name: 1 to 255 bytes, no '/', not starting with '.'"));
+  }
+  if (!fs::is_directory(folder.directory, error)) {
     return absl::NotFoundError(absl::StrCat("the model repository '", repository, "' has no folder '",
-                                            name.substr(0, 100), "'"));
+                                            absl::CHexEscape(name.substr(0, 100)), name.size() > 100 ? "..." : "",
+                                            "'"));
   }
   if (absl::StatusOr<std::string> inside = ResolveInsideDirectory(repository, folder.directory); !inside.ok()) {
     return inside.status();

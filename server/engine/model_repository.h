@@ -52,8 +52,9 @@ struct ModelFolder {
 absl::StatusOr<std::vector<std::string>> ModelFolderNames(const std::string& repository);
 
 // Reads model folder `name` of `repository`: a package when it holds config.json, else its sub-folders named by
-// positive integers, and version_policy.json. Errors: NOT_FOUND when `name` is not a folder of the repository
-// (names with '/', hidden names and ".." never are) or it holds neither config.json nor a version folder;
+// positive integers, and version_policy.json. Errors: INVALID_ARGUMENT (a RequestField::kModel problem) for a name
+// that cannot be a folder name of it (empty, over 255 bytes, with '/' or NUL, or starting with '.'); NOT_FOUND when
+// `name` is not a folder of the repository or it holds neither config.json nor a version folder;
 // INVALID_ARGUMENT for a bad version_policy.json (naming the file and what is wrong); PERMISSION_DENIED when the
 // folder resolves outside the repository.
 absl::StatusOr<ModelFolder> ReadModelFolder(const std::string& repository, const std::string& name);

@@ -384,25 +384,34 @@ grpc::ServerUnaryReactor* MitaV1Service::ListRepository(grpc::CallbackServerCont
 
 grpc::ServerUnaryReactor* MitaV1Service::LoadModel(grpc::CallbackServerContext* context,
                                                    const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
-  return AnswerAtOnce<v1::LoadModelRequest, v1::LoadModelResponse>(
+  return AnswerLater<v1::LoadModelRequest, v1::LoadModelResponse>(
       context, request, response, *metrics_, options_, RpcMethod::kLoadModel, WordForMitaV1,
-      [this](const v1::LoadModelRequest& asked, v1::LoadModelResponse* answer, std::string* model) {
+      [this](const v1::LoadModelRequest& asked, std::string* model,
+             std::function<void(absl::StatusOr<v1::LoadModelResponse>)> finish) {
         *model = asked.name();
-        RETURN_IF_ERROR(CheckLifecycle(options_.lifecycle));
-        RETURN_IF_ERROR(options_.lifecycle->Load(asked.name()));
-        AddEntries(options_.lifecycle->Index(false), asked.name(), answer->mutable_entries());
-        return absl::OkStatus();
+        if (absl::Status checked = CheckLifecycle(options_.lifecycle); !checked.ok()) return finish(checked);
+        const std::string name = asked.name();
+        options_.lifecycle->LoadInBackground(name, [this, name, finish](absl::Status status) {
+          if (!status.ok()) return finish(status);
+          v1::LoadModelResponse answer;
+          AddEntries(options_.lifecycle->Index(false), name, answer.mutable_entries());
+          finish(answer);
+        });
       });
 }
 
 grpc::ServerUnaryReactor* MitaV1Service::UnloadModel(grpc::CallbackServerContext* context,
                                                      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
-  return AnswerAtOnce<v1::UnloadModelRequest, v1::UnloadModelResponse>(
+  return AnswerLater<v1::UnloadModelRequest, v1::UnloadModelResponse>(
       context, request, response, *metrics_, options_, RpcMethod::kUnloadModel, WordForMitaV1,
-      [this](const v1::UnloadModelRequest& asked, v1::UnloadModelResponse*, std::string* model) {
+      [this](const v1::UnloadModelRequest& asked, std::string* model,
+             std::function<void(absl::StatusOr<v1::UnloadModelResponse>)> finish) {
         *model = asked.name();
-        RETURN_IF_ERROR(CheckLifecycle(options_.lifecycle));
-        return options_.lifecycle->Unload(asked.name());
+        if (absl::Status checked = CheckLifecycle(options_.lifecycle); !checked.ok()) return finish(checked);
+        options_.lifecycle->UnloadInBackground(asked.name(), [finish](absl::Status status) {
+          finish(status.ok() ? absl::StatusOr<v1::UnloadModelResponse>(v1::UnloadModelResponse())
+                             : absl::StatusOr<v1::UnloadModelResponse>(status));
+        });
       });
 }
 

@@ -811,36 +811,46 @@ grpc::ServerUnaryReactor* OpenInferenceService::RepositoryIndex(grpc::CallbackSe
 grpc::ServerUnaryReactor* OpenInferenceService::RepositoryModelLoad(grpc::CallbackServerContext* context,
                                                                     const grpc::ByteBuffer* request,
                                                                     grpc::ByteBuffer* response) {
-  return AnswerAtOnce<inference::RepositoryModelLoadRequest, inference::RepositoryModelLoadResponse>(
+  using Response = inference::RepositoryModelLoadResponse;
+  return AnswerLater<inference::RepositoryModelLoadRequest, Response>(
       context, request, response, *metrics_, options_, RpcMethod::kRepositoryModelLoad, WordForOpenInference,
-      [this](const inference::RepositoryModelLoadRequest& asked, inference::RepositoryModelLoadResponse*,
-             std::string* model) {
+      [this](const inference::RepositoryModelLoadRequest& asked, std::string* model,
+             std::function<void(absl::StatusOr<Response>)> finish) {
         *model = asked.model_name();
-        RETURN_IF_ERROR(CheckRepository(options_.lifecycle, asked.repository_name()));
+        absl::Status checked = CheckRepository(options_.lifecycle, asked.repository_name());
         for (const auto& [name, value] : asked.parameters()) {
-          return absl::InvalidArgumentError(absl::StrCat(
+          if (!checked.ok()) break;
+          checked = absl::InvalidArgumentError(absl::StrCat(
               "parameter '", name.substr(0, 100),
               "' is not supported: a model loads from its repository folder as it is (no config or file overrides)"));
         }
-        return options_.lifecycle->Load(asked.model_name());
+        if (!checked.ok()) return finish(checked);
+        options_.lifecycle->LoadInBackground(asked.model_name(), [finish](absl::Status status) {
+          finish(status.ok() ? absl::StatusOr<Response>(Response()) : absl::StatusOr<Response>(status));
+        });
       });
 }
 
 grpc::ServerUnaryReactor* OpenInferenceService::RepositoryModelUnload(grpc::CallbackServerContext* context,
                                                                       const grpc::ByteBuffer* request,
                                                                       grpc::ByteBuffer* response) {
-  return AnswerAtOnce<inference::RepositoryModelUnloadRequest, inference::RepositoryModelUnloadResponse>(
+  using Response = inference::RepositoryModelUnloadResponse;
+  return AnswerLater<inference::RepositoryModelUnloadRequest, Response>(
       context, request, response, *metrics_, options_, RpcMethod::kRepositoryModelUnload, WordForOpenInference,
-      [this](const inference::RepositoryModelUnloadRequest& asked, inference::RepositoryModelUnloadResponse*,
-             std::string* model) {
+      [this](const inference::RepositoryModelUnloadRequest& asked, std::string* model,
+             std::function<void(absl::StatusOr<Response>)> finish) {
         *model = asked.model_name();
-        RETURN_IF_ERROR(CheckRepository(options_.lifecycle, asked.repository_name()));
+        absl::Status checked = CheckRepository(options_.lifecycle, asked.repository_name());
         for (const auto& [name, value] : asked.parameters()) {
+          if (!checked.ok()) break;
           if (name == "unload_dependents" && value.has_bool_param()) continue;  // no model here has dependents
-          return absl::InvalidArgumentError(
+          checked = absl::InvalidArgumentError(
               absl::StrCat("parameter '", name.substr(0, 100), "' is not supported (only unload_dependents, bool)"));
         }
-        return options_.lifecycle->Unload(asked.model_name());
+        if (!checked.ok()) return finish(checked);
+        options_.lifecycle->UnloadInBackground(asked.model_name(), [finish](absl::Status status) {
+          finish(status.ok() ? absl::StatusOr<Response>(Response()) : absl::StatusOr<Response>(status));
+        });
       });
 }
 

@@ -159,4 +159,33 @@ grpc::ServerUnaryReactor* AnswerAtOnce(grpc::CallbackServerContext* context, con
   return reactor;
 }
 
+// Serves a call answered later, from another thread: authenticates and receives `Request` as AnswerAtOnce does, then
+// runs `start(request, &model, finish)`, which must call `finish(absl::StatusOr<Response>)` exactly once, on any
+// thread; `finish` sends the response and finishes the call through UnaryCallReactor::FinishCall with the status
+// worded by `word`. For work that waits (loading a model): no gRPC thread is held meanwhile. `options` must outlive
+// the call (a service's member does).
+template <typename Request, typename Response, typename Start, typename Word>
+grpc::ServerUnaryReactor* AnswerLater(grpc::CallbackServerContext* context, const grpc::ByteBuffer* wire_request,
+                                      grpc::ByteBuffer* wire_response, ServerMetrics& metrics,
+                                      const FrontEndOptions& options, RpcMethod method, Word word, Start start) {
+  auto* reactor = new UnaryCallReactor(context, &metrics, method);
+  if (absl::Status status = Authenticate(options, *context); !status.ok()) {
+    reactor->FinishCall("", status);
+    return reactor;
+  }
+  Request request;
+  if (absl::Status status = ReceiveRequest(options, *context, *wire_request, &request); !status.ok()) {
+    reactor->FinishCall("", word(status));
+    return reactor;
+  }
+  auto model = std::make_shared<std::string>();
+  start(request, model.get(),
+        [reactor, model, wire_response, &options, word](absl::StatusOr<Response> response) {
+          absl::Status status = response.status();
+          if (status.ok()) status = SendResponse(options, *response, wire_response);
+          reactor->FinishCall(*model, word(status));
+        });
+  return reactor;
+}
+
 }  // namespace mita::server
