@@ -241,11 +241,14 @@ TEST_F(ClientPolicyServiceTest, DefaultPresetAndLatencyTargetFollowThePolicy) {
 // A client over its quota gets RESOURCE_EXHAUSTED with the time to wait, over both protocols, and is let in again
 // once its bucket has refilled.
 TEST_F(ClientPolicyServiceTest, OverQuotaIsResourceExhaustedWithTheTimeToWait) {
-  // 1000 compute units/s, burst 1000; one image at the default 9x16 costs 50 x 25 = 1250.
+  // 1000 compute units/s, burst 1000; one image at the preset accurate (16x32) costs 50 x 48 = 2400, which leaves the
+  // bucket 1400 in debt: the next requests are refused for 1.4 s (room for a loaded machine's slow calls).
   absl::SleepFor(absl::Milliseconds(1300));  // a full bucket whatever ran before
   const double admitted_before = Metric("mita_client_compute_units_total", {{"client", "metered"}});
   v1::ClassifyResponse response;
-  ASSERT_TRUE(Classify(kMeteredToken, v1::Budget(), &response).ok());
+  v1::Budget accurate;
+  accurate.set_preset("accurate");
+  ASSERT_TRUE(Classify(kMeteredToken, accurate, &response).ok());
   grpc::Status status = Classify(kMeteredToken, v1::Budget(), &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(status.error_message(),
@@ -255,9 +258,9 @@ TEST_F(ClientPolicyServiceTest, OverQuotaIsResourceExhaustedWithTheTimeToWait) {
   status = Infer(kMeteredToken, {}, {}, &infer);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(status.error_message(), HasSubstr("client 'metered' is over its quota"));
-  EXPECT_EQ(Metric("mita_client_compute_units_total", {{"client", "metered"}}) - admitted_before, 1250);
+  EXPECT_EQ(Metric("mita_client_compute_units_total", {{"client", "metered"}}) - admitted_before, 2400);
   EXPECT_GE(Metric("mita_client_quota_refusals_total", {{"client", "metered"}}), 2);
-  absl::SleepFor(absl::Milliseconds(300));
+  absl::SleepFor(absl::Milliseconds(1500));
   EXPECT_TRUE(Infer(kMeteredToken, {}, {}, &infer).ok());
 }
 
