@@ -135,32 +135,8 @@ absl::Status ReceiveRequest(const FrontEndOptions& options, const grpc::ServerCo
 absl::Status SendResponse(const FrontEndOptions& options, const google::protobuf::Message& response,
                           grpc::ByteBuffer* wire);
 
-// Serves a call answered at once: authenticates, receives `Request`, runs `handle(request, &response, &model)`
-// (an absl::Status; `model` names the model the call is about, for the count), sends `Response`, and finishes
-// through UnaryCallReactor::FinishCall with the status worded by `word`.
-template <typename Request, typename Response, typename Handle, typename Word>
-grpc::ServerUnaryReactor* AnswerAtOnce(grpc::CallbackServerContext* context, const grpc::ByteBuffer* wire_request,
-                                       grpc::ByteBuffer* wire_response, ServerMetrics& metrics,
-                                       const FrontEndOptions& options, RpcMethod method, Word word, Handle handle) {
-  auto* reactor = new UnaryCallReactor(context, &metrics, method);
-  // An unauthenticated call is counted with model "unknown": its request is not trusted (nor read: it is not
-  // inflated or parsed).
-  if (absl::Status status = Authenticate(options, *context); !status.ok()) {
-    reactor->FinishCall("", status);
-    return reactor;
-  }
-  Request request;
-  Response response;
-  std::string model;
-  absl::Status status = ReceiveRequest(options, *context, *wire_request, &request);
-  if (status.ok()) status = handle(request, &response, &model);
-  if (status.ok()) status = SendResponse(options, response, wire_response);
-  reactor->FinishCall(model, word(status));
-  return reactor;
-}
-
-// Serves a call answered later, from another thread: authenticates and receives `Request` as AnswerAtOnce does, then
-// runs `start(request, &model, finish)`, which must call `finish(absl::StatusOr<Response>)` exactly once, on any
+// Serves a call answered later, from another thread: authenticates, receives `Request`, then runs
+// `start(request, &model, finish)`, which must call `finish(absl::StatusOr<Response>)` exactly once, on any
 // thread; `finish` sends the response and finishes the call through UnaryCallReactor::FinishCall with the status
 // worded by `word`. For work that waits (loading a model): no gRPC thread is held meanwhile. `options` must outlive
 // the call (a service's member does).
@@ -169,6 +145,8 @@ grpc::ServerUnaryReactor* AnswerLater(grpc::CallbackServerContext* context, cons
                                       grpc::ByteBuffer* wire_response, ServerMetrics& metrics,
                                       const FrontEndOptions& options, RpcMethod method, Word word, Start start) {
   auto* reactor = new UnaryCallReactor(context, &metrics, method);
+  // An unauthenticated call is counted with model "unknown": its request is not trusted (nor read: it is not
+  // inflated or parsed).
   if (absl::Status status = Authenticate(options, *context); !status.ok()) {
     reactor->FinishCall("", status);
     return reactor;
@@ -186,6 +164,26 @@ grpc::ServerUnaryReactor* AnswerLater(grpc::CallbackServerContext* context, cons
           reactor->FinishCall(*model, word(status));
         });
   return reactor;
+}
+
+// Serves a call answered at once: authenticates, receives `Request`, runs `handle(request, &response, &model)`
+// (an absl::Status; `model` names the model the call is about, for the count), sends `Response`, and finishes
+// through UnaryCallReactor::FinishCall with the status worded by `word` (AnswerLater, finishing at once).
+template <typename Request, typename Response, typename Handle, typename Word>
+grpc::ServerUnaryReactor* AnswerAtOnce(grpc::CallbackServerContext* context, const grpc::ByteBuffer* wire_request,
+                                       grpc::ByteBuffer* wire_response, ServerMetrics& metrics,
+                                       const FrontEndOptions& options, RpcMethod method, Word word, Handle handle) {
+  return AnswerLater<Request, Response>(
+      context, wire_request, wire_response, metrics, options, method, word,
+      [&handle](const Request& request, std::string* model, auto finish) {
+        Response response;
+        const absl::Status status = handle(request, &response, model);
+        if (status.ok()) {
+          finish(std::move(response));
+        } else {
+          finish(status);
+        }
+      });
 }
 
 }  // namespace mita::server
