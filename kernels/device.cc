@@ -98,6 +98,27 @@ int VisibleCudaDevices() {
 #endif
 }
 
+bool CpuHasBfloat16DotProducts() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx512bf16") || __builtin_cpu_supports("amx-bf16");
+#else
+  return false;
+#endif
+}
+
+absl::Status CheckWeightsDtypeOnDevice(at::ScalarType dtype, const c10::Device& device) {
+  if (dtype != at::kFloat && dtype != at::kBFloat16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weights dtype ", DtypeName(dtype), " is not supported: use float32 or bfloat16"));
+  }
+  if (dtype == at::kBFloat16 && device.is_cpu() && !CpuHasBfloat16DotProducts()) {
+    return absl::FailedPreconditionError(
+        "bfloat16 on the CPU needs AVX512-BF16 or AMX-BF16, which this CPU lacks: LibTorch would compute it in "
+        "scalar loops, far slower than float32 (use float32, or a CUDA device)");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckDeviceUsable(const c10::Device& device) {
   if (device.is_cpu()) return absl::OkStatus();
   if (absl::Status cuda = CheckCuda(device); !cuda.ok()) return cuda;

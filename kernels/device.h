@@ -28,6 +28,17 @@ absl::StatusOr<at::ScalarType> ParseWeightsDtype(absl::string_view text);
 // "float32", "bfloat16", "float64", ... (c10's name for others).
 std::string DtypeName(at::ScalarType type);
 
+// Whether this CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX-BF16), with which LibTorch's oneDNN
+// runs bfloat16 GEMMs faster than float32 ones; without them LibTorch computes bfloat16 in scalar loops.
+bool CpuHasBfloat16DotProducts();
+
+// Whether a model's weights and activations may be `dtype` on `device`: float32 anywhere; bfloat16 on a CUDA
+// device, or on a CPU with CpuHasBfloat16DotProducts (the dense layers then run through oneDNN in bfloat16 and the
+// CPU attention kernels in float32 on widened copies). Errors: INVALID_ARGUMENT for another dtype ("weights dtype
+// float16 is not supported: use float32 or bfloat16"); FAILED_PRECONDITION for bfloat16 on a CPU without those
+// instructions ("bfloat16 on the CPU needs AVX512-BF16 or AMX-BF16, which this CPU lacks: ...").
+absl::Status CheckWeightsDtypeOnDevice(at::ScalarType dtype, const c10::Device& device);
+
 // Whether tensors can be placed on `device` in this process: OK for the CPU. For cuda:N, FAILED_PRECONDITION when
 // the build's LibTorch has no CUDA (Debian's), when no CUDA device is visible ("cuda:0: no CUDA device is visible
 // to this process (CUDA_VISIBLE_DEVICES is unset)"), or when N is not below the visible count; the message also

@@ -54,7 +54,7 @@ std::string DtypeName(at::ScalarType type) {
   }
 }
 
-// `tensor` is defined, 4-D [B, H, N, d], and float32 or float64 (or bfloat16 on a CUDA device).
+// `tensor` is defined, 4-D [B, H, N, d], and float32, float64 or bfloat16.
 absl::Status CheckAttentionInput(const at::Tensor& tensor, const char* name) {
   if (!tensor.defined()) return absl::InvalidArgumentError(absl::StrCat(name, " is undefined"));
   if (tensor.dim() != 4) {
@@ -62,10 +62,9 @@ absl::Status CheckAttentionInput(const at::Tensor& tensor, const char* name) {
                                                    "-D shape ", ShapeString(tensor)));
   }
   const at::ScalarType type = tensor.scalar_type();
-  if (type != at::kFloat && type != at::kDouble && !(type == at::kBFloat16 && tensor.is_cuda())) {
+  if (type != at::kFloat && type != at::kDouble && type != at::kBFloat16) {
     return absl::InvalidArgumentError(absl::StrCat(name, " has dtype ", DtypeName(type),
-                                                   "; supported dtypes are float32 and float64 (and bfloat16 on "
-                                                   "a CUDA device)"));
+                                                   "; supported dtypes are float32, float64 and bfloat16"));
   }
   return absl::OkStatus();
 }
@@ -224,8 +223,8 @@ absl::StatusOr<at::Tensor> MitaAttentionForward(const at::Tensor& q, const at::T
                                                    internal::MitaForwardOptions{});
 }
 
-// The most scores (items x heads x N^2) a CPU full-attention batch may have for the fused whole-batch path: 2^24
-// (64 MiB of float32 were they materialised; tens of ms of work here, so a caller that leaves waits no longer).
+// The most scores (items x heads x N^2) one fused CPU full-attention call may have: 2^24 (64 MiB of float32 were
+// they materialised; tens of ms of work here, so a caller that leaves waits no longer).
 constexpr int64_t kMaxFusedCpuScoreElements = int64_t{1} << 24;
 
 absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -234,21 +233,35 @@ absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::T
   if (absl::Status status = CheckQueryKeyValue(q, k, v); !status.ok()) return status;
   return RunWithoutThrowing("full attention", [&]() -> at::Tensor {
     at::NoGradGuard no_grad;
-    // On a CUDA device, and on the CPU when the batch's scores are few (images: 16 x 4 heads x 50^2): LibTorch's
-    // fused scaled-dot-product attention (FlashAttention or memory-efficient attention on CUDA, its flash kernel
-    // on the CPU, O(N) memory, parallel over items and heads) on the whole batch at once. `interrupt` is asked
-    // once per item before it starts. Per (item, head) ATen calls cost microseconds each, more than a small
-    // head's arithmetic, and run on one thread.
-    const int64_t score_elements = q.numel() == 0 ? 0 : q.size(0) * q.size(1) * q.size(2) * q.size(2);
-    if (q.numel() > 0 && (q.is_cuda() || score_elements <= kMaxFusedCpuScoreElements)) {
-      std::vector<int64_t> stopped;
-      for (int64_t b = 0; interrupt && b < q.size(0); ++b) {
-        if (interrupt(b)) stopped.push_back(b);
+    // On a CUDA device, and on the CPU when an item's scores are few (images: 4 heads x 50^2; DeiT: 3 x 197^2):
+    // LibTorch's fused scaled-dot-product attention (FlashAttention or memory-efficient attention on CUDA, its
+    // flash kernel on the CPU, O(N) memory, parallel over items and heads), on the CPU in groups of items of at
+    // most 2^24 scores, on CUDA on the whole batch. `interrupt` is asked once per item before its group starts.
+    // Per (item, head) ATen calls cost microseconds each, more than a small head's arithmetic, and run on one
+    // thread.
+    const int64_t item_scores = q.numel() == 0 ? 0 : q.size(1) * q.size(2) * q.size(2);
+    if (q.numel() > 0 && (q.is_cuda() || item_scores <= kMaxFusedCpuScoreElements)) {
+      const int64_t batch = q.size(0);
+      const int64_t group = q.is_cuda() ? batch : std::max<int64_t>(1, kMaxFusedCpuScoreElements / item_scores);
+      at::Tensor output = at::empty(q.sizes(), q.options());
+      for (int64_t first = 0; first < batch; first += group) {
+        const int64_t length = std::min(group, batch - first);
+        std::vector<int64_t> stopped;
+        for (int64_t b = first; interrupt && b < first + length; ++b) {
+          if (interrupt(b)) stopped.push_back(b);
+        }
+        // Contiguous inputs (strided views of a fused qkv otherwise): the fused kernels' layout checks then pass
+        // at every head size, instead of a fall-back to the math path and its N x N scores.
+        const at::Tensor group_output = at::scaled_dot_product_attention(
+            q.narrow(0, first, length).contiguous(), k.narrow(0, first, length).contiguous(),
+            v.narrow(0, first, length).contiguous());
+        if (length == batch) {
+          output = group_output.contiguous();
+        } else {
+          output.narrow(0, first, length).copy_(group_output);
+        }
+        for (int64_t b : stopped) output[b].zero_();
       }
-      // Contiguous inputs (strided views of a fused qkv otherwise): the fused kernels' layout checks then pass
-      // at every head size, instead of a fall-back to the math path and its N x N scores.
-      at::Tensor output = at::scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous()).contiguous();
-      for (int64_t b : stopped) output[b].zero_();
       return output;
     }
     at::Tensor output = at::empty(q.sizes(), q.options());

@@ -73,8 +73,8 @@ enum class MitaBackend {
 // MiTA forward for a batch whose items may each have their own expert count and expert width (docs/design.md
 // section 2, formulas above).
 //
-// q, k, v: [B, H, N, d] (the same shape), float32 or float64 (the same dtype; bfloat16 too on a CUDA device),
-// on one device. Any strides: slices of
+// q, k, v: [B, H, N, d] (the same shape), float32, float64 or bfloat16 (the same dtype; the CPU kernel computes
+// bfloat16 in float32 and rounds its output once), on one device. Any strides: slices of
 // a fused [B, N, 3, H, d] qkv projection are read in place; other layouts are copied once. items: B entries
 // (B = 0 gives an empty output). Returns a new contiguous [B, H, N, d] tensor of q's dtype: the attention
 // output before the head merge and output projection. Softmaxes accumulate in the input's precision with the
@@ -97,16 +97,17 @@ using AttentionInterrupt = std::function<bool(int64_t item)>;
 // Full softmax attention softmax(q k^T / sqrt(d)) v with ATen ops (mm, softmax), per (item, head) in query
 // chunks so the score buffer stays under 2^20 elements at any N; the serving path for "full attention" budgets
 // and, per docs/design.md section 2.7, what MiTA equals with k = N and no compressed branch.
-// q, k, v: [B, H, N, d], same shape, float32 or float64 (bfloat16 too on a CUDA device) -> new contiguous
-// [B, H, N, d] of q's dtype. On a CUDA device, and on the CPU when B H N^2 <= 2^24 (images, short documents),
-// it is LibTorch's fused scaled-dot-product attention (at::scaled_dot_product_attention: FlashAttention or
-// memory-efficient attention on CUDA, the flash kernel on the CPU; O(N) memory) over the batch, `interrupt`
-// (optional) asked once per item before the work starts; larger CPU batches go by (item, head) in query chunks,
-// `interrupt` asked before every chunk of item `item`. When it answers true, the rest of that item is skipped and
+// q, k, v: [B, H, N, d], same shape, float32, float64 or bfloat16 -> new contiguous
+// [B, H, N, d] of q's dtype. On a CUDA device, and on the CPU when one item has H N^2 <= 2^24 scores (images,
+// short documents), it is LibTorch's fused scaled-dot-product attention (at::scaled_dot_product_attention:
+// FlashAttention or memory-efficient attention on CUDA, the flash kernel on the CPU; O(N) memory): on CUDA over
+// the batch, on the CPU over groups of items of at most 2^24 scores, `interrupt` (optional) asked once per item
+// before its group starts; longer CPU items go by (item, head) in query chunks, `interrupt` asked before every
+// chunk of item `item`. When it answers true, the rest of that item is skipped and
 // its remaining output rows are 0 (the caller knows why it stopped): long inputs on the CPU stop within one chunk
 // (at most 2^20 scores) of their caller leaving.
-// Errors: INVALID_ARGUMENT when a tensor is undefined or not 4-D, when dtypes are not float32/float64 (or
-// bfloat16 on a CUDA device) or differ, or when shapes or devices differ; RESOURCE_EXHAUSTED when memory runs
+// Errors: INVALID_ARGUMENT when a tensor is undefined or not 4-D, when dtypes are not float32, float64 or
+// bfloat16 or differ, or when shapes or devices differ; RESOURCE_EXHAUSTED when memory runs
 // out (CUDA's included).
 absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 const AttentionInterrupt& interrupt = nullptr);
@@ -116,17 +117,17 @@ absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::T
 // adaptively to a P x P grid: window i covers rows/columns [floor(i*S/P), ceil((i+1)*S/P)).
 // This is at::adaptive_avg_pool2d, whose windows are exactly these. Pooling is per head; since it is a per-channel
 // average, pooling all C channels then splitting heads (the official code) gives the same landmarks.
-// q: [B, H, N, d], float32 or float64 (bfloat16 too on a CUDA device) -> new contiguous [B, H, P*P, d] on q's
+// q: [B, H, N, d], float32, float64 or bfloat16 -> new contiguous [B, H, P*P, d] on q's
 // device, landmark index = row * P + column.
-// Errors: INVALID_ARGUMENT when q is undefined, not 4-D or not float32/float64, when N - 1 is not a positive
+// Errors: INVALID_ARGUMENT when q is undefined, not 4-D or not float32, float64 or bfloat16, when N - 1 is not a positive
 // perfect square, or when pool_side is outside [1, S].
 absl::StatusOr<at::Tensor> ImageLandmarks(const at::Tensor& q, int64_t pool_side);
 
 // Sequence landmarks (docs/design.md section 2.1): adaptive 1-D average pooling of q over all N tokens into M
 // windows [floor(i*N/M), ceil((i+1)*N/M)) (at::adaptive_avg_pool1d; windows overlap when M does not divide N).
-// q: [B, H, N, d], float32 or float64 (bfloat16 too on a CUDA device) -> new contiguous [B, H, M, d] on q's
+// q: [B, H, N, d], float32, float64 or bfloat16 -> new contiguous [B, H, M, d] on q's
 // device.
-// Errors: INVALID_ARGUMENT when q is undefined, not 4-D or not float32/float64, or when expert_count is outside
+// Errors: INVALID_ARGUMENT when q is undefined, not 4-D or not float32, float64 or bfloat16, or when expert_count is outside
 // [1, N].
 absl::StatusOr<at::Tensor> SequenceLandmarks(const at::Tensor& q, int64_t expert_count);
 

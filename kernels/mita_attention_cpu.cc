@@ -692,6 +692,14 @@ at::Tensor MitaAttentionCpu(const at::Tensor& q, const at::Tensor& k, const at::
                             absl::Span<const MitaItem> items, std::vector<MitaItemStatistics>* statistics,
                             const MitaForwardOptions& options) {
   if (q.scalar_type() == at::kDouble) return MitaAttentionCpuTyped<double>(q, k, v, items, statistics, options);
+  if (q.scalar_type() == at::kBFloat16) {
+    // bfloat16 models: the kernel computes in float32 on widened copies and rounds its output once.
+    std::vector<MitaItem> widened(items.begin(), items.end());
+    for (MitaItem& item : widened) item.landmarks = item.landmarks.to(at::kFloat);
+    return MitaAttentionCpuTyped<float>(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), widened, statistics,
+                                        options)
+        .to(at::kBFloat16);
+  }
   return MitaAttentionCpuTyped<float>(q, k, v, items, statistics, options);
 }
 

@@ -129,7 +129,8 @@ absl::StatusOr<at::Tensor> MitaAttentionForwardWithOptions(const at::Tensor& q, 
 // The backends. Preconditions: ValidateMitaArguments(q, k, v, items) is OK. They may throw c10::Error or
 // std::bad_alloc (the caller converts); `statistics`, when not null, is resized to B and filled.
 
-// Production CPU forward (mita_attention_cpu.cc): CPU tensors, float32 or float64.
+// Production CPU forward (mita_attention_cpu.cc): CPU tensors, float32 or float64; bfloat16 is computed in float32
+// and the output rounded to bfloat16.
 at::Tensor MitaAttentionCpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             absl::Span<const MitaItem> items, std::vector<MitaItemStatistics>* statistics,
                             const MitaForwardOptions& options);

@@ -60,15 +60,7 @@ std::string ClassifierDescription::Summary() const {
 }
 
 absl::Status CheckPlacement(const Placement& placement) {
-  if (placement.weights_dtype != at::kFloat && placement.weights_dtype != at::kBFloat16) {
-    return absl::InvalidArgumentError(absl::StrCat("weights dtype ", kernels::DtypeName(placement.weights_dtype),
-                                                   " is not supported: use float32 or bfloat16"));
-  }
-  if (placement.weights_dtype == at::kBFloat16 && !placement.device.is_cuda()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("bfloat16 weights need a CUDA device: on ", kernels::DeviceName(placement.device),
-                     " the kernels compute in float32"));
-  }
+  RETURN_IF_ERROR(kernels::CheckWeightsDtypeOnDevice(placement.weights_dtype, placement.device));
   return kernels::CheckDeviceUsable(placement.device);
 }
 

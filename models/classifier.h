@@ -36,13 +36,14 @@ enum class InputKind { kImage, kDocument, kOther };
 // (mita-server's --device and --weights_dtype, server/process/placement.h). Inputs arrive on the CPU; logits leave on it.
 struct Placement {
   c10::Device device = c10::Device(c10::kCPU);
-  // float32; or bfloat16 on a CUDA device (weights and activations; the CUDA MiTA kernel accumulates in float32).
+  // float32; or bfloat16 (weights and activations) on a CUDA device, where the CUDA MiTA kernel accumulates in
+  // float32, or on a CPU with bfloat16 dot products, where the attention kernels run in float32.
   at::ScalarType weights_dtype = at::kFloat;
 };
 
-// OK when a classifier can run with `placement` in this process. Errors: INVALID_ARGUMENT for a dtype other
-// than float32 or bfloat16, or bfloat16 on the CPU ("bfloat16 weights need a CUDA device: on the CPU the kernels
-// compute in float32"); FAILED_PRECONDITION when the device cannot be used (kernels::CheckDeviceUsable: no CUDA
+// OK when a classifier can run with `placement` in this process. Errors: kernels::CheckWeightsDtypeOnDevice's
+// (INVALID_ARGUMENT for a dtype other than float32 or bfloat16; FAILED_PRECONDITION for bfloat16 on a CPU without
+// bfloat16 dot products); FAILED_PRECONDITION when the device cannot be used (kernels::CheckDeviceUsable: no CUDA
 // in LibTorch, no CUDA device visible, an index beyond the visible devices).
 absl::Status CheckPlacement(const Placement& placement);
 

@@ -43,6 +43,7 @@ PORT="${PORT:-0}"
 SERVER_FLAGS="${SERVER_FLAGS:-}"
 LOCK_FILE="${LOCK_FILE:-}"
 LOGS="${LOGS:-}"
+CLIENT_NICE="${CLIENT_NICE:-0}"
 IMAGE_MODEL=fashion-mnist-vit
 export OMP_WAIT_POLICY=passive
 work="$(mktemp -d)"
@@ -131,7 +132,7 @@ start_server() {  # MODEL ADMISSION(true|false): a server of MODEL alone
 bench() {  # LOG_NAME MITA_BENCH_FLAGS... -> the run's log in $work/LOG_NAME.log
   local name="$1"
   shift
-  "$BUILD/client/mita-bench" --server="127.0.0.1:$port" --label="$name" "$@" > "$work/$name.log"
+  nice -n "$CLIENT_NICE" "$BUILD/client/mita-bench" --server="127.0.0.1:$port" --label="$name" "$@" > "$work/$name.log"
 }
 result() {  # LOG_NAME KEY -> the value of KEY in the log's RESULT line
   awk -v key="$2" '/^RESULT/ {for (i = 2; i <= NF; i++) {split($i, kv, "="); if (kv[1] == key) print kv[2]}}' \

@@ -134,7 +134,7 @@ TEST(PlacementFlagsTest, RefusesBadEntriesNamingTheFlag) {
   }
 }
 
-TEST(PlacementFlagsTest, RefusesUnknownModelsAndBfloat16OnTheCpu) {
+TEST(PlacementFlagsTest, RefusesUnknownModelsAndBfloat16OnACpuWithoutBfloat16DotProducts) {
   const std::vector<std::string> models = {"fashion-mnist-vit", "linux-doc-mita"};
   absl::StatusOr<server::PlacementFlags> flags = server::PlacementFlags::Parse("cpu,nosuch=cpu", "");
   ASSERT_TRUE(flags.ok()) << flags.status();
@@ -146,9 +146,16 @@ TEST(PlacementFlagsTest, RefusesUnknownModelsAndBfloat16OnTheCpu) {
                "flag --weights_dtype: no model 'nosuch'");
   flags = server::PlacementFlags::Parse("", "linux-doc-mita=bfloat16");
   ASSERT_TRUE(flags.ok()) << flags.status();
-  ExpectStatus(flags->Resolve(models).status(), absl::StatusCode::kInvalidArgument,
-               "flag --weights_dtype: model 'linux-doc-mita': bfloat16 weights need a CUDA device, and flag --device "
-               "puts it on cpu (the CPU kernels compute in float32)");
+  absl::StatusOr<std::map<std::string, models::Placement>> placements = flags->Resolve(models);
+  if (kernels::CpuHasBfloat16DotProducts()) {
+    ASSERT_TRUE(placements.ok()) << placements.status();
+    EXPECT_EQ(placements->at("linux-doc-mita").weights_dtype, at::kBFloat16);
+    EXPECT_EQ(placements->at("fashion-mnist-vit").weights_dtype, at::kFloat);
+  } else {
+    ExpectStatus(placements.status(), absl::StatusCode::kFailedPrecondition,
+                 "flag --weights_dtype: model 'linux-doc-mita' on cpu: bfloat16 on the CPU needs AVX512-BF16 or "
+                 "AMX-BF16, which this CPU lacks");
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -174,24 +181,29 @@ TEST(DeviceCheckTest, ACudaDeviceThatIsNotThereIsFailedPrecondition) {
                "cpu is not a CUDA device");
 }
 
-TEST(PlacementCheckTest, Bfloat16WeightsOnTheCpuAreRefusedWithTheReason) {
+TEST(PlacementCheckTest, Bfloat16OnTheCpuNeedsBfloat16DotProductsAndOtherDtypesAreRefused) {
+  EXPECT_EQ(kernels::CpuHasBfloat16DotProducts(),
+            __builtin_cpu_supports("avx512bf16") || __builtin_cpu_supports("amx-bf16"));
   models::Placement placement;
-  placement.weights_dtype = at::kBFloat16;
-  ExpectStatus(models::CheckPlacement(placement), absl::StatusCode::kInvalidArgument,
-               "bfloat16 weights need a CUDA device: on cpu the kernels compute in float32");
   placement.weights_dtype = at::kHalf;
   ExpectStatus(models::CheckPlacement(placement), absl::StatusCode::kInvalidArgument,
                "weights dtype float16 is not supported: use float32 or bfloat16");
-  ExpectStatus(models::ParsePlacement("cpu", "bfloat16").status(), absl::StatusCode::kInvalidArgument,
-               "bfloat16 weights need a CUDA device");
   ExpectStatus(models::ParsePlacement("gpu", "float32").status(), absl::StatusCode::kInvalidArgument,
                "'gpu' is not a device");
-  // The loaders refuse it before reading the weights, for both architectures.
   for (const char* model : {"fashion-mnist-vit", "linux-doc-mita"}) {
     placement = models::Placement{c10::Device(c10::kCPU), at::kBFloat16};
-    const absl::Status refused = models::LoadModelPackage(test_util::RepositoryPath() + "/" + model, placement).status();
-    ExpectStatus(refused, absl::StatusCode::kInvalidArgument, "bfloat16 weights need a CUDA device");
-    EXPECT_THAT(std::string(refused.message()), ::testing::StartsWith("bfloat16"));  // not a weights-file error
+    absl::StatusOr<models::ModelPackage> bfloat16 =
+        models::LoadModelPackage(test_util::RepositoryPath() + "/" + model, placement);
+    if (kernels::CpuHasBfloat16DotProducts()) {
+      ASSERT_TRUE(bfloat16.ok()) << bfloat16.status();
+      EXPECT_EQ(bfloat16->classifier->description().weights_dtype, "bfloat16");
+      EXPECT_THAT(bfloat16->classifier->description().Summary(), HasSubstr(", on cpu in bfloat16)"));
+    } else {
+      // Refused before the weights are read, for both architectures.
+      ExpectStatus(bfloat16.status(), absl::StatusCode::kFailedPrecondition,
+                   "bfloat16 on the CPU needs AVX512-BF16 or AMX-BF16, which this CPU lacks");
+      EXPECT_THAT(std::string(bfloat16.status().message()), ::testing::StartsWith("bfloat16"));
+    }
     placement = models::Placement{InvisibleCudaDevice(), at::kFloat};
     EXPECT_EQ(models::LoadModelPackage(test_util::RepositoryPath() + "/" + model, placement).status().code(),
               absl::StatusCode::kFailedPrecondition);
@@ -258,10 +270,10 @@ TEST(ServerStartTest, BadDeviceAndDtypeFlagsAreStartUpErrors) {
   ServerRun run = RunServer({"--device=gpu"});
   EXPECT_EQ(run.exit_status, 1) << run.log;
   EXPECT_THAT(run.log, HasSubstr("error: flag --device: 'gpu' is not a device: use cpu or cuda:N")) << run.log;
-  run = RunServer({"--weights_dtype=bfloat16"});
+  run = RunServer({"--weights_dtype=float16"});
   EXPECT_EQ(run.exit_status, 1) << run.log;
-  EXPECT_THAT(run.log, HasSubstr("error: flag --weights_dtype: model 'fashion-mnist-vit': bfloat16 weights need a "
-                                 "CUDA device"))
+  EXPECT_THAT(run.log, HasSubstr("error: flag --weights_dtype: 'float16' is not a weights dtype: use float32 or "
+                                 "bfloat16"))
       << run.log;
   run = RunServer({"--device=cpu,nosuch=cpu"});
   EXPECT_EQ(run.exit_status, 1) << run.log;
@@ -370,6 +382,72 @@ constexpr double kFloat32RelativeBound = 0.05;
 constexpr double kBfloat16RelativeBulk = 0.08;
 constexpr double kBfloat16RelativeBound = 0.15;
 
+// `found` (a bfloat16 model's logits) against `expected` (float32's) within the bfloat16 bounds above; prints
+// the differences under `label`.
+void ExpectBfloat16Logits(const at::Tensor& expected, const at::Tensor& found, const char* label) {
+  ASSERT_EQ(found.sizes(), expected.sizes());
+  const double magnitude = expected.abs().max().item<double>();
+  const LogitsComparison bf16 = Compare(expected, found, kBfloat16RelativeBound * magnitude);
+  const int64_t rows = expected.size(0);
+  const double bf16_max = *std::max_element(bf16.row_differences.begin(), bf16.row_differences.end());
+  std::printf("%s, %lld items: largest |logit| %.3g; max |difference| %.3g (%.3f of it), %lld rows over %.2f of it\n",
+              label, static_cast<long long>(rows), magnitude, bf16_max, bf16_max / magnitude,
+              static_cast<long long>(RowsOver(bf16, kBfloat16RelativeBulk * magnitude)), kBfloat16RelativeBulk);
+  EXPECT_LE(RowsOver(bf16, kBfloat16RelativeBulk * magnitude), rows / 8);
+  EXPECT_EQ(RowsOver(bf16, kBfloat16RelativeBound * magnitude), 0);
+  EXPECT_EQ(bf16.far_other_class_rows, 0);
+}
+
+// 64 Fashion-MNIST test images prepared by `model` with mixed budgets: the default, presets, extremes and full
+// attention.
+std::vector<models::BatchItem> MixedImageItems(const models::Classifier& model) {
+  absl::StatusOr<test_util::TestImages> images = test_util::FashionMnistTestPngs(64);
+  EXPECT_TRUE(images.ok()) << images.status();
+  if (!images.ok()) return {};
+  const std::vector<models::BudgetRequest> budgets = {
+      {}, Preset("fast"), Experts(16, 32), FullAttention(), Experts(1, 50), Experts(49, 1)};
+  std::vector<models::BatchItem> items;
+  for (size_t i = 0; i < images->pngs.size(); ++i) {
+    models::ClassifierInput input;
+    input.kind = models::ClassifierInput::Kind::kImage;
+    input.bytes = images->pngs[i];
+    absl::StatusOr<models::BatchItem> item = model.Prepare(input, budgets[i % budgets.size()], {});
+    EXPECT_TRUE(item.ok()) << item.status();
+    if (item.ok()) items.push_back(*std::move(item));
+  }
+  return items;
+}
+
+// One packed batch of random documents of different lengths (9 to 20,000 tokens) and budgets (full attention
+// included), prepared by `model`.
+std::vector<models::BatchItem> MixedDocumentItems(const models::Classifier& model) {
+  at::manual_seed(16);
+  const std::vector<std::pair<int64_t, models::BudgetRequest>> documents = {
+      {37, {}},
+      {700, Preset("fast")},
+      {4097, Experts(64, 256)},
+      {1500, FullAttention()},
+      {9, Experts(16, 64)},
+      {20000, Preset("accurate")}};
+  std::vector<models::BatchItem> items;
+  for (const auto& [tokens, budget] : documents) {
+    const at::Tensor random = at::randint(0, 4096, {tokens}, at::TensorOptions().dtype(at::kLong));
+    models::ClassifierInput input;
+    input.kind = models::ClassifierInput::Kind::kTokenIds;
+    input.token_ids = absl::MakeConstSpan(random.data_ptr<int64_t>(), tokens);  // Prepare copies them
+    absl::StatusOr<models::BatchItem> item = model.Prepare(input, budget, {});
+    EXPECT_TRUE(item.ok()) << item.status();
+    if (item.ok()) items.push_back(*std::move(item));
+  }
+  return items;
+}
+
+std::vector<const models::BatchItem*> Pointers(const std::vector<models::BatchItem>& items) {
+  std::vector<const models::BatchItem*> pointers;
+  for (const models::BatchItem& item : items) pointers.push_back(&item);
+  return pointers;
+}
+
 void ExpectSameLogits(const models::Classifier& cpu, const models::Classifier& cuda_float32,
                       const models::Classifier& cuda_bfloat16, const std::vector<const models::BatchItem*>& items) {
   absl::StatusOr<models::ClassifierOutput> expected = cpu.Run(items, /*want_statistics=*/true);
@@ -390,21 +468,15 @@ void ExpectSameLogits(const models::Classifier& cpu, const models::Classifier& c
   }
   const double magnitude = expected->logits.abs().max().item<double>();
   const LogitsComparison f32 = Compare(expected->logits, float32->logits, kFloat32RelativeBound * magnitude);
-  const LogitsComparison bf16 = Compare(expected->logits, bfloat16->logits, kBfloat16RelativeBound * magnitude);
   const int64_t rows = static_cast<int64_t>(items.size());
   const double f32_max = *std::max_element(f32.row_differences.begin(), f32.row_differences.end());
-  const double bf16_max = *std::max_element(bf16.row_differences.begin(), bf16.row_differences.end());
-  std::printf("%lld items: largest |logit| %.3g; float32 on cuda:0: max |difference| %.3g, %lld rows over %.0e; "
-              "bfloat16: max %.3g (%.3f of the largest |logit|), %lld rows over %.2f of it\n",
-              static_cast<long long>(rows), magnitude, f32_max, static_cast<long long>(RowsOver(f32, kFloat32RowTolerance)),
-              kFloat32RowTolerance, bf16_max, bf16_max / magnitude,
-              static_cast<long long>(RowsOver(bf16, kBfloat16RelativeBulk * magnitude)), kBfloat16RelativeBulk);
+  std::printf("%lld items: largest |logit| %.3g; float32 on cuda:0: max |difference| %.3g, %lld rows over %.0e\n",
+              static_cast<long long>(rows), magnitude, f32_max,
+              static_cast<long long>(RowsOver(f32, kFloat32RowTolerance)), kFloat32RowTolerance);
   EXPECT_LE(RowsOver(f32, kFloat32RowTolerance), rows / 16);
   EXPECT_EQ(RowsOver(f32, kFloat32RelativeBound * magnitude), 0);
   EXPECT_EQ(f32.far_other_class_rows, 0);
-  EXPECT_LE(RowsOver(bf16, kBfloat16RelativeBulk * magnitude), rows / 8);
-  EXPECT_EQ(RowsOver(bf16, kBfloat16RelativeBound * magnitude), 0);
-  EXPECT_EQ(bf16.far_other_class_rows, 0);
+  ExpectBfloat16Logits(expected->logits, bfloat16->logits, "bfloat16 on cuda:0");
   // float32 statistics: routing can differ only on near-ties, so the bulk agrees.
   for (size_t b = 0; b < items.size(); ++b) {
     for (size_t layer = 0; layer < expected->statistics[b].size() && layer < float32->statistics[b].size(); ++layer) {
@@ -415,30 +487,46 @@ void ExpectSameLogits(const models::Classifier& cpu, const models::Classifier& c
   }
 }
 
+// bfloat16 on the CPU (where it is allowed: PlacementCheckTest checks the refusal elsewhere): the embedded models'
+// logits stay within bfloat16's bounds of float32's, in a mixed batch and alone.
+TEST(CpuBfloat16Test, ModelsGiveTheFloat32LogitsWithinBfloat16BoundsWithMixedBudgets) {
+  if (!kernels::CpuHasBfloat16DotProducts()) GTEST_SKIP() << "this CPU has no AVX512-BF16 or AMX-BF16";
+  for (const char* model : {"fashion-mnist-vit", "linux-doc-mita"}) {
+    SCOPED_TRACE(model);
+    const std::string directory = test_util::RepositoryPath() + "/" + model;
+    absl::StatusOr<models::ModelPackage> float32 = models::LoadModelPackage(directory);
+    absl::StatusOr<models::ModelPackage> bfloat16 =
+        models::LoadModelPackage(directory, models::Placement{c10::Device(c10::kCPU), at::kBFloat16});
+    ASSERT_TRUE(float32.ok()) << float32.status();
+    ASSERT_TRUE(bfloat16.ok()) << bfloat16.status();
+    const std::vector<models::BatchItem> items = std::string(model) == "fashion-mnist-vit"
+                                                     ? MixedImageItems(*float32->classifier)
+                                                     : MixedDocumentItems(*float32->classifier);
+    ASSERT_FALSE(items.empty());
+    const std::vector<const models::BatchItem*> batch = Pointers(items);
+    for (const std::vector<const models::BatchItem*>& run :
+         std::vector<std::vector<const models::BatchItem*>>{batch, {batch.front()}}) {
+      absl::StatusOr<models::ClassifierOutput> expected = float32->classifier->Run(run, /*want_statistics=*/true);
+      absl::StatusOr<models::ClassifierOutput> found = bfloat16->classifier->Run(run, /*want_statistics=*/true);
+      ASSERT_TRUE(expected.ok()) << expected.status();
+      ASSERT_TRUE(found.ok()) << found.status();
+      EXPECT_EQ(found->logits.scalar_type(), at::kFloat);
+      ASSERT_EQ(found->statistics.size(), run.size());
+      for (size_t b = 0; b < run.size(); ++b) EXPECT_EQ(found->statistics[b].size(), expected->statistics[b].size());
+      ExpectBfloat16Logits(expected->logits, found->logits, "bfloat16 on the CPU");
+    }
+  }
+}
+
 TEST(CudaModelsTest, ImageModelGivesTheCpuLogitsOnCudaInFloat32AndBfloat16WithMixedBudgets) {
   if (!HaveCudaDevice()) GTEST_SKIP() << "no CUDA device is visible";
   PlacedModels placed = LoadPlaced("fashion-mnist-vit");
   ASSERT_NE(placed.cuda_bfloat16, nullptr);
   EXPECT_EQ(placed.cuda_bfloat16->description().device, "cuda:0");
   EXPECT_EQ(placed.cuda_bfloat16->description().weights_dtype, "bfloat16");
-  absl::StatusOr<test_util::TestImages> images = test_util::FashionMnistTestPngs(64);
-  ASSERT_TRUE(images.ok()) << images.status();
-  // Mixed budgets in one batch: the default, presets, extremes and full attention.
-  const std::vector<models::BudgetRequest> budgets = {
-      {}, Preset("fast"), Experts(16, 32),
-      FullAttention(), Experts(1, 50),
-      Experts(49, 1)};
-  std::vector<models::BatchItem> items;
-  for (size_t i = 0; i < images->pngs.size(); ++i) {
-    models::ClassifierInput input;
-    input.kind = models::ClassifierInput::Kind::kImage;
-    input.bytes = images->pngs[i];
-    absl::StatusOr<models::BatchItem> item = placed.cpu->Prepare(input, budgets[i % budgets.size()], {});
-    ASSERT_TRUE(item.ok()) << item.status();
-    items.push_back(*std::move(item));
-  }
-  std::vector<const models::BatchItem*> batch;
-  for (const models::BatchItem& item : items) batch.push_back(&item);
+  const std::vector<models::BatchItem> items = MixedImageItems(*placed.cpu);
+  ASSERT_EQ(items.size(), 64u);
+  const std::vector<const models::BatchItem*> batch = Pointers(items);
   ExpectSameLogits(*placed.cpu, *placed.cuda_float32, *placed.cuda_bfloat16, batch);
   // Batch size 1 too.
   ExpectSameLogits(*placed.cpu, *placed.cuda_float32, *placed.cuda_bfloat16, {batch.front()});
@@ -448,31 +536,9 @@ TEST(CudaModelsTest, DocumentModelGivesTheCpuLogitsOnCudaInFloat32AndBfloat16Wit
   if (!HaveCudaDevice()) GTEST_SKIP() << "no CUDA device is visible";
   PlacedModels placed = LoadPlaced("linux-doc-mita");
   ASSERT_NE(placed.cuda_bfloat16, nullptr);
-  at::manual_seed(16);
-  // One packed batch of documents of different lengths and budgets (full attention included).
-  const std::vector<std::pair<int64_t, models::BudgetRequest>> documents = {
-      {37, {}},
-      {700, Preset("fast")},
-      {4097, Experts(64, 256)},
-      {1500, FullAttention()},
-      {9, Experts(16, 64)},
-      {20000, Preset("accurate")}};
-  std::vector<std::vector<int64_t>> ids;
-  for (const auto& [tokens, budget] : documents) {
-    const at::Tensor random = at::randint(0, 4096, {tokens}, at::TensorOptions().dtype(at::kLong));
-    ids.emplace_back(random.data_ptr<int64_t>(), random.data_ptr<int64_t>() + tokens);
-  }
-  std::vector<models::BatchItem> items;
-  for (size_t i = 0; i < documents.size(); ++i) {
-    models::ClassifierInput input;
-    input.kind = models::ClassifierInput::Kind::kTokenIds;
-    input.token_ids = ids[i];
-    absl::StatusOr<models::BatchItem> item = placed.cpu->Prepare(input, documents[i].second, {});
-    ASSERT_TRUE(item.ok()) << item.status();
-    items.push_back(*std::move(item));
-  }
-  std::vector<const models::BatchItem*> batch;
-  for (const models::BatchItem& item : items) batch.push_back(&item);
+  const std::vector<models::BatchItem> items = MixedDocumentItems(*placed.cpu);
+  ASSERT_EQ(items.size(), 6u);
+  const std::vector<const models::BatchItem*> batch = Pointers(items);
   ExpectSameLogits(*placed.cpu, *placed.cuda_float32, *placed.cuda_bfloat16, batch);
 }
 

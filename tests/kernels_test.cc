@@ -657,6 +657,51 @@ TEST(FullAttention, MatchesLoop) {
   }
 }
 
+// On the CPU a batch whose scores pass 2^24 runs the fused kernel in groups of items (here 3 groups of 3: each
+// item has 4 x 1100^2 scores), each item's interrupt asked before its group.
+TEST(FullAttention, GroupsOfItemsMatchLoopAndStopTheirItems) {
+  const Dims dims{9, 4, 1100, 4};
+  const RandomProblem problem = MakeRandomProblem(dims, at::kDouble, 23);
+  std::vector<int64_t> asked;
+  absl::StatusOr<at::Tensor> output = FullAttentionForward(problem.q, problem.k, problem.v, [&](int64_t item) {
+    asked.push_back(item);
+    return item == 4;
+  });
+  ASSERT_TRUE(output.ok()) << output.status();
+  EXPECT_EQ(asked, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8}));
+  EXPECT_TRUE(output->is_contiguous());
+  std::vector<double> expected = FullAttentionLoop(problem.q_values, problem.k_values, problem.v_values, dims);
+  const int64_t item_values = dims.heads * dims.tokens * dims.head_dim;
+  std::fill(expected.begin() + 4 * item_values, expected.begin() + 5 * item_values, 0.0);
+  EXPECT_LT(MaxAbsDifference(ToDoubles(*output), expected), 1e-12);
+}
+
+// bfloat16 on the CPU: the MiTA kernel is the float32 kernel on the widened inputs, rounded once; full attention
+// is LibTorch's bfloat16 attention, close to float32's.
+TEST(MitaAttention, Bfloat16OnTheCpuIsTheFloat32KernelOnWidenedInputs) {
+  const Dims dims{2, 3, 197, 16};
+  const RandomProblem problem = MakeRandomProblem(dims, at::kFloat, 29);
+  const at::Tensor q = problem.q.to(at::kBFloat16), k = problem.k.to(at::kBFloat16), v = problem.v.to(at::kBFloat16);
+  const std::vector<MitaItem> items = SequenceItems(q, {{9, 16}, {25, 64}});
+  std::vector<MitaItem> widened = items;
+  for (MitaItem& item : widened) item.landmarks = item.landmarks.to(at::kFloat);
+  std::vector<MitaItemStatistics> statistics, widened_statistics;
+  absl::StatusOr<at::Tensor> output = MitaAttentionForward(q, k, v, items, &statistics);
+  absl::StatusOr<at::Tensor> expected = MitaAttentionForward(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat),
+                                                             widened, &widened_statistics);
+  ASSERT_TRUE(output.ok()) << output.status();
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  EXPECT_EQ(output->scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(output->equal(expected->to(at::kBFloat16)));
+  ASSERT_EQ(statistics.size(), 2u);
+  EXPECT_EQ(statistics[1].queries_per_expert, widened_statistics[1].queries_per_expert);
+  absl::StatusOr<at::Tensor> full = FullAttentionForward(q, k, v);
+  ASSERT_TRUE(full.ok()) << full.status();
+  EXPECT_EQ(full->scalar_type(), at::kBFloat16);
+  EXPECT_LT(MaxAbsDifference(ToDoubles(*full), FullAttentionLoop(ToDoubles(q), ToDoubles(k), ToDoubles(v), dims)),
+            2e-2);
+}
+
 TEST(FullAttention, WidthEqualsTokensWithoutCompressedBranchIsFullAttention) {
   const Dims dims{2, 2, 300, 8};  // more than one key block
   const RandomProblem problem = MakeRandomProblem(dims, at::kDouble, 31);

@@ -60,6 +60,7 @@ ABSL_FLAG(bool, write_accuracy_order, false,
           "the shorter documents alone does not compare with the others', so it is left out (and said so)");
 ABSL_FLAG(int64_t, limit, 0, "evaluate only the first N documents (0 = all)");
 ABSL_FLAG(int, threads, 2, "LibTorch intra-op threads");
+ABSL_FLAG(std::string, weights_dtype, "float32", "float32, or bfloat16 (a CUDA device, or a CPU with AVX512-BF16 or AMX-BF16)");
 
 namespace {
 
@@ -84,7 +85,13 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   mita::kernels::SetIntraOpThreads(absl::GetFlag(FLAGS_threads));
 
-  auto loaded = mita::models::LoadDocumentClassifier(absl::GetFlag(FLAGS_model));
+  absl::StatusOr<mita::models::Placement> placement =
+      mita::models::ParsePlacement("cpu", absl::GetFlag(FLAGS_weights_dtype));
+  if (!placement.ok()) {
+    std::fprintf(stderr, "--weights_dtype: %s\n", placement.status().ToString().c_str());
+    return 2;
+  }
+  auto loaded = mita::models::LoadDocumentClassifier(absl::GetFlag(FLAGS_model), *placement);
   if (!loaded.ok()) {
     std::fprintf(stderr, "%s\n", loaded.status().ToString().c_str());
     return 1;

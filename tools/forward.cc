@@ -41,6 +41,7 @@ ABSL_FLAG(std::string, budget, "full", "--time: the budget of every image ('MxK'
 ABSL_FLAG(int64_t, batch_size, 1, "--time: images per forward");
 ABSL_FLAG(int, repeats, 5, "--time: timed forwards");
 ABSL_FLAG(int, threads, 2, "LibTorch intra-op threads");
+ABSL_FLAG(std::string, weights_dtype, "float32", "float32, or bfloat16 (a CUDA device, or a CPU with AVX512-BF16 or AMX-BF16)");
 
 namespace {
 
@@ -77,8 +78,11 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   if (absl::GetFlag(FLAGS_model).empty()) return Fail("--model is required", 2);
   mita::kernels::SetIntraOpThreads(absl::GetFlag(FLAGS_threads));
+  absl::StatusOr<mita::models::Placement> placement =
+      mita::models::ParsePlacement("cpu", absl::GetFlag(FLAGS_weights_dtype));
+  if (!placement.ok()) return Fail("--weights_dtype: " + std::string(placement.status().message()), 2);
   absl::StatusOr<std::unique_ptr<mita::models::VitClassifier>> model =
-      mita::models::LoadVitClassifier(absl::GetFlag(FLAGS_model));
+      mita::models::LoadVitClassifier(absl::GetFlag(FLAGS_model), *placement);
   if (!model.ok()) return Fail(std::string(model.status().message()), 2);
   const mita::models::VitConfig& config = (*model)->config();
   at::Tensor images;

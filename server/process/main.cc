@@ -77,8 +77,8 @@ ABSL_FLAG(std::string, device, "cpu",
           "Where models run: cpu or cuda:N; comma-separated MODEL=DEVICE entries place models one by one (an entry "
           "without MODEL= is for the models not named).");
 ABSL_FLAG(std::string, weights_dtype, "float32",
-          "Dtype of the models' weights and activations: float32, or bfloat16 on a CUDA device; MODEL=DTYPE entries "
-          "as for --device.");
+          "Dtype of the models' weights and activations: float32, or bfloat16 on a CUDA device or a CPU with "
+          "AVX512-BF16 or AMX-BF16; MODEL=DTYPE entries as for --device.");
 ABSL_FLAG(double, cuda_memory_fraction, 1.0,
           "Share of each CUDA device's memory (0, 1] that LibTorch's allocator may take for the models on it; a "
           "batch needing more is answered RESOURCE_EXHAUSTED.");

@@ -94,10 +94,10 @@ absl::StatusOr<std::map<std::string, models::Placement>> PlacementFlags::Resolve
     placement.device = ValueFor(devices_, model, c10::Device(c10::kCPU));
     placement.weights_dtype = ValueFor(dtypes_, model, at::kFloat);
     const std::string device = kernels::DeviceName(placement.device);
-    if (placement.weights_dtype == at::kBFloat16 && !placement.device.is_cuda()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("flag --weights_dtype: model '", model, "': bfloat16 weights need a CUDA device, and flag ",
-                       "--device puts it on ", device, " (the CPU kernels compute in float32)"));
+    if (absl::Status dtype = kernels::CheckWeightsDtypeOnDevice(placement.weights_dtype, placement.device);
+        !dtype.ok()) {
+      return absl::Status(dtype.code(), absl::StrCat("flag --weights_dtype: model '", model, "' on ", device, ": ",
+                                                     dtype.message()));
     }
     if (checked_devices.insert(device).second) {
       if (absl::Status usable = kernels::CheckDeviceUsable(placement.device); !usable.ok()) {
