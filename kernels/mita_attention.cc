@@ -17,8 +17,6 @@
 #include <ATen/ops/adaptive_avg_pool1d.h>
 #include <ATen/ops/adaptive_avg_pool2d.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
-#include <ATen/ops/softmax.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 
 #include "absl/status/status.h"
@@ -266,35 +264,22 @@ absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::T
     }
     at::Tensor output = at::empty(q.sizes(), q.options());
     if (q.numel() == 0) return output;
-    const int64_t batch = q.size(0), heads = q.size(1), tokens = q.size(2), head_dim = q.size(3);
-    const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-    // Per (item, head), queries go in chunks through two buffers allocated once per call: scores [chunk, N]
-    // of at most 2^20 elements (4 MiB in float32) whatever N is, and their softmax. Fresh multi-MiB tensors per
-    // chunk would be returned to the OS and page-faulted in again each time, which costs more than the math
-    // on a CPU (the same effect measured on the MiTA kernel: docs/kernels.md "History", fifth round).
-    constexpr int64_t kMaxScoreElements = int64_t{1} << 20;
-    const int64_t chunk = std::clamp<int64_t>(kMaxScoreElements / tokens, 1, tokens);
-    const at::Tensor scores = at::empty({chunk, tokens}, q.options());
-    const at::Tensor probabilities = at::empty({chunk, tokens}, q.options());
+    // Longer items (documents of thousands of tokens): the same fused kernel per item on chunks of its queries
+    // against all its keys, each chunk of at most 2^24 scores, `interrupt` asked before every chunk.
+    const int64_t batch = q.size(0), heads = q.size(1), tokens = q.size(2);
+    const int64_t chunk = std::clamp<int64_t>(kMaxFusedCpuScoreElements / (heads * tokens), 1, tokens);
     for (int64_t b = 0; b < batch; ++b) {
-      bool stopped = false;
-      for (int64_t h = 0; h < heads; ++h) {
-        const at::Tensor queries = q[b][h], keys_transposed = k[b][h].t(), values = v[b][h];
-        const at::Tensor head_output = output[b][h];
-        for (int64_t start = 0; start < tokens; start += chunk) {
-          stopped = stopped || (interrupt && interrupt(b));
-          if (stopped) {
-            head_output.narrow(0, start, tokens - start).zero_();
-            break;
-          }
-          const int64_t length = std::min(chunk, tokens - start);
-          at::Tensor chunk_scores = scores.narrow(0, 0, length);
-          at::Tensor chunk_probabilities = probabilities.narrow(0, 0, length);
-          at::Tensor chunk_output = head_output.narrow(0, start, length);
-          at::mm_out(chunk_scores, queries.narrow(0, start, length), keys_transposed).mul_(scale);
-          at::softmax_out(chunk_probabilities, chunk_scores, -1);
-          at::mm_out(chunk_output, chunk_probabilities, values);
+      const at::Tensor queries = q.narrow(0, b, 1), keys = k.narrow(0, b, 1).contiguous();
+      const at::Tensor values = v.narrow(0, b, 1).contiguous();
+      const at::Tensor item_output = output.narrow(0, b, 1);
+      for (int64_t start = 0; start < tokens; start += chunk) {
+        if (interrupt && interrupt(b)) {
+          item_output.narrow(2, start, tokens - start).zero_();
+          break;
         }
+        const int64_t length = std::min(chunk, tokens - start);
+        item_output.narrow(2, start, length)
+            .copy_(at::scaled_dot_product_attention(queries.narrow(2, start, length).contiguous(), keys, values));
       }
     }
     return output;

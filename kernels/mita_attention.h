@@ -94,21 +94,18 @@ absl::StatusOr<at::Tensor> MitaAttentionForward(const at::Tensor& q, const at::T
 // Asked during long attention work: true stops the work on batch item `item`.
 using AttentionInterrupt = std::function<bool(int64_t item)>;
 
-// Full softmax attention softmax(q k^T / sqrt(d)) v with ATen ops (mm, softmax), per (item, head) in query
-// chunks so the score buffer stays under 2^20 elements at any N; the serving path for "full attention" budgets
-// and, per docs/design.md section 2.7, what MiTA equals with k = N and no compressed branch.
-// q, k, v: [B, H, N, d], same shape, float32, float64 or bfloat16 -> new contiguous
-// [B, H, N, d] of q's dtype. On a CUDA device, and on the CPU when one item has H N^2 <= 2^24 scores (images,
-// short documents), it is LibTorch's fused scaled-dot-product attention (at::scaled_dot_product_attention:
-// FlashAttention or memory-efficient attention on CUDA, the flash kernel on the CPU; O(N) memory): on CUDA over
-// the batch, on the CPU over groups of items of at most 2^24 scores, `interrupt` (optional) asked once per item
-// before its group starts; longer CPU items go by (item, head) in query chunks, `interrupt` asked before every
-// chunk of item `item`. When it answers true, the rest of that item is skipped and
-// its remaining output rows are 0 (the caller knows why it stopped): long inputs on the CPU stop within one chunk
-// (at most 2^20 scores) of their caller leaving.
+// Full softmax attention softmax(q k^T / sqrt(d)) v: the serving path for "full attention" budgets and, per
+// docs/design.md section 2.7, what MiTA equals with k = N and no compressed branch. It is LibTorch's fused
+// scaled-dot-product attention (at::scaled_dot_product_attention: FlashAttention or memory-efficient attention on
+// CUDA, the flash kernel on the CPU; O(N) memory, no N x N scores): on CUDA over the batch; on the CPU over groups
+// of items of at most 2^24 scores (H N^2 per item: images, short documents), and items with more (documents of
+// thousands of tokens) one at a time in chunks of their queries against all their keys, at most 2^24 scores each.
+// q, k, v: [B, H, N, d], same shape, float32, float64 or bfloat16 -> new contiguous [B, H, N, d] of q's dtype.
+// `interrupt` (optional) is asked for each item before its group, or before each chunk of a long item; when it
+// answers true the rest of that item is skipped and its remaining output rows are 0 (the caller knows why it
+// stopped): a long input on the CPU stops within one chunk (2^24 scores, tens of ms) of its caller leaving.
 // Errors: INVALID_ARGUMENT when a tensor is undefined or not 4-D, when dtypes are not float32, float64 or
-// bfloat16 or differ, or when shapes or devices differ; RESOURCE_EXHAUSTED when memory runs
-// out (CUDA's included).
+// bfloat16 or differ, or when shapes or devices differ; RESOURCE_EXHAUSTED when memory runs out (CUDA's included).
 absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 const AttentionInterrupt& interrupt = nullptr);
 

@@ -13,6 +13,8 @@ runs before warmed the implementation):
   compiled_mita   TorchScript (torch.jit.trace) of eager_mita; with --compile torch.compile (inductor, CPU)
                   instead (its compilation took 502 s for DeiT-Tiny's two batch sizes on this shared machine)
   cpp_full        our C++ forward, full attention, same weights
+  cpp_mita_bf16, cpp_full_bf16   the same two with --weights_dtype=bfloat16 (only on a CPU with AVX512-BF16 or
+                  AMX-BF16, where mita-forward allows it: the dense layers in bfloat16 through oneDNN)
   eager_full      PyTorch eager, timm's own model (fused scaled_dot_product_attention), same weights
   onnxruntime     ONNX Runtime (CPU execution provider, graph optimisations on) on that model exported to ONNX
                   (torch.onnx.export, TorchScript-based exporter, opset 17), full attention
@@ -25,7 +27,7 @@ Every implementation runs on --threads intra-op threads (torch.set_num_threads, 
 intra_op_num_threads without spinning, the C++ tools' --threads); run with OMP_WAIT_POLICY=passive, as mita-server
 runs (its C++ tools set it themselves). Rounds alternate the implementations (each round runs all of them, in reverse order every other
 round), so a shared machine's load hits all alike; medians over rounds are reported with their ratios to
-eager_mita (images) and sdpa_full (documents).
+eager_mita and onnxruntime (images) and sdpa_full (documents; --tokens "" leaves them out).
 """
 import argparse
 import json
@@ -122,11 +124,12 @@ class ImageCase:
         print(f"{self.name}: max |logits - eager| " + ", ".join(f"{k} {v:.1e}" for k, v in differences.items()))
         assert all(value < 1e-3 for value in differences.values()), differences
 
-    def cpp(self, batch, budget, repeats):
+    def cpp(self, batch, budget, repeats, dtype="float32"):
         """mita-forward --time (a fresh process: one warm-up forward at this batch size, then `repeats`)."""
         output = subprocess.run([os.path.join(self.build, "tools", "mita-forward"), f"--model={self.package}",
                                  "--time", f"--batch_size={batch}", f"--budget={budget}", f"--repeats={repeats}",
-                                 f"--threads={THREADS}"], check=True, stdout=subprocess.PIPE, text=True).stdout
+                                 f"--threads={THREADS}", f"--weights_dtype={dtype}"], check=True,
+                                stdout=subprocess.PIPE, text=True).stdout
         return statistics.median(float(line.split()[0].split("=")[1]) / 1000 for line in output.splitlines())
 
     def run(self, implementation, batch, repeats):
@@ -137,6 +140,10 @@ class ImageCase:
             return self.cpp(batch, "25x25", repeats)
         if implementation == "cpp_full":
             return self.cpp(batch, "full", repeats)
+        if implementation == "cpp_mita_bf16":
+            return self.cpp(batch, "25x25", repeats, "bfloat16")
+        if implementation == "cpp_full_bf16":
+            return self.cpp(batch, "full", repeats, "bfloat16")
         if implementation == "onnxruntime":
             feed = {"images": x.numpy()}
             return timed(lambda: self.onnx.run(None, feed), repeats, int(warm_up))
@@ -165,6 +172,15 @@ def document_model(package):
     return model.eval(), cfg
 
 
+def cpu_has_bfloat16_dot_products():
+    """What kernels::CpuHasBfloat16DotProducts asks: AVX512-BF16 or AMX-BF16 (Linux /proc/cpuinfo flags)."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
@@ -188,6 +204,8 @@ def main():
         for case in cases:
             print(f"{case.name}: {case.compiled_kind} took {case.compile_seconds:.0f} s (both batch sizes)")
         implementations = ["cpp_mita", "eager_mita", "compiled_mita", "cpp_full", "eager_full", "onnxruntime"]
+        if cpu_has_bfloat16_dot_products():
+            implementations += ["cpp_mita_bf16", "cpp_full_bf16"]
         results = {}
         for round_index in range(args.rounds):
             order = implementations if round_index % 2 == 0 else implementations[::-1]
@@ -199,16 +217,19 @@ def main():
             print(f"image round {round_index + 1} done ({time.perf_counter() - started:.0f} s)", flush=True)
         print("\nimages (224x224, MiTA m=25 k=25; full attention for cpp_full, eager_full, onnxruntime)")
         print(f"{'model':<24} {'implementation':<15} {'batch-1 ms':>10} {'images/s (32)':>13} "
-              f"{'x eager_mita (1)':>16} {'x eager_mita (32)':>17}")
+              f"{'x eager_mita (1)':>16} {'x eager_mita (32)':>17} {'x onnxruntime (1)':>17} "
+              f"{'x onnxruntime (32)':>18}")
         for case in cases:
             base1 = statistics.median(results[(case.name, "eager_mita", 1)])
             base32 = statistics.median(results[(case.name, "eager_mita", 32)])
+            ort1 = statistics.median(results[(case.name, "onnxruntime", 1)])
+            ort32 = statistics.median(results[(case.name, "onnxruntime", 32)])
             for implementation in implementations:
                 t1 = statistics.median(results[(case.name, implementation, 1)])
                 t32 = statistics.median(results[(case.name, implementation, 32)])
                 label = case.compiled_kind if implementation == "compiled_mita" else implementation
                 print(f"{case.name:<24} {label:<15} {t1 * 1000:>10.1f} {32 / t32:>13.1f} {base1 / t1:>16.2f} "
-                      f"{base32 / t32:>17.2f}")
+                      f"{base32 / t32:>17.2f} {ort1 / t1:>17.2f} {ort32 / t32:>18.2f}")
             print(f"{case.name}: rounds (batch-1 ms cpp_mita / eager_mita): " + ", ".join(
                 f"{a * 1000:.1f}/{b * 1000:.1f}" for a, b in zip(results[(case.name, 'cpp_mita', 1)],
                                                                results[(case.name, 'eager_mita', 1)])))
@@ -217,7 +238,7 @@ def main():
         model, cfg = document_model(package)
         print("\ndocuments (linux-doc-mita, random token ids)")
         print(f"{'tokens':>7} {'cpp_mita 16x64 s':>17} {'sdpa_full s':>12} {'sdpa_full / cpp_mita':>21}")
-        for tokens in (int(t) for t in args.tokens.split(",")):
+        for tokens in (int(t) for t in args.tokens.split(",") if t):
             ids = torch.randint(0, cfg["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(tokens))
             ids_path = os.path.join(work, f"ids{tokens}.bin")
             ids.numpy().astype("<i8").tofile(ids_path)

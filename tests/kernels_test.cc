@@ -676,6 +676,28 @@ TEST(FullAttention, GroupsOfItemsMatchLoopAndStopTheirItems) {
   EXPECT_LT(MaxAbsDifference(ToDoubles(*output), expected), 1e-12);
 }
 
+// An item of more than 2^24 scores runs in chunks of its queries (here 4,200 tokens, 1 head: chunks of 3,994
+// queries), its interrupt asked before each: stopped after the first, the rest of its rows are 0.
+TEST(FullAttention, LongItemsRunInQueryChunksAndStopBetweenThem) {
+  const Dims dims{2, 1, 4200, 4};
+  const RandomProblem problem = MakeRandomProblem(dims, at::kDouble, 27);
+  const std::vector<double> expected = FullAttentionLoop(problem.q_values, problem.k_values, problem.v_values, dims);
+  absl::StatusOr<at::Tensor> output = FullAttentionForward(problem.q, problem.k, problem.v);
+  ASSERT_TRUE(output.ok()) << output.status();
+  EXPECT_LT(MaxAbsDifference(ToDoubles(*output), expected), 1e-12);
+  std::vector<int64_t> asked;
+  output = FullAttentionForward(problem.q, problem.k, problem.v, [&](int64_t item) {
+    asked.push_back(item);
+    return item == 1 && asked.size() == 4;  // item 1's second chunk
+  });
+  ASSERT_TRUE(output.ok()) << output.status();
+  EXPECT_EQ(asked, (std::vector<int64_t>{0, 0, 1, 1}));
+  std::vector<double> stopped = expected;
+  const int64_t item_values = dims.tokens * dims.head_dim, first_chunk = (int64_t{1} << 24) / dims.tokens;
+  std::fill(stopped.begin() + item_values + first_chunk * dims.head_dim, stopped.end(), 0.0);
+  EXPECT_LT(MaxAbsDifference(ToDoubles(*output), stopped), 1e-12);
+}
+
 // bfloat16 on the CPU: the MiTA kernel is the float32 kernel on the widened inputs, rounded once; full attention
 // is LibTorch's bfloat16 attention, close to float32's.
 TEST(MitaAttention, Bfloat16OnTheCpuIsTheFloat32KernelOnWidenedInputs) {

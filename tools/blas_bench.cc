@@ -1,6 +1,9 @@
 // mita-blas-bench: the float32 GEMM rate of each BLAS this process can use (kernels/blas_library.h: the build's
 // OpenBLAS and LibTorch's BLAS) at the shapes the models' dense layers and the CPU kernel run, y = x W^T as
 // kernels::Linear computes it, on LibTorch-allocated (64-byte aligned) buffers; and which one the process chose.
+// On a CPU with bfloat16 dot products (kernels::CpuHasBfloat16DotProducts) also the bfloat16 product the models run
+// with --weights_dtype=bfloat16 (at::linear on bfloat16 tensors: LibTorch's oneDNN), checked against the float64
+// product of the bfloat16-rounded inputs.
 //
 //   mita-blas-bench [--threads=2] [--repeats=20]
 //
@@ -15,6 +18,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <ATen/ops/randn.h>
 #include <c10/core/InferenceMode.h>
 
@@ -23,6 +27,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_format.h"
 #include "kernels/blas_library.h"
+#include "kernels/device.h"
 #include "kernels/runtime_environment.h"
 
 ABSL_FLAG(int32_t, threads, 2, "intra-op threads of LibTorch and of each BLAS");
@@ -64,6 +69,18 @@ double BestSeconds(const mita::kernels::BlasLibrary& library, const at::Tensor& 
   return best;
 }
 
+// Best seconds of at::linear(x, w) over `repeats` calls after two untimed ones; `*y` gets the last product.
+double BestLinearSeconds(const at::Tensor& x, const at::Tensor& w, at::Tensor* y, int repeats) {
+  double best = 1e30;
+  for (int call = 0; call < repeats + 2; ++call) {
+    const auto start = std::chrono::steady_clock::now();
+    *y = at::linear(x, w);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (call >= 2) best = std::min(best, seconds);
+  }
+  return best;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -80,10 +97,11 @@ int main(int argc, char** argv) {
   }
   std::printf("threads %d; chosen: %s (%s)\n", threads, BlasLibrary::Get().description().c_str(),
               BlasLibrary::choice_reason().c_str());
+  const bool bfloat16 = mita::kernels::CpuHasBfloat16DotProducts();
   std::printf("| shape (rows x in -> out) |");
   for (const BlasLibrary* library : libraries) std::printf(" %s GFLOP/s |", library->description().c_str());
-  std::printf(" fastest |\n|---|");
-  for (size_t i = 0; i <= libraries.size(); ++i) std::printf("---|");
+  std::printf(" fastest float32 |%s\n|---|", bfloat16 ? " bfloat16, LibTorch's oneDNN GFLOP/s |" : "");
+  for (size_t i = 0; i <= libraries.size() + (bfloat16 ? 1 : 0); ++i) std::printf("---|");
   std::printf("\n");
   bool wrong = false;
   for (const Shape& shape : kShapes) {
@@ -109,8 +127,20 @@ int main(int argc, char** argv) {
       wrong = wrong || !errors[i].empty();
       if (best[i] < best[fastest]) fastest = i;
     }
-    std::printf(" %s (%.2fx) |\n", libraries[fastest]->is_openblas() ? "OpenBLAS" : "LibTorch's",
+    std::printf(" %s (%.2fx) |", libraries[fastest]->is_openblas() ? "OpenBLAS" : "LibTorch's",
                 best.size() > 1 ? std::max(best[0], best[1]) / std::min(best[0], best[1]) : 1.0);
+    if (bfloat16) {
+      const at::Tensor x16 = x.to(at::kBFloat16), w16 = w.to(at::kBFloat16);
+      const at::Tensor exact16 = x16.to(at::kDouble).matmul(w16.to(at::kDouble).t());
+      at::Tensor y16;
+      const double seconds = BestLinearSeconds(x16, w16, &y16, absl::GetFlag(FLAGS_repeats));
+      // The output is rounded to bfloat16 (8 significant bits): relative error up to 2^-8 per element.
+      const double error = y16.to(at::kDouble).sub(exact16).norm().item<double>() / exact16.norm().item<double>();
+      const bool bad = error > 4e-3;
+      wrong = wrong || bad;
+      std::printf(" %.0f%s |", flops / seconds / 1e9, bad ? absl::StrFormat(" WRONG (error %.1e)", error).c_str() : "");
+    }
+    std::printf("\n");
     std::fflush(stdout);
   }
   return wrong ? 1 : 0;

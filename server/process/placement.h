@@ -36,9 +36,10 @@ class PlacementFlags {
   static absl::StatusOr<PlacementFlags> Parse(absl::string_view device_flag, absl::string_view dtype_flag);
 
   // The placement of every model of `models` (the repository's package folders). Errors: INVALID_ARGUMENT
-  // naming the flag for a named model that is not in `models` (listing them) and for bfloat16 on the CPU;
-  // FAILED_PRECONDITION "flag --device: cuda:0: no CUDA device is visible to this process (...)" when a device
-  // cannot be used (kernels::CheckDeviceUsable).
+  // naming the flag for a named model that is not in `models` (listing them); FAILED_PRECONDITION "flag
+  // --weights_dtype: model 'M' on cpu: bfloat16 on the CPU needs AVX512-BF16 or AMX-BF16, ..." on a CPU without
+  // them (kernels::CheckWeightsDtypeOnDevice), and "flag --device: cuda:0: no CUDA device is visible to this
+  // process (...)" when a device cannot be used (kernels::CheckDeviceUsable).
   absl::StatusOr<std::map<std::string, models::Placement>> Resolve(const std::vector<std::string>& models) const;
 
  private:
