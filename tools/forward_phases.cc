@@ -16,7 +16,8 @@
 // wall time.
 //
 // floor = dense FLOPs / the limit + the attention kernel's own time, the limit being the rate of the process's
-// BLAS (kernels/blas_library.h) on a 2048 cube measured at start (best of 3): what the forward would take if
+// BLAS (kernels/blas_library.h) on a 2048 cube measured at start (best of 3; with --weights_dtype=bfloat16 the rate
+// of at::linear on a bfloat16 2048 cube, LibTorch's oneDNN): what the forward would take if
 // everything but the kernel were its dense GEMMs at the machine's rate. Exit status: 0; 1 when a forward failed;
 // 2 for a bad flag.
 #include <algorithm>
@@ -30,6 +31,8 @@
 #include <vector>
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/linear.h>
 #include <ATen/record_function.h>
 #include <c10/core/InferenceMode.h>
 
@@ -52,6 +55,8 @@ ABSL_FLAG(std::string, tokens, "1024,16384,65536", "comma-separated input length
 ABSL_FLAG(std::string, batch_sizes, "1", "comma-separated inputs per packed batch");
 ABSL_FLAG(int32_t, repeats, 5, "forwards per case, unprofiled and profiled each (medians reported)");
 ABSL_FLAG(int32_t, threads, 2, "intra-op threads of LibTorch and its BLAS");
+ABSL_FLAG(std::string, weights_dtype, "float32",
+          "float32, or bfloat16 on a CPU with AVX512-BF16 or AMX-BF16 (the limit is then bfloat16's)");
 
 namespace {
 
@@ -142,9 +147,20 @@ void OnEnd(const at::RecordFunction& /*function*/, at::ObserverContext* /*contex
   current_breakdown->dense_flops += frame.flops;
 }
 
-// The process BLAS's rate on a 2048 cube, FLOP/s (best of 3 after one untimed call).
-double GemmLimit() {
+// The rate of the dense layers' products on a 2048 cube, FLOP/s (best of 3 after one untimed call): the process
+// BLAS's in float32, at::linear's (oneDNN) in bfloat16.
+double GemmLimit(at::ScalarType dtype) {
   constexpr int64_t n = 2048;
+  if (dtype == at::kBFloat16) {
+    const at::Tensor x = at::full({n, n}, 0.5, at::kBFloat16), w = at::full({n, n}, 0.25, at::kBFloat16);
+    double best = 1e30;
+    for (int call = 0; call < 4; ++call) {
+      const auto start = Clock::now();
+      const at::Tensor y = at::linear(x, w);
+      if (call > 0) best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
+    }
+    return 2.0 * n * n * n / best;
+  }
   std::vector<float> a(n * n, 0.5f), b(n * n, 0.25f), c(n * n);
   double best = 1e30;
   for (int call = 0; call < 4; ++call) {
@@ -181,7 +197,13 @@ int main(int argc, char** argv) {
   mita::kernels::SetIntraOpThreads(absl::GetFlag(FLAGS_threads));
   mita::kernels::KeepFreedMemoryForReuse();  // as mita-server does by default (--keep_freed_memory)
   c10::InferenceMode inference;
-  auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model));
+  absl::StatusOr<mita::models::Placement> placement =
+      mita::models::ParsePlacement("cpu", absl::GetFlag(FLAGS_weights_dtype));
+  if (!placement.ok()) {
+    std::fprintf(stderr, "--weights_dtype: %s\n", placement.status().ToString().c_str());
+    return 2;
+  }
+  auto package = mita::models::LoadModelPackage(absl::GetFlag(FLAGS_model), *placement);
   if (!package.ok()) {
     std::fprintf(stderr, "%s\n", package.status().ToString().c_str());
     return 1;
@@ -201,7 +223,7 @@ int main(int argc, char** argv) {
   const std::vector<int64_t> batch_sizes = ParseList(absl::GetFlag(FLAGS_batch_sizes), "batch_sizes");
   const int repeats = std::max(1, absl::GetFlag(FLAGS_repeats));
 
-  const double limit = GemmLimit();
+  const double limit = GemmLimit(placement->weights_dtype);
   std::printf("%s; %d threads; BLAS %s (%s); limit (2048 cube) %.0f GFLOP/s\n", model.description().Summary().c_str(),
               at::get_num_threads(), BlasLibrary::Get().description().c_str(), BlasLibrary::choice_reason().c_str(),
               limit / 1e9);
