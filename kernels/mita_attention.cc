@@ -241,24 +241,26 @@ absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::T
     if (q.numel() > 0 && (q.is_cuda() || item_scores <= kMaxFusedCpuScoreElements)) {
       const int64_t batch = q.size(0);
       const int64_t group = q.is_cuda() ? batch : std::max<int64_t>(1, kMaxFusedCpuScoreElements / item_scores);
-      at::Tensor output = at::empty(q.sizes(), q.options());
-      for (int64_t first = 0; first < batch; first += group) {
-        const int64_t length = std::min(group, batch - first);
+      // Items [first, first + length): their attention, the rows of items whose caller left zeroed.
+      auto attend = [&](int64_t first, int64_t length) {
         std::vector<int64_t> stopped;
         for (int64_t b = first; interrupt && b < first + length; ++b) {
-          if (interrupt(b)) stopped.push_back(b);
+          if (interrupt(b)) stopped.push_back(b - first);
         }
         // Contiguous inputs (strided views of a fused qkv otherwise): the fused kernels' layout checks then pass
         // at every head size, instead of a fall-back to the math path and its N x N scores.
-        const at::Tensor group_output = at::scaled_dot_product_attention(
-            q.narrow(0, first, length).contiguous(), k.narrow(0, first, length).contiguous(),
-            v.narrow(0, first, length).contiguous());
-        if (length == batch) {
-          output = group_output.contiguous();
-        } else {
-          output.narrow(0, first, length).copy_(group_output);
-        }
-        for (int64_t b : stopped) output[b].zero_();
+        at::Tensor attended = at::scaled_dot_product_attention(q.narrow(0, first, length).contiguous(),
+                                                               k.narrow(0, first, length).contiguous(),
+                                                               v.narrow(0, first, length).contiguous())
+                                  .contiguous();
+        for (int64_t b : stopped) attended[b].zero_();
+        return attended;
+      };
+      if (group >= batch) return attend(0, batch);
+      at::Tensor output = at::empty(q.sizes(), q.options());
+      for (int64_t first = 0; first < batch; first += group) {
+        const int64_t length = std::min(group, batch - first);
+        output.narrow(0, first, length).copy_(attend(first, length));
       }
       return output;
     }

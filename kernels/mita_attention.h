@@ -116,16 +116,16 @@ absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::T
 // average, pooling all C channels then splitting heads (the official code) gives the same landmarks.
 // q: [B, H, N, d], float32, float64 or bfloat16 -> new contiguous [B, H, P*P, d] on q's
 // device, landmark index = row * P + column.
-// Errors: INVALID_ARGUMENT when q is undefined, not 4-D or not float32, float64 or bfloat16, when N - 1 is not a positive
-// perfect square, or when pool_side is outside [1, S].
+// Errors: INVALID_ARGUMENT when q is undefined, not 4-D or not float32, float64 or bfloat16, when N - 1 is not a
+// positive perfect square, or when pool_side is outside [1, S].
 absl::StatusOr<at::Tensor> ImageLandmarks(const at::Tensor& q, int64_t pool_side);
 
 // Sequence landmarks (docs/design.md section 2.1): adaptive 1-D average pooling of q over all N tokens into M
 // windows [floor(i*N/M), ceil((i+1)*N/M)) (at::adaptive_avg_pool1d; windows overlap when M does not divide N).
 // q: [B, H, N, d], float32, float64 or bfloat16 -> new contiguous [B, H, M, d] on q's
 // device.
-// Errors: INVALID_ARGUMENT when q is undefined, not 4-D or not float32, float64 or bfloat16, or when expert_count is outside
-// [1, N].
+// Errors: INVALID_ARGUMENT when q is undefined, not 4-D or not float32, float64 or bfloat16, or when expert_count is
+// outside [1, N].
 absl::StatusOr<at::Tensor> SequenceLandmarks(const at::Tensor& q, int64_t expert_count);
 
 }  // namespace mita::kernels

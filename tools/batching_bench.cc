@@ -71,7 +71,8 @@ ABSL_FLAG(std::string, budget, "9x16",
 ABSL_FLAG(std::string, batch_sizes, "1,16",
           "comma-separated batch sizes (images per forward), each in [1, 4096] and given once");
 ABSL_FLAG(std::string, device, "cpu", "where the model runs: cpu or cuda:N (the dense layers' benchmark too)");
-ABSL_FLAG(std::string, weights_dtype, "float32", "float32, or bfloat16 (a CUDA device, or a CPU with AVX512-BF16 or AMX-BF16)");
+ABSL_FLAG(std::string, weights_dtype, "float32",
+          "float32, or bfloat16 (a CUDA device, or a CPU with AVX512-BF16 or AMX-BF16)");
 
 namespace {
 

@@ -64,7 +64,8 @@ ABSL_FLAG(int, pack, 1,
           "batch (one Forward of P*N tokens) against the same P documents one after another, alternated");
 ABSL_FLAG(int, threads, 2, "LibTorch intra-op threads");
 ABSL_FLAG(std::string, device, "cpu", "where the model runs: cpu or cuda:N");
-ABSL_FLAG(std::string, weights_dtype, "float32", "float32, or bfloat16 (a CUDA device, or a CPU with AVX512-BF16 or AMX-BF16)");
+ABSL_FLAG(std::string, weights_dtype, "float32",
+          "float32, or bfloat16 (a CUDA device, or a CPU with AVX512-BF16 or AMX-BF16)");
 ABSL_FLAG(bool, keep_freed_memory, true, "mallopt: keep freed memory in the heap for reuse (see the file comment)");
 ABSL_FLAG(int64_t, keep_freed_memory_limit_bytes, int64_t{512} << 20,
           "with --keep_freed_memory: the most resident memory the heap keeps free, as mita-server's flag of the same "

@@ -43,7 +43,8 @@ ABSL_FLAG(int64_t, latency_images, 200, "images timed one by one (batch size 1)"
 ABSL_FLAG(bool, statistics, false,
           "also compute the per-layer attention statistics (routing, pruning), as mita-server does for every request");
 ABSL_FLAG(int, threads, 2, "LibTorch intra-op threads");
-ABSL_FLAG(std::string, weights_dtype, "float32", "float32, or bfloat16 (a CUDA device, or a CPU with AVX512-BF16 or AMX-BF16)");
+ABSL_FLAG(std::string, weights_dtype, "float32",
+          "float32, or bfloat16 (a CUDA device, or a CPU with AVX512-BF16 or AMX-BF16)");
 ABSL_FLAG(bool, full_attention, true, "also evaluate full attention on the same weights");
 ABSL_FLAG(bool, write_accuracy_order, false,
           "after the evaluation, write attention.accuracy_order into the package's config.json: every evaluated "

@@ -60,7 +60,8 @@ ABSL_FLAG(bool, write_accuracy_order, false,
           "the shorter documents alone does not compare with the others', so it is left out (and said so)");
 ABSL_FLAG(int64_t, limit, 0, "evaluate only the first N documents (0 = all)");
 ABSL_FLAG(int, threads, 2, "LibTorch intra-op threads");
-ABSL_FLAG(std::string, weights_dtype, "float32", "float32, or bfloat16 (a CUDA device, or a CPU with AVX512-BF16 or AMX-BF16)");
+ABSL_FLAG(std::string, weights_dtype, "float32",
+          "float32, or bfloat16 (a CUDA device, or a CPU with AVX512-BF16 or AMX-BF16)");
 
 namespace {
 

@@ -41,7 +41,8 @@ ABSL_FLAG(std::string, budget, "full", "--time: the budget of every image ('MxK'
 ABSL_FLAG(int64_t, batch_size, 1, "--time: images per forward");
 ABSL_FLAG(int, repeats, 5, "--time: timed forwards");
 ABSL_FLAG(int, threads, 2, "LibTorch intra-op threads");
-ABSL_FLAG(std::string, weights_dtype, "float32", "float32, or bfloat16 (a CUDA device, or a CPU with AVX512-BF16 or AMX-BF16)");
+ABSL_FLAG(std::string, weights_dtype, "float32",
+          "float32, or bfloat16 (a CUDA device, or a CPU with AVX512-BF16 or AMX-BF16)");
 
 namespace {
 

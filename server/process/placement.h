@@ -5,7 +5,8 @@
 //   --device=cuda:0                                   every model on the first GPU
 //   --device=cuda:0,linux-doc-mita=cuda:1             the document model on the second
 //   --device=cuda:0 --weights_dtype=bfloat16,fashion-mnist-vit=float32
-// Devices: cpu, cuda:N (kernels::ParseDevice). Dtypes: float32, bfloat16 (on a CUDA device, or a CPU with bfloat16 dot products).
+// Devices: cpu, cuda:N (kernels::ParseDevice). Dtypes: float32, bfloat16 (on a CUDA device, or a CPU with
+// bfloat16 dot products).
 #pragma once
 
 #include <map>
