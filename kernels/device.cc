@@ -2,6 +2,10 @@
 // (MITA_TORCH_HAS_CUDA, cmake/libtorch.cmake) and with the project's CUDA kernel (MITA_HAVE_CUDA).
 #include "kernels/device.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
+
 #include <cstdlib>
 #include <exception>
 #include <limits>
@@ -100,7 +104,15 @@ int VisibleCudaDevices() {
 
 bool CpuHasBfloat16DotProducts() {
 #if defined(__x86_64__) && defined(__GNUC__)
-  return __builtin_cpu_supports("avx512bf16") || __builtin_cpu_supports("amx-bf16");
+  // CPUID leaf 7: AVX512-BF16 is subleaf 1's EAX bit 5, AMX-BF16 subleaf 0's EDX bit 22 (Intel SDM vol. 2A,
+  // CPUID). Read directly: GCC and Clang name these features differently in __builtin_cpu_supports. AVX512-BF16
+  // also needs the OS to save AVX-512 state, which __builtin_cpu_supports("avx512f") checks.
+  unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+  const bool amx_bf16 = (edx >> 22) & 1U;
+  if (__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) == 0) return amx_bf16;
+  const bool avx512_bf16 = ((eax >> 5) & 1U) && __builtin_cpu_supports("avx512f");
+  return avx512_bf16 || amx_bf16;
 #else
   return false;
 #endif

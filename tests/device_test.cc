@@ -182,8 +182,14 @@ TEST(DeviceCheckTest, ACudaDeviceThatIsNotThereIsFailedPrecondition) {
 }
 
 TEST(PlacementCheckTest, Bfloat16OnTheCpuNeedsBfloat16DotProductsAndOtherDtypesAreRefused) {
+  // The kernel's CPUID reading against the kernel's own account of the CPU (Linux /proc/cpuinfo flags).
+  const std::string cpuinfo = test_util::ReadFile("/proc/cpuinfo");
+  const size_t flags_start = cpuinfo.find("\nflags");
+  ASSERT_NE(flags_start, std::string::npos);
+  const std::string flags = cpuinfo.substr(flags_start, cpuinfo.find('\n', flags_start + 1) - flags_start) + " ";
   EXPECT_EQ(kernels::CpuHasBfloat16DotProducts(),
-            __builtin_cpu_supports("avx512bf16") || __builtin_cpu_supports("amx-bf16"));
+            flags.find(" avx512_bf16 ") != std::string::npos || flags.find(" amx_bf16 ") != std::string::npos)
+      << flags;
   models::Placement placement;
   placement.weights_dtype = at::kHalf;
   ExpectStatus(models::CheckPlacement(placement), absl::StatusCode::kInvalidArgument,
