@@ -25,7 +25,8 @@
 # (default 4), CAPACITY_SECONDS (default 8), CAPACITY_CONCURRENCY (default 32), DOCUMENT_MODEL, DOCUMENTS
 # (default 16), DOCUMENT_TOKENS (default 1000), PORT (gRPC port, default 0: any free one), SERVER_FLAGS (more
 # mita-server flags), LOCK_FILE (when set, each kind's runs hold `flock -x` on it), LOGS (a folder to keep
-# every mita-bench report and server log in), CLIENT_NICE (mita-bench's nice value, default 0; negative needs root). About 7 minutes with the defaults on a 2-core machine.
+# every mita-bench report and server log in), CLIENT_NICE (mita-bench's nice value, default 0; negative needs
+# root). About 7 minutes with the defaults on a 2-core machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/bench_server.sh
