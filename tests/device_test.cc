@@ -281,6 +281,13 @@ TEST(ServerStartTest, BadDeviceAndDtypeFlagsAreStartUpErrors) {
   EXPECT_THAT(run.log, HasSubstr("error: flag --weights_dtype: 'float16' is not a weights dtype: use float32 or "
                                  "bfloat16"))
       << run.log;
+  if (!kernels::CpuHasBfloat16DotProducts()) {
+    run = RunServer({"--weights_dtype=bfloat16"});
+    EXPECT_EQ(run.exit_status, 1) << run.log;
+    EXPECT_THAT(run.log, HasSubstr("error: flag --weights_dtype: model 'fashion-mnist-vit' on cpu: bfloat16 on the "
+                                   "CPU needs AVX512-BF16 or AMX-BF16, which this CPU lacks"))
+        << run.log;
+  }
   run = RunServer({"--device=cpu,nosuch=cpu"});
   EXPECT_EQ(run.exit_status, 1) << run.log;
   EXPECT_THAT(run.log, HasSubstr("error: flag --device: no model 'nosuch'")) << run.log;
