@@ -13,8 +13,8 @@ runs before warmed the implementation):
   compiled_mita   TorchScript (torch.jit.trace) of eager_mita; with --compile torch.compile (inductor, CPU)
                   instead (its compilation took 502 s for DeiT-Tiny's two batch sizes on this shared machine)
   cpp_full        our C++ forward, full attention, same weights
-  cpp_mita_bf16, cpp_full_bf16   the same two with --weights_dtype=bfloat16 (only on a CPU with AVX512-BF16 or
-                  AMX-BF16, where mita-forward allows it: the dense layers in bfloat16 through oneDNN)
+  cpp_mita_bf16, cpp_full_bf16   the same two with --weights_dtype=bfloat16 (where mita-forward allows it: a CPU
+                  with AVX512-BF16 or AMX-BF16; the dense layers in bfloat16 through oneDNN)
   eager_full      PyTorch eager, timm's own model (fused scaled_dot_product_attention), same weights
   onnxruntime     ONNX Runtime (CPU execution provider, graph optimisations on) on that model exported to ONNX
                   (torch.onnx.export, TorchScript-based exporter, opset 17), full attention
@@ -124,6 +124,13 @@ class ImageCase:
         print(f"{self.name}: max |logits - eager| " + ", ".join(f"{k} {v:.1e}" for k, v in differences.items()))
         assert all(value < 1e-3 for value in differences.values()), differences
 
+    def cpp_allows_bfloat16(self):
+        """Whether mita-forward runs this model in bfloat16 here (the CPU check is the server's own,
+        kernels::CheckWeightsDtypeOnDevice: AVX512-BF16 or AMX-BF16)."""
+        return subprocess.run([os.path.join(self.build, "tools", "mita-forward"), f"--model={self.package}", "--time",
+                               "--batch_size=1", "--repeats=1", f"--threads={THREADS}", "--weights_dtype=bfloat16"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+
     def cpp(self, batch, budget, repeats, dtype="float32"):
         """mita-forward --time (a fresh process: one warm-up forward at this batch size, then `repeats`)."""
         output = subprocess.run([os.path.join(self.build, "tools", "mita-forward"), f"--model={self.package}",
@@ -172,15 +179,6 @@ def document_model(package):
     return model.eval(), cfg
 
 
-def cpu_has_bfloat16_dot_products():
-    """What kernels::CpuHasBfloat16DotProducts asks: AVX512-BF16 or AMX-BF16 (Linux /proc/cpuinfo flags)."""
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
@@ -204,7 +202,7 @@ def main():
         for case in cases:
             print(f"{case.name}: {case.compiled_kind} took {case.compile_seconds:.0f} s (both batch sizes)")
         implementations = ["cpp_mita", "eager_mita", "compiled_mita", "cpp_full", "eager_full", "onnxruntime"]
-        if cpu_has_bfloat16_dot_products():
+        if all(case.cpp_allows_bfloat16() for case in cases):
             implementations += ["cpp_mita_bf16", "cpp_full_bf16"]
         results = {}
         for round_index in range(args.rounds):
