@@ -87,7 +87,9 @@ absl::StatusOr<const Json*> ReadObject(const Json& object, absl::string_view pat
   return value;
 }
 
-// Reads `key` as an array of exactly `size` numbers, each > 0 when `positive`.
+// Reads `key` as an array of exactly `size` numbers, each a float32 value (|x| <= FLT_MAX) and, when `positive`, at
+// least FLT_MIN: a larger magnitude would be undefined to narrow, a smaller positive one would round to 0 or a
+// subnormal whose reciprocal overflows.
 absl::StatusOr<std::vector<float>> ReadChannelVector(const Json& object, absl::string_view path, absl::string_view key,
                                                      int64_t size, bool positive) {
   const std::string field = FieldPath(path, key);
@@ -102,6 +104,12 @@ absl::StatusOr<std::vector<float>> ReadChannelVector(const Json& object, absl::s
     absl::StatusOr<double> number = ReadNumber((*value)[i], absl::StrCat(field, "[", i, "]"));
     if (!number.ok()) return number.status();
     if (positive && !(*number > 0)) return Invalid(absl::StrCat(field, "[", i, "] must be > 0, found ", *number));
+    constexpr double kLargest = std::numeric_limits<float>::max();
+    constexpr double kSmallest = std::numeric_limits<float>::min();
+    if (std::abs(*number) > kLargest || (positive && *number < kSmallest)) {
+      return Invalid(absl::StrCat(field, "[", i, "] ", *number, " is out of float32's range [",
+                                  positive ? kSmallest : -kLargest, ", ", kLargest, "]"));
+    }
     result.push_back(static_cast<float>(*number));
   }
   return result;

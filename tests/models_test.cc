@@ -185,6 +185,8 @@ TEST(ModelConfigTest, OutOfRangeValuesAreNamedWithTheRange) {
       {"/layer_norm_eps", 0, "layer_norm_eps must be > 0"},
       {"/normalization/mean", Json::array({0.1, 0.2, 0.3}), "normalization.mean has 3 entries, expected in_channels = 1"},
       {"/normalization/std", Json::array({0.0}), "normalization.std[0] must be > 0"},
+      {"/normalization/std", Json::array({1e-50}), "normalization.std[0] 1e-50 is out of float32's range [1.17549e-38, "},
+      {"/normalization/mean", Json::array({-1e40}), "normalization.mean[0] -1e+40 is out of float32's range [-3.40282e+38, "},
       {"/attention/type", "linear", "attention.type \"linear\" is not supported"},
       {"/attention/default_budget/expert_count", 10,
        "attention.default_budget.expert_count 10 is not allowed: use one of 1, 4, 9, 16, 25, 36, 49"},
