@@ -2,6 +2,7 @@
 
 #include <ATen/Parallel.h>
 #include <malloc.h>
+#include <omp.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -35,6 +36,15 @@ int SetIntraOpThreads(int threads) {
   threads = std::max(1, threads);
   at::set_num_threads(threads);
   return BlasLibrary::Get().SetThreads(threads);
+}
+
+void SetCallingThreadIntraOpThreads(int threads) {
+  threads = std::max(1, threads);
+  // at::get_num_threads first: LibTorch sets a thread's count from the process-wide one at its first parallel op,
+  // which would undo a count set before.
+  if (at::get_num_threads() == threads) return;
+  omp_set_num_threads(threads);
+  BlasLibrary::Get().SetThreadLocalThreads(threads);
 }
 
 bool KeepFreedMemoryForReuse() {

@@ -33,6 +33,11 @@ void ReexecWithPassiveOpenMpWaitIfUnset(char** argv);
 // docs/serving.md, "Threads"). MKL's count follows at::set_num_threads.
 int SetIntraOpThreads(int threads);
 
+// Sets the intra-op threads of the ops the calling thread runs from now on (LibTorch's OpenMP team size and MKL's
+// thread-local count), `threads` >= 1 (smaller: 1), leaving other threads' as they are; so that several threads
+// can each run forwards on a share of the cores. OpenBLAS's count is process-wide (SetIntraOpThreads) and stays.
+void SetCallingThreadIntraOpThreads(int threads);
+
 // Makes glibc's malloc keep freed memory for reuse: no allocation is served by its own mmap
 // (mallopt(M_MMAP_MAX, 0)), the heap is never trimmed (mallopt(M_TRIM_THRESHOLD, INT_MAX)), and every thread
 // allocates from the main arena (mallopt(M_ARENA_MAX, 1)), the one whose free top ReturnFreedMemory can return:

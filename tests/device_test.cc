@@ -293,6 +293,22 @@ TEST(ServerStartTest, BadDeviceAndDtypeFlagsAreStartUpErrors) {
   EXPECT_THAT(run.log, HasSubstr("error: flag --device: no model 'nosuch'")) << run.log;
 }
 
+TEST(ServerStartTest, BadBatchThreadsAreStartUpErrorsNamingTheFlag) {
+  ServerRun run = RunServer({"--batch_threads=two"});
+  EXPECT_EQ(run.exit_status, 1) << run.log;
+  EXPECT_THAT(run.log, HasSubstr("error: flag --batch_threads: 'two' is not a thread count: allowed [0, 1024] (0: "
+                                 "the hardware concurrency)"))
+      << run.log;
+  run = RunServer({"--batch_threads=1,fashion-mnist-vit=2000"});
+  EXPECT_EQ(run.exit_status, 1) << run.log;
+  EXPECT_THAT(run.log, HasSubstr("error: flag --batch_threads: model 'fashion-mnist-vit': '2000' is not a thread "
+                                 "count"))
+      << run.log;
+  run = RunServer({"--batch_threads=1,nosuch=2"});
+  EXPECT_EQ(run.exit_status, 1) << run.log;
+  EXPECT_THAT(run.log, HasSubstr("error: flag --batch_threads: no model 'nosuch' in the model repository")) << run.log;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // A failed batch on a device.
 

@@ -5,9 +5,11 @@
 // classifier whose batches take the time the test says, so every prediction is known exactly: the cost profile's
 // only non-zero coefficients are 2^-6 s per batch and 2^-16 s per token x (m + k) (and per token^2 for full
 // attention), for a model of one layer and embed_dim 1.
+#include <ATen/Parallel.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/tensor.h>
 
+#include <atomic>
 #include <cmath>
 #include <deque>
 #include <memory>
@@ -141,10 +143,13 @@ class ScriptedClassifier : public models::Classifier {
     absl::MutexLock lock(&mu_);
     return batches_;
   }
+  // Inputs prepared so far.
+  int64_t preparations() const { return preparations_.load(); }
 
  protected:
   absl::StatusOr<PreparedInput> PrepareInput(const models::ClassifierInput& input, const models::InputLimits&,
                                              const models::StopCheck&) const override {
+    preparations_.fetch_add(1);
     PreparedInput prepared;
     std::vector<int64_t> ids(input.token_ids.begin(), input.token_ids.end());
     prepared.input = at::tensor(ids, at::kLong);
@@ -167,6 +172,7 @@ class ScriptedClassifier : public models::Classifier {
   mutable bool hold_ ABSL_GUARDED_BY(mu_) = false;
   mutable std::deque<absl::Duration> scripted_ ABSL_GUARDED_BY(mu_);
   mutable std::vector<std::vector<std::pair<int64_t, AttentionBudget>>> batches_ ABSL_GUARDED_BY(mu_);
+  mutable std::atomic<int64_t> preparations_{0};
 };
 
 // One request's outcome.
@@ -328,6 +334,44 @@ TEST_F(LatencyTargetTest, QueueWaitLowersToTheFloorAndRefusesWhatCannotBeMet) {
   EXPECT_EQ(MetricValue(*metrics_->registry(), "mita_rejected_requests_total",
                         {{"model", kModel}, {"reason", "deadline_unmeetable"}}),
             1);
+}
+
+// Refused before preparation only what no input could meet: behind a running batch predicted at 203.125 ms, the
+// cheapest input (1 token: 15.625 ms + 1 unit) would answer at 218.77 ms at the earliest, so a 200 ms deadline or
+// latency target is refused without its input being prepared. A 250 ms deadline is prepared, and then refused by
+// admission on its own compute (203.125 ms at 32x64).
+TEST_F(LatencyTargetTest, RefusesBeforePreparationOnlyWhatNoInputCouldMeet) {
+  classifier_->Hold(true);
+  std::shared_ptr<Outcome> running = Submit(128, Fixed(32, 64));
+  ASSERT_TRUE(classifier_->WaitForBatches(1));
+  const int64_t prepared = classifier_->preparations();
+  std::shared_ptr<Outcome> by_deadline = Submit(128, Fixed(32, 64), absl::Milliseconds(200));
+  ASSERT_TRUE(by_deadline->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ExpectStatus(by_deadline->result.status(), absl::StatusCode::kDeadlineExceeded,
+               "predicted at least 218 ms to answer (queue wait 203 ms + compute 15 ms for the cheapest input) but "
+               "the deadline is in 200 ms; it was not run");
+  std::shared_ptr<Outcome> by_target = Submit(128, Target(absl::Milliseconds(200)));
+  ASSERT_TRUE(by_target->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ExpectStatus(by_target->result.status(), absl::StatusCode::kResourceExhausted,
+               "predicted at least 218 ms to answer (queue wait 203 ms + compute 15 ms for the cheapest input) but "
+               "the latency target leaves 200 ms; it was not run (retry later");
+  EXPECT_EQ(classifier_->preparations(), prepared) << "neither input was prepared";
+
+  std::shared_ptr<Outcome> prepared_then_refused = Submit(128, Fixed(32, 64), absl::Milliseconds(250));
+  ASSERT_TRUE(prepared_then_refused->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ExpectStatus(prepared_then_refused->result.status(), absl::StatusCode::kDeadlineExceeded,
+               "predicted 406 ms to answer (queue wait 203 ms + compute 203 ms at MiTA m=32 k=64) but the deadline "
+               "is in 250 ms; it was not run");
+  EXPECT_EQ(classifier_->preparations(), prepared + 1);
+  EXPECT_EQ(MetricValue(*metrics_->registry(), "mita_rejected_requests_total",
+                        {{"model", kModel}, {"reason", "deadline_unmeetable"}}),
+            2);
+  EXPECT_EQ(MetricValue(*metrics_->registry(), "mita_rejected_requests_total",
+                        {{"model", kModel}, {"reason", "latency_target_unmeetable"}}),
+            1);
+  classifier_->Hold(false);
+  ASSERT_TRUE(running->done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  EXPECT_TRUE(running->result.ok()) << running->result.status();
 }
 
 // Degradation at batch start: two target requests admitted at 32x64 behind a batch predicted at 203 ms that takes
@@ -620,6 +664,7 @@ class ReadingsClassifier : public models::Classifier {
   // 1 ms per batch and 0.1 us per reading x (m + k), in real time.
   absl::StatusOr<models::ClassifierOutput> Run(absl::Span<const models::BatchItem* const> items, bool,
                                                const models::ItemCheck&) const override {
+    last_intra_op_threads_.store(at::get_num_threads());
     absl::Duration duration = absl::Milliseconds(1);
     for (const models::BatchItem* item : items) {
       duration += absl::Nanoseconds(100 * item->tokens *
@@ -648,8 +693,13 @@ class ReadingsClassifier : public models::Classifier {
     return PreparedInput{at::zeros({tokens}, at::kLong), tokens, tokens};
   }
 
+ public:
+  // The intra-op threads (at::get_num_threads) of the thread that ran the last batch.
+  int last_intra_op_threads() const { return last_intra_op_threads_.load(); }
+
  private:
   models::ClassifierDescription description_;
+  mutable std::atomic<int> last_intra_op_threads_{0};
 };
 
 TEST(ThirdInputKindTest, IsCalibratedPlannedAndQuotedWithoutTheServerKnowingIt) {
@@ -706,11 +756,52 @@ TEST(ThirdInputKindTest, IsCalibratedPlannedAndQuotedWithoutTheServerKnowingIt) 
     EXPECT_EQ(relaxed->budget.budget, Experts(8, 32));
     EXPECT_EQ(relaxed->budget_reason, BudgetReason::kMostAccurate);
     EXPECT_GT(relaxed->predicted, absl::ZeroDuration());
-    // Refused at its floor (the slack of the answers before it may be named between the two parts).
+    // Refused before preparation: no input of either lane, at the cheapest budget, meets 100 us (the slack of the
+    // answers before it may be named between the two parts).
     const absl::Status refused = classify(readings, absl::Microseconds(100)).status();
-    ExpectStatus(refused, absl::StatusCode::kResourceExhausted, "at MiTA m=4 k=8, the least accurate budget allowed)");
+    ExpectStatus(refused, absl::StatusCode::kResourceExhausted, " for the cheapest input)");
     ExpectStatus(refused, absl::StatusCode::kResourceExhausted, "but the latency target leaves");
   }
+}
+
+// A lane's batch threads share the intra-op threads (ModelRunner::Create): with 6 of them and the model's 2 batch
+// threads (its own count, over the engine's 1), a short input's forward runs on 3, the long-input lane's one thread
+// on all 6 (counts no process here runs by default); the submitting thread's count stays.
+TEST(LaneThreadsTest, EachBatchThreadRunsOnItsLanesShareOfTheIntraOpThreads) {
+  auto owned = std::make_unique<ReadingsClassifier>();
+  const ReadingsClassifier* classifier = owned.get();
+  std::vector<models::ModelPackage> packages;
+  packages.push_back(models::ModelPackage{"readings", std::move(owned)});
+  absl::StatusOr<std::unique_ptr<server::ModelRegistry>> registry =
+      server::ModelRegistry::FromPackages(std::move(packages));
+  ASSERT_TRUE(registry.ok()) << registry.status();
+  server::ServerMetrics metrics(server::MetricsModelInfos(**registry));
+  server::EngineOptions options;
+  options.preparation_threads = 1;
+  options.long_document_tokens = 256;
+  options.batching.num_batch_threads = 1;
+  options.batch_threads_by_model["readings"] = 2;  // mita-server --batch_threads=1,readings=2
+  options.intra_op_threads = 6;
+  absl::StatusOr<std::unique_ptr<server::InferenceEngine>> engine =
+      server::InferenceEngine::Create(registry->get(), &metrics, options);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const int own_threads = at::get_num_threads();
+  for (const auto& [readings, threads] : {std::pair<int64_t, int>{100, 3}, {1000, 6}, {200, 3}}) {
+    server::InferenceRequest request;
+    request.model = "readings";
+    request.input.kind = models::ClassifierInput::Kind::kTokenIds;
+    request.input.token_ids = std::vector<int64_t>(static_cast<size_t>(readings), 1);
+    Outcome outcome;
+    std::unique_ptr<server::InferenceCall> call =
+        (*engine)->Submit(std::move(request), [&outcome](absl::StatusOr<server::InferenceResult> result) {
+          outcome.result = std::move(result);
+          outcome.done.Notify();
+        });
+    ASSERT_TRUE(outcome.done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+    ASSERT_TRUE(outcome.result.ok()) << outcome.result.status();
+    EXPECT_EQ(classifier->last_intra_op_threads(), threads) << readings << " readings";
+  }
+  EXPECT_EQ(at::get_num_threads(), own_threads);
 }
 
 // The slack is the nearest-rank quantile of the last `window` lateness values, checked against a sort.

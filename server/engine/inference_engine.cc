@@ -154,9 +154,14 @@ absl::Status InferenceEngine::ServeVersion(const std::string& name, int64_t vers
   if (draining_.load()) return absl::UnavailableError("the server is shutting down: no model is loaded");
   const models::ClassifierDescription& description = package->classifier->description();
   ModelMetrics* model_metrics = metrics_->AddModel({name, description.layers, description.device});
+  BatcherOptions batching = options_.batching;
+  if (auto threads = options_.batch_threads_by_model.find(name); threads != options_.batch_threads_by_model.end()) {
+    batching.num_batch_threads = threads->second;
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner,
-                   ModelRunner::Create(package->classifier.get(), model_metrics, options_.batching, clock_,
-                                       options_.long_document_tokens, std::move(profile), options_.planning));
+                   ModelRunner::Create(package->classifier.get(), model_metrics, batching, clock_,
+                                       options_.long_document_tokens, std::move(profile), options_.planning,
+                                       options_.intra_op_threads));
   auto served = std::make_shared<ServedModel>(name, version, std::move(package), std::move(runner));
   {
     absl::MutexLock lock(&models_mu_);
@@ -255,6 +260,11 @@ std::unique_ptr<InferenceCall> InferenceEngine::Submit(InferenceRequest request,
     submitted->set_top_n(top_n);
     RETURN_IF_ERROR(client_admitted);
     RETURN_IF_ERROR(submitted->CallerWaits(Request::Missed::kPreparation));
+    // A request predicted to miss even with the cheapest input is refused before it costs any preparation.
+    bool target_binds = false;
+    const absl::Time end = submitted->PlannedEnd(
+        submitted->request().budget.choice == models::BudgetRequest::Choice::kLatencyTarget, &target_binds);
+    RETURN_IF_ERROR(runner->AdmitBeforePreparation(end, target_binds));
     return preparation_->Submit([this, submitted, runner] { Prepare(submitted, runner); });
   }();
   if (!ready.ok()) submitted->Answer(ready);

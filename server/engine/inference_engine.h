@@ -5,8 +5,9 @@
 //   1. Submit (front end's thread): draining (UNAVAILABLE) -> the model and version (NOT_FOUND) -> top_n
 //      (INVALID_ARGUMENT) -> the client's budget rules (PERMISSION_DENIED naming the rule; its default preset for
 //      the model's default) and quota (RESOURCE_EXHAUSTED with the time to wait; server/policy/budget_rules.h) ->
-//      the deadline (DEADLINE_EXCEEDED) -> the preparation queue (PreparationPool, RESOURCE_EXHAUSTED when
-//      --preparation_queue_capacity requests wait)
+//      the deadline (DEADLINE_EXCEEDED) -> the lanes' planner for the cheapest input (ModelRunner::
+//      AdmitBeforePreparation: DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED when no input could be answered in time) ->
+//      the preparation queue (PreparationPool, RESOURCE_EXHAUSTED when --preparation_queue_capacity requests wait)
 //   2. preparation thread: the input's working memory (PreparationMemory: waits for room, RESOURCE_EXHAUSTED over
 //      --preparation_memory_bytes) -> Classifier::Prepare (input kind, budget, decode or tokenize:
 //      INVALID_ARGUMENT with field problems) -> the client's rules that need the token count (full attention up
@@ -75,6 +76,12 @@ struct EngineOptions {
   std::map<std::string, CostProfile> cost_profiles;
   // How the lanes plan (server/planning/lane_planner.h).
   PlanningOptions planning;
+  // Batch threads of the models named here, by name (mita-server --batch_threads=N,MODEL=N); the others have
+  // batching.num_batch_threads.
+  std::map<std::string, int> batch_threads_by_model;
+  // The intra-op threads one lane's forwards share (mita-server --torch_threads): each of a lane's batch threads
+  // runs on intra_op_threads / its batch threads, at least 1 (ModelRunner::Create); 0: as the process set them.
+  int intra_op_threads = 0;
 };
 
 // One version of a model as the engine serves it: its package and the runner of its lanes. Front ends hold it

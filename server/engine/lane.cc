@@ -4,6 +4,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/runtime_environment.h"
 #include "kernels/status_macros.h"
 
 namespace mita::server {
@@ -16,14 +17,17 @@ std::vector<models::AttentionBudget> BatchTask::allowed() const {
 }
 
 absl::StatusOr<std::unique_ptr<Lane>> Lane::Create(BatcherOptions batching, PlanningOptions planning,
-                                                   CostModel* cost, const Clock* clock, ProcessBatch process,
+                                                   std::unique_ptr<CostModel> cost, int intra_op_threads,
+                                                   const Clock* clock, ProcessBatch process,
                                                    QueueDepthListener depth) {
   if (cost == nullptr || clock == nullptr || !process) {
     return absl::InvalidArgumentError("cost, clock and process must be set");
   }
-  std::unique_ptr<Lane> lane(new Lane(clock, cost, batching, planning));
+  if (intra_op_threads < 0) return absl::InvalidArgumentError("intra_op_threads must be >= 0");
+  std::unique_ptr<Lane> lane(new Lane(clock, std::move(cost), intra_op_threads, batching, planning));
   Lane* self = lane.get();
   DynamicBatcher<BatchTask>::ProcessBatchFn run = [self, process = std::move(process)](Batch<BatchTask> batch) {
+    if (self->intra_op_threads_ > 0) kernels::SetCallingThreadIntraOpThreads(self->intra_op_threads_);
     process(*self, std::move(batch));
   };
   ASSIGN_OR_RETURN(lane->batcher_,
@@ -50,6 +54,13 @@ absl::Status Lane::Admit(std::unique_ptr<BatchTask>* task, QueueTicket* ticket, 
   // `*task` now belongs to the batcher (and may already be running).
   *ticket = QueueTicket{this, id};
   return absl::OkStatus();
+}
+
+absl::Status Lane::AdmitBeforePreparation(absl::Time end, bool target_binds, absl::Duration least_compute,
+                                          AdmissionRejection* rejection) {
+  const absl::Time now = clock_->Now();
+  absl::MutexLock lock(&mu_);
+  return planner_.AdmitBeforePreparation(end, target_binds, least_compute, batcher_->load(), now, rejection);
 }
 
 std::unique_ptr<BatchTask> Lane::Cancel(uint64_t id) { return batcher_->Cancel(id); }

@@ -63,10 +63,13 @@ class Lane {
   // Runs one released batch on a batch thread (ModelRunner's execution).
   using ProcessBatch = std::function<void(Lane& lane, Batch<BatchTask> batch)>;
 
-  // Starts the lane's batch threads. `cost` (the model's, shared by its lanes) and `clock` must outlive it;
+  // Starts the lane's batch threads, each running its forwards on `intra_op_threads` threads (0: as the process
+  // set them; kernels::SetCallingThreadIntraOpThreads). `cost` is the lane's own cost model (its correction learns
+  // from this lane's batches, which may run on other thread counts than another lane's); `clock` must outlive it;
   // `depth` (optional) hears every change of the queue depth. Errors: INVALID_ARGUMENT for invalid options.
   static absl::StatusOr<std::unique_ptr<Lane>> Create(BatcherOptions batching, PlanningOptions planning,
-                                                      CostModel* cost, const Clock* clock, ProcessBatch process,
+                                                      std::unique_ptr<CostModel> cost, int intra_op_threads,
+                                                      const Clock* clock, ProcessBatch process,
                                                       QueueDepthListener depth = nullptr);
 
   // Plans `*task` (LanePlanner::Admit: its budget choice and predicted answer time go into task->plan) and queues
@@ -78,6 +81,10 @@ class Lane {
   absl::Status Admit(std::unique_ptr<BatchTask>* task, QueueTicket* ticket, PlannedBudget* plan,
                      AdmissionRejection* rejection,
                      const std::function<void(const BatchTask&)>& planned = nullptr);
+  // Before its input is prepared: refuses a request ending at `end` whose queue wait, batch fill and
+  // `least_compute` already pass it (LanePlanner::AdmitBeforePreparation, its errors and `*rejection`).
+  absl::Status AdmitBeforePreparation(absl::Time end, bool target_binds, absl::Duration least_compute,
+                                      AdmissionRejection* rejection);
   // Takes the task with ticket `id` out of the queue; nullptr when a batch thread already has it.
   std::unique_ptr<BatchTask> Cancel(uint64_t id);
 
@@ -95,19 +102,30 @@ class Lane {
   // Predicted compute of one input of `tokens` tokens at `budget` alone in a batch.
   absl::Duration PredictedCompute(int64_t tokens, const models::AttentionBudget& budget) const;
 
+  // The lane's cost model.
+  const CostModel& cost() const { return *cost_; }
+  // Threads each of its batch threads runs a forward on (0: as the process set them).
+  int intra_op_threads() const { return intra_op_threads_; }
+
   // Stops admitting and releases what is queued without waiting for batches to fill (returns at once).
   void BeginShutdown() { batcher_->BeginShutdown(); }
   // Runs what is queued and joins the batch threads.
   void Shutdown() { batcher_->Shutdown(); }
 
  private:
-  Lane(const Clock* clock, CostModel* cost, BatcherOptions batching, PlanningOptions planning)
-      : clock_(clock), planner_(cost, std::move(batching), planning) {}
+  Lane(const Clock* clock, std::unique_ptr<CostModel> cost, int intra_op_threads, BatcherOptions batching,
+       PlanningOptions planning)
+      : clock_(clock),
+        cost_(std::move(cost)),
+        intra_op_threads_(intra_op_threads),
+        planner_(cost_.get(), std::move(batching), planning) {}
 
   // Records the lateness of each planned task of `tasks` at `at`.
   void ObserveLateness(absl::Span<BatchTask* const> tasks, absl::Time at) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Clock* const clock_;
+  const std::unique_ptr<CostModel> cost_;
+  const int intra_op_threads_;
   mutable absl::Mutex mu_;
   LanePlanner planner_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<DynamicBatcher<BatchTask>> batcher_;

@@ -30,14 +30,13 @@ ModelRunner::ModelRunner(const models::Classifier* classifier, ModelMetrics* met
     : classifier_(classifier),
       metrics_(metrics),
       clock_(clock),
-      profile_(std::move(profile)),
-      cost_([classifier](absl::Span<const CostItem> items) { return classifier->BatchCostFeatures(items); },
-            profile_.coefficients, profile_.correction) {}
+      profile_(std::move(profile)) {}
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const models::Classifier* classifier,
                                                                  ModelMetrics* metrics, const BatcherOptions& options,
                                                                  const Clock* clock, int64_t long_input_tokens,
-                                                                 CostProfile profile, PlanningOptions planning) {
+                                                                 CostProfile profile, PlanningOptions planning,
+                                                                 int intra_op_threads) {
   if (classifier == nullptr || metrics == nullptr || clock == nullptr) {
     return absl::InvalidArgumentError("classifier, metrics and clock must be set");
   }
@@ -49,6 +48,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const models::C
                                                    model.name, "'"));
   }
   if (long_input_tokens < 0) return absl::InvalidArgumentError("long_input_tokens must be >= 0");
+  if (intra_op_threads < 0) return absl::InvalidArgumentError("intra_op_threads must be >= 0");
   std::unique_ptr<ModelRunner> runner(new ModelRunner(classifier, metrics, clock, std::move(profile)));
   ModelRunner* self = runner.get();
   // A second lane only where inputs can be long: a model whose inputs (within a batch) may exceed the threshold.
@@ -57,8 +57,13 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const models::C
   for (int lane = 0; lane < (two_lanes ? 2 : 1); ++lane) {
     BatcherOptions lane_options = options;
     if (lane == 1) lane_options.num_batch_threads = 1;  // long inputs one after another, beside the short
+    // A lane's batch threads share the intra-op threads: the long-input lane's one thread has them all.
+    const int threads = intra_op_threads > 0 ? std::max(1, intra_op_threads / lane_options.num_batch_threads) : 0;
+    auto cost = std::make_unique<CostModel>(
+        [classifier](absl::Span<const CostItem> items) { return classifier->BatchCostFeatures(items); },
+        runner->profile_.coefficients, runner->profile_.correction);
     absl::StatusOr<std::unique_ptr<Lane>> created = Lane::Create(
-        lane_options, planning, &runner->cost_, clock,
+        lane_options, planning, std::move(cost), threads, clock,
         [self](Lane& lane, Batch<BatchTask> batch) { self->ProcessBatch(lane, std::move(batch)); },
         [metrics](const QueueDepthChange& change) {
           metrics->AddQueued(change.tasks_delta, change.compute_units_delta);
@@ -72,7 +77,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const models::C
 
 absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, QueueTicket* ticket) {
   const models::BatchItem& item = (*task)->item;
-  Lane& lane = *lanes_[long_input_tokens_ > 0 && item.tokens > long_input_tokens_ ? 1 : 0];
+  Lane& lane = LaneFor(item.tokens);
   // Copies, taken while `*task` is ours: once queued, it belongs to the lane (and may already be answered and
   // freed by a batch thread).
   const int64_t tokens = item.tokens;
@@ -94,18 +99,52 @@ absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, QueueTicket* t
   return absl::OkStatus();
 }
 
+absl::Status ModelRunner::AdmitBeforePreparation(absl::Time end, bool target_binds) {
+  const models::ClassifierDescription& model = classifier_->description();
+  const models::BudgetKnobs& knobs = model.knobs;
+  const int64_t fewest_experts =
+      knobs.allowed_expert_counts.empty()
+          ? knobs.min_expert_count
+          : *std::min_element(knobs.allowed_expert_counts.begin(), knobs.allowed_expert_counts.end());
+  absl::Status first = absl::OkStatus();
+  AdmissionRejection first_rejection = AdmissionRejection::kNone;
+  for (size_t i = 0; i < lanes_.size(); ++i) {
+    // The fewest tokens an input of this lane has; the cost grows with tokens and with the budget.
+    const int64_t tokens = i == 0 ? std::max<int64_t>(1, model.tokens_per_input) : long_input_tokens_ + 1;
+    absl::Duration least = lanes_[i]->PredictedCompute(
+        tokens, models::ApplyBudget(models::AttentionBudget{false, fewest_experts, knobs.min_expert_width}, tokens));
+    if (knobs.full_attention_supported) {
+      least = std::min(least, lanes_[i]->PredictedCompute(tokens, models::AttentionBudget{true, 0, 0}));
+    }
+    AdmissionRejection rejection = AdmissionRejection::kNone;
+    const absl::Status admitted = lanes_[i]->AdmitBeforePreparation(end, target_binds, least, &rejection);
+    if (admitted.ok()) return admitted;
+    if (first.ok()) {
+      first = admitted;
+      first_rejection = rejection;
+    }
+  }
+  metrics_->CountRejection(first_rejection);
+  return first;
+}
+
 CostSummary ModelRunner::cost_summary() const {
   const models::ClassifierDescription& model = classifier_->description();
   CostSummary summary;
   summary.profile = profile_;
-  summary.correction = cost_.correction();
-  summary.batch_overhead = cost_.BatchOverhead();
+  const CostModel& cost = LaneFor(model.reference_tokens).cost();
+  summary.correction = cost.correction();
+  summary.batch_overhead = cost.BatchOverhead();
   summary.reference_tokens = model.reference_tokens;
   for (const models::DeclaredBudget& declared : model.knobs.accuracy_order) {
     const CostItem item{summary.reference_tokens, models::ApplyBudget(declared.budget, summary.reference_tokens)};
-    summary.predicted.push_back(cost_.Predict(absl::MakeConstSpan(&item, 1)));
+    summary.predicted.push_back(cost.Predict(absl::MakeConstSpan(&item, 1)));
   }
   return summary;
+}
+
+Lane& ModelRunner::LaneFor(int64_t tokens) const {
+  return *lanes_[long_input_tokens_ > 0 && tokens > long_input_tokens_ ? 1 : 0];
 }
 
 void ModelRunner::BeginShutdown() {

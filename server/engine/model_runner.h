@@ -38,19 +38,29 @@ class ModelRunner {
   // Starts the model's lanes with `options`. `classifier`, `metrics` and `clock` must outlive the runner.
   // `long_input_tokens` > 0: inputs of more tokens go to a second lane with one batch thread, so that a long
   // input's forward never holds up shorter requests (they run beside it); made only for a model whose inputs can
-  // be that long. Each lane has the queue limits of `options`. `profile`: the cost profile it predicts with;
-  // `planning`: how its lanes plan. Errors: INVALID_ARGUMENT for invalid options, or when one input of a fixed
-  // size has more tokens than options.max_batch_tokens.
+  // be that long. Each lane has the queue limits of `options`. `profile`: the cost profile each lane predicts with
+  // (each learns its own correction); `planning`: how its lanes plan. `intra_op_threads` > 0: the threads one
+  // lane's forwards share, each of its batch threads running on intra_op_threads / its batch threads (at least
+  // 1): the long-input lane's one thread on all of them; 0: every forward as the process set it. Errors:
+  // INVALID_ARGUMENT for invalid options, or when one input of a fixed size has more tokens than
+  // options.max_batch_tokens.
   static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(const models::Classifier* classifier,
                                                              ModelMetrics* metrics, const BatcherOptions& options,
                                                              const Clock* clock, int64_t long_input_tokens,
-                                                             CostProfile profile, PlanningOptions planning);
+                                                             CostProfile profile, PlanningOptions planning,
+                                                             int intra_op_threads = 0);
 
   const models::Classifier& classifier() const { return *classifier_; }
 
   // Queues a prepared request in its lane (Lane::Admit: planned, then queued); takes `*task` on success and fills
   // `*ticket`. Counts the admitted request's budget and tokens, or the refusal by reason. Errors: Lane::Admit's.
   absl::Status Admit(std::unique_ptr<BatchTask>* task, QueueTicket* ticket);
+
+  // Before the input of a request ending at `end` is prepared (its latency target's end or deadline, the
+  // earlier; `target_binds` when the target's): refused, with the refusal counted by reason, when no lane could
+  // meet it even with the cheapest input (fewest tokens of the lane, cheapest budget of the model), so that a
+  // request predicted to miss costs no decoding or tokenizing. Errors: Lane::AdmitBeforePreparation's.
+  absl::Status AdmitBeforePreparation(absl::Time end, bool target_binds);
 
   // The cost model's figures now.
   CostSummary cost_summary() const;
@@ -66,6 +76,8 @@ class ModelRunner {
  private:
   ModelRunner(const models::Classifier* classifier, ModelMetrics* metrics, const Clock* clock, CostProfile profile);
 
+  // The lane of an input of `tokens` tokens.
+  Lane& LaneFor(int64_t tokens) const;
   // Runs one batch of `lane` on a batch thread and answers every request in it.
   void ProcessBatch(Lane& lane, Batch<BatchTask> batch);
 
@@ -73,7 +85,6 @@ class ModelRunner {
   ModelMetrics* const metrics_;
   const Clock* const clock_;
   const CostProfile profile_;
-  CostModel cost_;
   // lanes_[0]: every input, or those of at most long_input_tokens_ tokens; lanes_[1]: the longer ones.
   std::vector<std::unique_ptr<Lane>> lanes_;
   int64_t long_input_tokens_ = 0;

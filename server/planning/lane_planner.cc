@@ -24,6 +24,27 @@ std::string Milliseconds(absl::Duration duration) {
   return absl::StrCat(absl::ToInt64Milliseconds(duration), " ms");
 }
 
+// The refusal of a request predicted to answer too late: `prediction` (what was predicted, worded), the slack it
+// planned with, and `left` (its time left): RESOURCE_EXHAUSTED when its latency target binds, else
+// DEADLINE_EXCEEDED; `*rejection` its reason.
+absl::Status Refusal(const std::string& prediction, absl::Duration slack, bool target_binds, absl::Duration left,
+                     AdmissionRejection* rejection) {
+  *rejection =
+      target_binds ? AdmissionRejection::kLatencyTargetUnmeetable : AdmissionRejection::kDeadlineUnmeetable;
+  const std::string predicted = absl::StrCat(
+      prediction,
+      slack > absl::ZeroDuration()
+          ? absl::StrCat(" and recent answers came up to ", Milliseconds(slack), " later than predicted,")
+          : "");
+  if (target_binds) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(predicted, " but the latency target leaves ", Milliseconds(left),
+                     "; it was not run (retry later, or with a larger target or a lower floor)"));
+  }
+  return absl::DeadlineExceededError(
+      absl::StrCat(predicted, " but the deadline is in ", Milliseconds(left), "; it was not run"));
+}
+
 }  // namespace
 
 LanePlanner::LanePlanner(CostModel* cost, BatcherOptions batching, PlanningOptions options)
@@ -74,22 +95,11 @@ absl::Status LanePlanner::Admit(const PlanningRequest& request, const QueueLoad&
           return PredictedCompute(request.tokens, budget) + fill;
         });
     if (!choice.meets && options_.deadline_admission && bounded) {
-      *rejection = request.target_binds ? AdmissionRejection::kLatencyTargetUnmeetable
-                                        : AdmissionRejection::kDeadlineUnmeetable;
-      const std::string prediction = absl::StrCat(
-          "predicted ", Milliseconds(choice.predicted), " to answer (queue wait ", Milliseconds(wait), " + compute ",
-          Milliseconds(choice.compute), " at ", models::BudgetName(request.allowed[choice.index]),
-          request.latency_target ? ", the least accurate budget allowed)" : ")",
-          slack > absl::ZeroDuration()
-              ? absl::StrCat(" and recent answers came up to ", Milliseconds(slack), " later than predicted,")
-              : "");
-      if (request.target_binds) {
-        return absl::ResourceExhaustedError(
-            absl::StrCat(prediction, " but the latency target leaves ", Milliseconds(request.end - now),
-                         "; it was not run (retry later, or with a larger target or a lower floor)"));
-      }
-      return absl::DeadlineExceededError(
-          absl::StrCat(prediction, " but the deadline is in ", Milliseconds(request.end - now), "; it was not run"));
+      return Refusal(absl::StrCat("predicted ", Milliseconds(choice.predicted), " to answer (queue wait ",
+                                  Milliseconds(wait), " + compute ", Milliseconds(choice.compute), " at ",
+                                  models::BudgetName(request.allowed[choice.index]),
+                                  request.latency_target ? ", the least accurate budget allowed)" : ")"),
+                     slack, request.target_binds, request.end - now, rejection);
     }
     if (request.latency_target) {
       plan->choice = choice.index;
@@ -99,6 +109,20 @@ absl::Status LanePlanner::Admit(const PlanningRequest& request, const QueueLoad&
   }
   plan->share = PredictedCompute(request.tokens, request.allowed[plan->choice]) - cost_->BatchOverhead();
   return absl::OkStatus();
+}
+
+absl::Status LanePlanner::AdmitBeforePreparation(absl::Time end, bool target_binds, absl::Duration least_compute,
+                                                 const QueueLoad& queued, absl::Time now,
+                                                 AdmissionRejection* rejection) {
+  *rejection = AdmissionRejection::kNone;
+  if (!options_.deadline_admission || end == absl::InfiniteFuture()) return absl::OkStatus();
+  const absl::Duration wait = PredictedWait(queued, now);
+  const absl::Duration compute = least_compute + PredictedBatchFill(queued, now);
+  const absl::Duration slack = options_.slack_percentile > 0 ? slack_.SlackAt(now) : absl::ZeroDuration();
+  if (wait + compute <= end - now - slack) return absl::OkStatus();
+  return Refusal(absl::StrCat("predicted at least ", Milliseconds(wait + compute), " to answer (queue wait ",
+                              Milliseconds(wait), " + compute ", Milliseconds(compute), " for the cheapest input)"),
+                 slack, target_binds, end - now, rejection);
 }
 
 std::vector<size_t> LanePlanner::StartBatch(absl::Span<const StartingMember> members, absl::Time start,

@@ -7,7 +7,6 @@
 // or SIGHUP drains (readiness NOT_SERVING at once, new calls admitted for --drain_notice_ms, then UNAVAILABLE;
 // admitted requests answered within --drain_timeout_s) and exits 0: docs/serving.md, "Graceful shutdown". A
 // signal during start-up ends it at the next step (after loading, after each model's calibration), exit 0.
-#include <ATen/Parallel.h>
 #include <grpc/grpc.h>
 #include <google/protobuf/stubs/logging.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
@@ -37,6 +36,7 @@
 #include "absl/strings/match.h"
 #include "absl/flags/usage_config.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -61,6 +61,7 @@
 #include "server/policy/policy_holder.h"
 #include "server/process/listen_address.h"
 #include "server/process/metrics_http_server.h"
+#include "server/process/per_model_flag.h"
 #include "server/process/placement.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
@@ -93,12 +94,16 @@ ABSL_FLAG(int64_t, max_batch_tokens, int64_t{1} << 17,
 ABSL_FLAG(int64_t, queue_compute_units, int64_t{1} << 32,
           "Compute units queued per model before new requests get RESOURCE_EXHAUSTED; a request costs tokens x "
           "attention width (expert_count + expert_width under MiTA, tokens under full attention).");
-ABSL_FLAG(int32_t, batch_threads, 1, "Threads forming and running batches, per model.");
+ABSL_FLAG(std::string, batch_threads, "1",
+          "Threads forming and running batches, per model (its long-document lane has one), in [0, 1024]; they share "
+          "--torch_threads. 0: the hardware concurrency. Per model as --weights_dtype: N,MODEL=N.");
 ABSL_FLAG(int64_t, long_document_tokens, 8192,
           "Documents of more tokens run in a lane of their own (one batch thread per model), beside shorter "
           "requests instead of ahead of them; 0: one lane.");
 ABSL_FLAG(int32_t, torch_threads, 0,
-          "Intra-op threads of LibTorch and of the BLAS library (OpenBLAS); 0: the hardware concurrency.");
+          "Intra-op threads one lane's forwards share: each of its batch threads runs on torch_threads / "
+          "batch_threads (at least 1), the long-document lane's one thread on all; also the process-wide count of "
+          "LibTorch and of OpenBLAS (whose count is process-wide only). 0: the hardware concurrency.");
 ABSL_FLAG(int32_t, preparation_threads, 0,
           "Threads that decode images and tokenize documents before admission; 0: the hardware concurrency.");
 ABSL_FLAG(int64_t, preparation_queue_capacity, 1024,
@@ -341,7 +346,20 @@ int main(int argc, char** argv) {
     return Fail(absl::StrCat("flag --cuda_memory_fraction: ", cuda_memory_fraction, " is out of range: allowed (0, 1]"));
   }
 
-  if (torch_threads == 0) torch_threads = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+  const int32_t cores = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+  if (torch_threads == 0) torch_threads = cores;
+  absl::StatusOr<mita::server::PerModelValue<int>> batch_threads_flag = mita::server::ParsePerModel<int>(
+      "batch_threads", absl::GetFlag(FLAGS_batch_threads), [cores](absl::string_view text) -> absl::StatusOr<int> {
+        int value = 0;
+        if (!absl::SimpleAtoi(text, &value) || value < 0 || value > 1024) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("'", text, "' is not a thread count: allowed [0, 1024] (0: the hardware concurrency)"));
+        }
+        return value == 0 ? cores : value;
+      });
+  if (!batch_threads_flag.ok()) return Fail(std::string(batch_threads_flag.status().message()));
+  // Batch threads of model `name`.
+  auto batch_threads_of = [&](const std::string& name) { return mita::server::ValueFor(*batch_threads_flag, name, 1); };
   // Before any thread allocates: the allocator's arenas are chosen at a thread's first allocation.
   const bool keep_freed_memory =
       absl::GetFlag(FLAGS_keep_freed_memory) && mita::kernels::KeepFreedMemoryForReuse();
@@ -357,7 +375,9 @@ int main(int argc, char** argv) {
   options.batching.queue_capacity = absl::GetFlag(FLAGS_queue_capacity);
   options.batching.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   options.batching.queue_compute_units = absl::GetFlag(FLAGS_queue_compute_units);
-  options.batching.num_batch_threads = absl::GetFlag(FLAGS_batch_threads);
+  options.batching.num_batch_threads = batch_threads_flag->otherwise.value_or(1);
+  options.batch_threads_by_model = batch_threads_flag->by_model;
+  options.intra_op_threads = torch_threads;
   options.batching.queue_capacity_source = "flag --queue_capacity";
   options.batching.max_batch_size_source = "flag --max_batch_size";
   options.max_encoded_image_bytes = message_limits.max_receive_bytes;
@@ -405,6 +425,11 @@ int main(int argc, char** argv) {
   if (!model_names.ok()) return Fail(model_names.status().ToString());
   absl::StatusOr<std::map<std::string, mita::models::Placement>> placements = placement_flags->Resolve(*model_names);
   if (!placements.ok()) return Fail(std::string(placements.status().message()));
+  if (absl::Status named = mita::server::CheckNamedModels(
+          "batch_threads", *batch_threads_flag, std::set<std::string>(model_names->begin(), model_names->end()));
+      !named.ok()) {
+    return Fail(std::string(named.message()));
+  }
   std::set<std::string> cuda_devices;
   for (const auto& [name, placement] : *placements) {
     if (!placement.device.is_cuda() || !cuda_devices.insert(mita::kernels::DeviceName(placement.device)).second) continue;
@@ -448,6 +473,9 @@ int main(int argc, char** argv) {
   const absl::Duration calibration_time = absl::Milliseconds(absl::GetFlag(FLAGS_cost_calibration_ms));
   auto cost_profile_of = [&](const std::string& name,
                              const mita::models::Classifier& classifier) -> absl::StatusOr<mita::server::CostProfile> {
+    // Calibrated on the threads of one batch thread of the short-input lane, where most batches run (the
+    // long-input lane's correction learns its own).
+    mita::kernels::SetCallingThreadIntraOpThreads(std::max(1, torch_threads / batch_threads_of(name)));
     absl::StatusOr<mita::server::CostProfile> profile =
         cost_profile_file.empty() ? mita::server::CalibrateCostModel(classifier, calibration_time,
                                                                       options.batching.max_batch_size,
@@ -594,8 +622,8 @@ int main(int argc, char** argv) {
                    " max_batch_tokens=", options.batching.max_batch_tokens,
                    " queue_capacity=", options.batching.queue_capacity,
                    " queue_compute_units=", options.batching.queue_compute_units,
-                   " batch_threads=", options.batching.num_batch_threads,
-                   " long_document_tokens=", options.long_document_tokens, " torch_threads=", at::get_num_threads(),
+                   " batch_threads=", absl::GetFlag(FLAGS_batch_threads),
+                   " long_document_tokens=", options.long_document_tokens, " torch_threads=", torch_threads,
                    " blas_threads=", blas_threads, " blas=\"", mita::kernels::BlasLibrary::Get().description(),
                    "\" (", mita::kernels::BlasLibrary::choice_reason(), ") preparation_threads=", preparation_threads,
                    " keep_freed_memory=", keep_freed_memory ? "true" : "false",

@@ -1,7 +1,7 @@
 // mita-server's --device and --weights_dtype: where each hosted model runs and in what precision.
 //
-// Each flag's value is a comma-separated list of entries: VALUE sets it for every model not named otherwise (at
-// most one such entry), MODEL=VALUE for that model (folder name under --model_repository). Unset: cpu, float32.
+// Each flag's value is per model (per_model_flag.h): VALUE for every model not named otherwise, MODEL=VALUE for
+// that model. Unset: cpu, float32.
 //   --device=cuda:0                                   every model on the first GPU
 //   --device=cuda:0,linux-doc-mita=cuda:1             the document model on the second
 //   --device=cuda:0 --weights_dtype=bfloat16,fashion-mnist-vit=float32
@@ -18,15 +18,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "models/classifier.h"
+#include "server/process/per_model_flag.h"
 
 namespace mita::server {
-
-// One flag's value: the value for models not named, and the models named.
-template <typename Value>
-struct PerModelValue {
-  std::optional<Value> otherwise;
-  std::map<std::string, Value> by_model;
-};
 
 // The parsed --device and --weights_dtype flags.
 class PlacementFlags {
