@@ -104,8 +104,6 @@ class Lane {
 
   // The lane's cost model.
   const CostModel& cost() const { return *cost_; }
-  // Threads each of its batch threads runs a forward on (0: as the process set them).
-  int intra_op_threads() const { return intra_op_threads_; }
 
   // Stops admitting and releases what is queued without waiting for batches to fill (returns at once).
   void BeginShutdown() { batcher_->BeginShutdown(); }

@@ -622,7 +622,11 @@ int main(int argc, char** argv) {
                    " max_batch_tokens=", options.batching.max_batch_tokens,
                    " queue_capacity=", options.batching.queue_capacity,
                    " queue_compute_units=", options.batching.queue_compute_units,
-                   " batch_threads=", absl::GetFlag(FLAGS_batch_threads),
+                   " batch_threads=", options.batching.num_batch_threads,
+                   absl::StrJoin(options.batch_threads_by_model, "",
+                                 [](std::string* out, const auto& entry) {
+                                   absl::StrAppend(out, ",", entry.first, "=", entry.second);
+                                 }),
                    " long_document_tokens=", options.long_document_tokens, " torch_threads=", torch_threads,
                    " blas_threads=", blas_threads, " blas=\"", mita::kernels::BlasLibrary::Get().description(),
                    "\" (", mita::kernels::BlasLibrary::choice_reason(), ") preparation_threads=", preparation_threads,
