@@ -1,8 +1,9 @@
 // One lane of a model: a queue with its batch threads (DynamicBatcher, each running forwards on the lane's share of
 // the intra-op threads), its cost model, and the planner of what enters it (LanePlanner). Admission plans a
 // request and queues it (and can refuse one before its input is prepared); the queue's own sums are the one ledger
-// of queued work; batch start lowers late budgets and batch finish learns. A model has one lane, or two when its inputs can
-// be long (ModelRunner): then a long input's forward runs beside the short requests' batches, not ahead of them.
+// of queued work; batch start lowers late budgets and batch finish learns. A model has one lane, or two when its
+// inputs can be long (ModelRunner): then a long input's forward runs beside the short requests' batches, not ahead
+// of them.
 #pragma once
 
 #include <cstdint>
