@@ -56,11 +56,11 @@ absl::Status Lane::Admit(std::unique_ptr<BatchTask>* task, QueueTicket* ticket, 
   return absl::OkStatus();
 }
 
-absl::Status Lane::AdmitBeforePreparation(absl::Time end, bool target_binds, absl::Duration least_compute,
+absl::Status Lane::AdmitBeforePreparation(absl::Time end, bool target_binds, absl::Span<const CostItem> cheapest,
                                           AdmissionRejection* rejection) {
   const absl::Time now = clock_->Now();
   absl::MutexLock lock(&mu_);
-  return planner_.AdmitBeforePreparation(end, target_binds, least_compute, batcher_->load(), now, rejection);
+  return planner_.AdmitBeforePreparation(end, target_binds, cheapest, batcher_->load(), now, rejection);
 }
 
 std::unique_ptr<BatchTask> Lane::Cancel(uint64_t id) { return batcher_->Cancel(id); }
@@ -103,11 +103,6 @@ void Lane::ObserveLateness(absl::Span<BatchTask* const> tasks, absl::Time at) {
   for (const BatchTask* task : tasks) {
     if (task->plan.planned()) planner_.ObserveLateness(at, at - task->plan.planned_at - task->plan.predicted);
   }
-}
-
-absl::Duration Lane::PredictedCompute(int64_t tokens, const models::AttentionBudget& budget) const {
-  absl::MutexLock lock(&mu_);
-  return planner_.PredictedCompute(tokens, budget);
 }
 
 }  // namespace mita::server

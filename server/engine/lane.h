@@ -83,9 +83,9 @@ class Lane {
   absl::Status Admit(std::unique_ptr<BatchTask>* task, QueueTicket* ticket, PlannedBudget* plan,
                      AdmissionRejection* rejection,
                      const std::function<void(const BatchTask&)>& planned = nullptr);
-  // Before its input is prepared: refuses a request ending at `end` whose queue wait, batch fill and
-  // `least_compute` already pass it (LanePlanner::AdmitBeforePreparation, its errors and `*rejection`).
-  absl::Status AdmitBeforePreparation(absl::Time end, bool target_binds, absl::Duration least_compute,
+  // Before its input is prepared: refuses a request ending at `end` whose queue wait, batch fill and the least
+  // compute of `cheapest` already pass it (LanePlanner::AdmitBeforePreparation, its errors and `*rejection`).
+  absl::Status AdmitBeforePreparation(absl::Time end, bool target_binds, absl::Span<const CostItem> cheapest,
                                       AdmissionRejection* rejection);
   // Takes the task with ticket `id` out of the queue; nullptr when a batch thread already has it.
   std::unique_ptr<BatchTask> Cancel(uint64_t id);
@@ -100,9 +100,6 @@ class Lane {
                      absl::Duration compute, bool learn);
   // Planned tasks whose deadline passed in the queue: at least this late, as their batch started at `start`.
   void Expired(absl::Span<BatchTask* const> tasks, absl::Time start);
-
-  // Predicted compute of one input of `tokens` tokens at `budget` alone in a batch.
-  absl::Duration PredictedCompute(int64_t tokens, const models::AttentionBudget& budget) const;
 
   // The lane's cost model.
   const CostModel& cost() const { return *cost_; }

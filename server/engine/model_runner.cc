@@ -72,6 +72,20 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const models::C
     runner->lanes_.push_back(*std::move(created));
   }
   runner->long_input_tokens_ = two_lanes ? long_input_tokens : 0;
+  // Each lane's cheapest inputs: its fewest tokens (the cost grows with tokens and with the budget) at the model's
+  // cheapest MiTA budget, and under full attention where the model runs it.
+  const models::BudgetKnobs& knobs = model.knobs;
+  const int64_t fewest_experts =
+      knobs.allowed_expert_counts.empty()
+          ? knobs.min_expert_count
+          : *std::min_element(knobs.allowed_expert_counts.begin(), knobs.allowed_expert_counts.end());
+  for (size_t lane = 0; lane < runner->lanes_.size(); ++lane) {
+    const int64_t tokens = lane == 0 ? std::max<int64_t>(1, model.tokens_per_input) : long_input_tokens + 1;
+    std::vector<CostItem> cheapest = {CostItem{
+        tokens, models::ApplyBudget(models::AttentionBudget{false, fewest_experts, knobs.min_expert_width}, tokens)}};
+    if (knobs.full_attention_supported) cheapest.push_back(CostItem{tokens, models::AttentionBudget{true, 0, 0}});
+    runner->cheapest_inputs_.push_back(std::move(cheapest));
+  }
   return runner;
 }
 
@@ -100,24 +114,12 @@ absl::Status ModelRunner::Admit(std::unique_ptr<BatchTask>* task, QueueTicket* t
 }
 
 absl::Status ModelRunner::AdmitBeforePreparation(absl::Time end, bool target_binds) {
-  const models::ClassifierDescription& model = classifier_->description();
-  const models::BudgetKnobs& knobs = model.knobs;
-  const int64_t fewest_experts =
-      knobs.allowed_expert_counts.empty()
-          ? knobs.min_expert_count
-          : *std::min_element(knobs.allowed_expert_counts.begin(), knobs.allowed_expert_counts.end());
   absl::Status first = absl::OkStatus();
   AdmissionRejection first_rejection = AdmissionRejection::kNone;
   for (size_t i = 0; i < lanes_.size(); ++i) {
-    // The fewest tokens an input of this lane has; the cost grows with tokens and with the budget.
-    const int64_t tokens = i == 0 ? std::max<int64_t>(1, model.tokens_per_input) : long_input_tokens_ + 1;
-    absl::Duration least = lanes_[i]->PredictedCompute(
-        tokens, models::ApplyBudget(models::AttentionBudget{false, fewest_experts, knobs.min_expert_width}, tokens));
-    if (knobs.full_attention_supported) {
-      least = std::min(least, lanes_[i]->PredictedCompute(tokens, models::AttentionBudget{true, 0, 0}));
-    }
     AdmissionRejection rejection = AdmissionRejection::kNone;
-    const absl::Status admitted = lanes_[i]->AdmitBeforePreparation(end, target_binds, least, &rejection);
+    const absl::Status admitted =
+        lanes_[i]->AdmitBeforePreparation(end, target_binds, cheapest_inputs_[i], &rejection);
     if (admitted.ok()) return admitted;
     if (first.ok()) {
       first = admitted;

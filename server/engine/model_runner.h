@@ -88,6 +88,8 @@ class ModelRunner {
   // lanes_[0]: every input, or those of at most long_input_tokens_ tokens; lanes_[1]: the longer ones.
   std::vector<std::unique_ptr<Lane>> lanes_;
   int64_t long_input_tokens_ = 0;
+  // Per lane, the cheapest inputs it takes (AdmitBeforePreparation's bound).
+  std::vector<std::vector<CostItem>> cheapest_inputs_;
 };
 
 // The status every request of a batch (`requests` requests, `tokens` tokens, on `device`: "cpu", "cuda:0") gets

@@ -111,11 +111,15 @@ absl::Status LanePlanner::Admit(const PlanningRequest& request, const QueueLoad&
   return absl::OkStatus();
 }
 
-absl::Status LanePlanner::AdmitBeforePreparation(absl::Time end, bool target_binds, absl::Duration least_compute,
+absl::Status LanePlanner::AdmitBeforePreparation(absl::Time end, bool target_binds, absl::Span<const CostItem> cheapest,
                                                  const QueueLoad& queued, absl::Time now,
                                                  AdmissionRejection* rejection) {
   *rejection = AdmissionRejection::kNone;
   if (!options_.deadline_admission || end == absl::InfiniteFuture()) return absl::OkStatus();
+  absl::Duration least_compute = cheapest.empty() ? absl::ZeroDuration() : absl::InfiniteDuration();
+  for (const CostItem& item : cheapest) {
+    least_compute = std::min(least_compute, PredictedCompute(item.tokens, item.budget));
+  }
   const absl::Duration wait = PredictedWait(queued, now);
   const absl::Duration compute = least_compute + PredictedBatchFill(queued, now);
   const absl::Duration slack = options_.slack_percentile > 0 ? slack_.SlackAt(now) : absl::ZeroDuration();

@@ -90,10 +90,10 @@ class LanePlanner {
   // The refusal Admit would give a request ending at `end` (its latency target's end or deadline, the earlier;
   // `target_binds` as in PlanningRequest), decided before its input is prepared, so that a request predicted to
   // miss costs no decoding or tokenizing: refused (Admit's codes and `*rejection`) when its queue wait, batch fill
-  // and `least_compute` (the compute of the cheapest input and budget it could bring) already pass its time left
-  // less the slack. Never refuses what Admit would admit at `now` (its prediction is a lower bound of Admit's);
-  // OK without deadline admission or for an unbounded `end`.
-  absl::Status AdmitBeforePreparation(absl::Time end, bool target_binds, absl::Duration least_compute,
+  // and the least predicted compute of `cheapest` (the cheapest inputs and budgets it could bring) already pass its
+  // time left less the slack. Never refuses what Admit would admit at `now` (its prediction is a lower bound of
+  // Admit's); OK without deadline admission or for an unbounded `end`.
+  absl::Status AdmitBeforePreparation(absl::Time end, bool target_binds, absl::Span<const CostItem> cheapest,
                                       const QueueLoad& queued, absl::Time now, AdmissionRejection* rejection);
   // A batch of `members` starts at `start`: the budgets of latency-target members that `start` finds behind their
   // plan are lowered until the batch's predicted compute fits their (and the others') time left (LowerToFit).
