@@ -155,9 +155,7 @@ absl::Status InferenceEngine::ServeVersion(const std::string& name, int64_t vers
   const models::ClassifierDescription& description = package->classifier->description();
   ModelMetrics* model_metrics = metrics_->AddModel({name, description.layers, description.device});
   BatcherOptions batching = options_.batching;
-  if (auto threads = options_.batch_threads_by_model.find(name); threads != options_.batch_threads_by_model.end()) {
-    batching.num_batch_threads = threads->second;
-  }
+  batching.num_batch_threads = options_.BatchThreadsOf(name);
   ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner,
                    ModelRunner::Create(package->classifier.get(), model_metrics, batching, clock_,
                                        options_.long_document_tokens, std::move(profile), options_.planning,

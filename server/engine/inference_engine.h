@@ -82,6 +82,12 @@ struct EngineOptions {
   // The intra-op threads one lane's forwards share (mita-server --torch_threads): each of a lane's batch threads
   // runs on intra_op_threads / its batch threads, at least 1 (ModelRunner::Create); 0: as the process set them.
   int intra_op_threads = 0;
+
+  // Batch threads of model `name`: its entry of batch_threads_by_model, else batching.num_batch_threads.
+  int BatchThreadsOf(const std::string& name) const {
+    auto threads = batch_threads_by_model.find(name);
+    return threads != batch_threads_by_model.end() ? threads->second : batching.num_batch_threads;
+  }
 };
 
 // One version of a model as the engine serves it: its package and the runner of its lanes. Front ends hold it

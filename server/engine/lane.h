@@ -6,6 +6,7 @@
 // of them.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -53,6 +54,12 @@ struct BatchTask {
 };
 
 class Lane;
+
+// The intra-op threads each of a lane's `batch_threads` batch threads runs on when they share `intra_op_threads`
+// (at least 1); 0 when `intra_op_threads` is 0 (as the process set them).
+inline int IntraOpThreadsPerBatchThread(int intra_op_threads, int batch_threads) {
+  return intra_op_threads > 0 ? std::max(1, intra_op_threads / std::max(1, batch_threads)) : 0;
+}
 
 // Where a queued task is: its lane and its ticket there.
 struct QueueTicket {

@@ -58,7 +58,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const models::C
     BatcherOptions lane_options = options;
     if (lane == 1) lane_options.num_batch_threads = 1;  // long inputs one after another, beside the short
     // A lane's batch threads share the intra-op threads: the long-input lane's one thread has them all.
-    const int threads = intra_op_threads > 0 ? std::max(1, intra_op_threads / lane_options.num_batch_threads) : 0;
+    const int threads = IntraOpThreadsPerBatchThread(intra_op_threads, lane_options.num_batch_threads);
     auto cost = std::make_unique<CostModel>(
         [classifier](absl::Span<const CostItem> items) { return classifier->BatchCostFeatures(items); },
         runner->profile_.coefficients, runner->profile_.correction);

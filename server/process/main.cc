@@ -358,8 +358,6 @@ int main(int argc, char** argv) {
         return value == 0 ? cores : value;
       });
   if (!batch_threads_flag.ok()) return Fail(std::string(batch_threads_flag.status().message()));
-  // Batch threads of model `name`.
-  auto batch_threads_of = [&](const std::string& name) { return mita::server::ValueFor(*batch_threads_flag, name, 1); };
   // Before any thread allocates: the allocator's arenas are chosen at a thread's first allocation.
   const bool keep_freed_memory =
       absl::GetFlag(FLAGS_keep_freed_memory) && mita::kernels::KeepFreedMemoryForReuse();
@@ -475,7 +473,8 @@ int main(int argc, char** argv) {
                              const mita::models::Classifier& classifier) -> absl::StatusOr<mita::server::CostProfile> {
     // Calibrated on the threads of one batch thread of the short-input lane, where most batches run (the
     // long-input lane's correction learns its own).
-    mita::kernels::SetCallingThreadIntraOpThreads(std::max(1, torch_threads / batch_threads_of(name)));
+    mita::kernels::SetCallingThreadIntraOpThreads(
+        mita::server::IntraOpThreadsPerBatchThread(torch_threads, options.BatchThreadsOf(name)));
     absl::StatusOr<mita::server::CostProfile> profile =
         cost_profile_file.empty() ? mita::server::CalibrateCostModel(classifier, calibration_time,
                                                                       options.batching.max_batch_size,
