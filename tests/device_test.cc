@@ -257,6 +257,13 @@ ServerRun RunServer(const std::vector<std::string>& arguments) {
   return run;
 }
 
+// mita-server started with `flag` exits 1 at start-up, its log saying "error: `message`...".
+void ExpectStartUpError(const std::string& flag, const std::string& message) {
+  const ServerRun run = RunServer({flag});
+  EXPECT_EQ(run.exit_status, 1) << flag << "\n" << run.log;
+  EXPECT_THAT(run.log, HasSubstr(absl::StrCat("error: ", message))) << flag << "\n" << run.log;
+}
+
 TEST(ServerStartTest, ACudaDeviceThatIsNotThereIsAStartUpErrorNamingTheFlag) {
   const std::string device = kernels::DeviceName(InvisibleCudaDevice());
   const ServerRun run = RunServer({absl::StrCat("--device=", device)});
@@ -273,40 +280,23 @@ TEST(ServerStartTest, ACudaDeviceThatIsNotThereIsAStartUpErrorNamingTheFlag) {
 }
 
 TEST(ServerStartTest, BadDeviceAndDtypeFlagsAreStartUpErrors) {
-  ServerRun run = RunServer({"--device=gpu"});
-  EXPECT_EQ(run.exit_status, 1) << run.log;
-  EXPECT_THAT(run.log, HasSubstr("error: flag --device: 'gpu' is not a device: use cpu or cuda:N")) << run.log;
-  run = RunServer({"--weights_dtype=float16"});
-  EXPECT_EQ(run.exit_status, 1) << run.log;
-  EXPECT_THAT(run.log, HasSubstr("error: flag --weights_dtype: 'float16' is not a weights dtype: use float32 or "
-                                 "bfloat16"))
-      << run.log;
+  ExpectStartUpError("--device=gpu", "flag --device: 'gpu' is not a device: use cpu or cuda:N");
+  ExpectStartUpError("--weights_dtype=float16",
+                     "flag --weights_dtype: 'float16' is not a weights dtype: use float32 or bfloat16");
   if (!kernels::CpuHasBfloat16DotProducts()) {
-    run = RunServer({"--weights_dtype=bfloat16"});
-    EXPECT_EQ(run.exit_status, 1) << run.log;
-    EXPECT_THAT(run.log, HasSubstr("error: flag --weights_dtype: model 'fashion-mnist-vit' on cpu: bfloat16 on the "
-                                   "CPU needs AVX512-BF16 or AMX-BF16, which this CPU lacks"))
-        << run.log;
+    ExpectStartUpError("--weights_dtype=bfloat16",
+                       "flag --weights_dtype: model 'fashion-mnist-vit' on cpu: bfloat16 on the CPU needs "
+                       "AVX512-BF16 or AMX-BF16, which this CPU lacks");
   }
-  run = RunServer({"--device=cpu,nosuch=cpu"});
-  EXPECT_EQ(run.exit_status, 1) << run.log;
-  EXPECT_THAT(run.log, HasSubstr("error: flag --device: no model 'nosuch'")) << run.log;
+  ExpectStartUpError("--device=cpu,nosuch=cpu", "flag --device: no model 'nosuch'");
 }
 
 TEST(ServerStartTest, BadBatchThreadsAreStartUpErrorsNamingTheFlag) {
-  ServerRun run = RunServer({"--batch_threads=two"});
-  EXPECT_EQ(run.exit_status, 1) << run.log;
-  EXPECT_THAT(run.log, HasSubstr("error: flag --batch_threads: 'two' is not a thread count: allowed [0, 1024] (0: "
-                                 "the hardware concurrency)"))
-      << run.log;
-  run = RunServer({"--batch_threads=1,fashion-mnist-vit=2000"});
-  EXPECT_EQ(run.exit_status, 1) << run.log;
-  EXPECT_THAT(run.log, HasSubstr("error: flag --batch_threads: model 'fashion-mnist-vit': '2000' is not a thread "
-                                 "count"))
-      << run.log;
-  run = RunServer({"--batch_threads=1,nosuch=2"});
-  EXPECT_EQ(run.exit_status, 1) << run.log;
-  EXPECT_THAT(run.log, HasSubstr("error: flag --batch_threads: no model 'nosuch' in the model repository")) << run.log;
+  ExpectStartUpError("--batch_threads=two", "flag --batch_threads: 'two' is not a thread count: allowed [0, 1024] "
+                                            "(0: the hardware concurrency)");
+  ExpectStartUpError("--batch_threads=1,fashion-mnist-vit=2000",
+                     "flag --batch_threads: model 'fashion-mnist-vit': '2000' is not a thread count");
+  ExpectStartUpError("--batch_threads=1,nosuch=2", "flag --batch_threads: no model 'nosuch' in the model repository");
 }
 
 // ---------------------------------------------------------------------------------------------------------
