@@ -702,6 +702,54 @@ class ReadingsClassifier : public models::Classifier {
   mutable std::atomic<int> last_intra_op_threads_{0};
 };
 
+// The readings classifier served alone by an engine with `options`; Classify submits `readings` readings and waits
+// (real time, bounded) for the answer.
+class ReadingsServer {
+ public:
+  ReadingsServer(std::unique_ptr<ReadingsClassifier> classifier, const server::EngineOptions& options) {
+    std::vector<models::ModelPackage> packages;
+    packages.push_back(models::ModelPackage{"readings", std::move(classifier)});
+    absl::StatusOr<std::unique_ptr<server::ModelRegistry>> registry =
+        server::ModelRegistry::FromPackages(std::move(packages));
+    EXPECT_TRUE(registry.ok()) << registry.status();
+    if (!registry.ok()) return;
+    registry_ = *std::move(registry);
+    metrics_ = std::make_unique<server::ServerMetrics>(server::MetricsModelInfos(*registry_));
+    absl::StatusOr<std::unique_ptr<server::InferenceEngine>> engine =
+        server::InferenceEngine::Create(registry_.get(), metrics_.get(), options);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    if (engine.ok()) engine_ = *std::move(engine);
+  }
+
+  // Null when the engine could not be made (the constructor reported why).
+  server::InferenceEngine* engine() const { return engine_.get(); }
+
+  absl::StatusOr<server::InferenceResult> Classify(int64_t readings, models::BudgetRequest budget,
+                                                   absl::Time deadline = absl::InfiniteFuture()) {
+    server::InferenceRequest request;
+    request.model = "readings";
+    request.input.kind = models::ClassifierInput::Kind::kTokenIds;
+    request.input.token_ids = std::vector<int64_t>(static_cast<size_t>(readings), 1);
+    request.budget = std::move(budget);
+    request.deadline = deadline;
+    Outcome outcome;
+    std::unique_ptr<server::InferenceCall> call =
+        engine_->Submit(std::move(request), [&outcome](absl::StatusOr<server::InferenceResult> result) {
+          outcome.result = std::move(result);
+          outcome.done.Notify();
+        });
+    if (!outcome.done.WaitForNotificationWithTimeout(absl::Seconds(20))) {
+      return absl::DeadlineExceededError("no answer within 20 s");
+    }
+    return outcome.result;
+  }
+
+ private:
+  std::unique_ptr<server::ModelRegistry> registry_;
+  std::unique_ptr<server::ServerMetrics> metrics_;
+  std::unique_ptr<server::InferenceEngine> engine_;
+};
+
 TEST(ThirdInputKindTest, IsCalibratedPlannedAndQuotedWithoutTheServerKnowingIt) {
   auto owned = std::make_unique<ReadingsClassifier>();
   const ReadingsClassifier* classifier = owned.get();
@@ -712,43 +760,24 @@ TEST(ThirdInputKindTest, IsCalibratedPlannedAndQuotedWithoutTheServerKnowingIt) 
   EXPECT_GE(profile->calibration_batches, 2);
   EXPECT_GT(profile->coefficients[1], 0) << "its own feature has a cost";
 
-  std::vector<models::ModelPackage> packages;
-  packages.push_back(models::ModelPackage{"readings", std::move(owned)});
-  absl::StatusOr<std::unique_ptr<server::ModelRegistry>> registry =
-      server::ModelRegistry::FromPackages(std::move(packages));
-  ASSERT_TRUE(registry.ok()) << registry.status();
-  server::ServerMetrics metrics(server::MetricsModelInfos(**registry));
   server::EngineOptions options;
   options.preparation_threads = 1;
   options.long_document_tokens = 256;  // its longest input is 1024 readings: a long lane
   options.cost_profiles["readings"] = *profile;
-  absl::StatusOr<std::unique_ptr<server::InferenceEngine>> engine =
-      server::InferenceEngine::Create(registry->get(), &metrics, options);
-  ASSERT_TRUE(engine.ok()) << engine.status();
+  ReadingsServer served(std::move(owned), options);
+  ASSERT_NE(served.engine(), nullptr);
 
-  absl::StatusOr<server::CostSummary> summary = (*engine)->CostSummaryOf("readings");
+  absl::StatusOr<server::CostSummary> summary = served.engine()->CostSummaryOf("readings");
   ASSERT_TRUE(summary.ok()) << summary.status();
   EXPECT_EQ(summary->reference_tokens, 512);
   ASSERT_EQ(summary->predicted.size(), 2u);
   EXPECT_GT(summary->predicted[0], summary->predicted[1]) << "8x32 costs more than 4x8";
 
   auto classify = [&](int64_t readings, absl::Duration target) {
-    std::vector<int64_t> ids(static_cast<size_t>(readings), 1);
-    server::InferenceRequest request;
-    request.model = "readings";
-    request.input.kind = models::ClassifierInput::Kind::kTokenIds;
-    request.input.token_ids = ids;
-    request.budget.choice = models::BudgetRequest::Choice::kLatencyTarget;
-    request.budget.latency_target = target;
-    request.deadline = absl::Now() + absl::Seconds(30);
-    Outcome outcome;
-    std::unique_ptr<server::InferenceCall> call =
-        (*engine)->Submit(std::move(request), [&outcome](absl::StatusOr<server::InferenceResult> result) {
-          outcome.result = std::move(result);
-          outcome.done.Notify();
-        });
-    EXPECT_TRUE(outcome.done.WaitForNotificationWithTimeout(absl::Seconds(20)));
-    return outcome.result;
+    models::BudgetRequest budget;
+    budget.choice = models::BudgetRequest::Choice::kLatencyTarget;
+    budget.latency_target = target;
+    return served.Classify(readings, budget, absl::Now() + absl::Seconds(30));
   };
   for (const int64_t readings : {100, 1000}) {  // the short lane and the long one
     absl::StatusOr<server::InferenceResult> relaxed = classify(readings, absl::Seconds(10));
@@ -770,35 +799,18 @@ TEST(ThirdInputKindTest, IsCalibratedPlannedAndQuotedWithoutTheServerKnowingIt) 
 TEST(LaneThreadsTest, EachBatchThreadRunsOnItsLanesShareOfTheIntraOpThreads) {
   auto owned = std::make_unique<ReadingsClassifier>();
   const ReadingsClassifier* classifier = owned.get();
-  std::vector<models::ModelPackage> packages;
-  packages.push_back(models::ModelPackage{"readings", std::move(owned)});
-  absl::StatusOr<std::unique_ptr<server::ModelRegistry>> registry =
-      server::ModelRegistry::FromPackages(std::move(packages));
-  ASSERT_TRUE(registry.ok()) << registry.status();
-  server::ServerMetrics metrics(server::MetricsModelInfos(**registry));
   server::EngineOptions options;
   options.preparation_threads = 1;
   options.long_document_tokens = 256;
   options.batching.num_batch_threads = 1;
   options.batch_threads_by_model["readings"] = 2;  // mita-server --batch_threads=1,readings=2
   options.intra_op_threads = 6;
-  absl::StatusOr<std::unique_ptr<server::InferenceEngine>> engine =
-      server::InferenceEngine::Create(registry->get(), &metrics, options);
-  ASSERT_TRUE(engine.ok()) << engine.status();
+  ReadingsServer served(std::move(owned), options);
+  ASSERT_NE(served.engine(), nullptr);
   const int own_threads = at::get_num_threads();
   for (const auto& [readings, threads] : {std::pair<int64_t, int>{100, 3}, {1000, 6}, {200, 3}}) {
-    server::InferenceRequest request;
-    request.model = "readings";
-    request.input.kind = models::ClassifierInput::Kind::kTokenIds;
-    request.input.token_ids = std::vector<int64_t>(static_cast<size_t>(readings), 1);
-    Outcome outcome;
-    std::unique_ptr<server::InferenceCall> call =
-        (*engine)->Submit(std::move(request), [&outcome](absl::StatusOr<server::InferenceResult> result) {
-          outcome.result = std::move(result);
-          outcome.done.Notify();
-        });
-    ASSERT_TRUE(outcome.done.WaitForNotificationWithTimeout(absl::Seconds(20)));
-    ASSERT_TRUE(outcome.result.ok()) << outcome.result.status();
+    const absl::StatusOr<server::InferenceResult> result = served.Classify(readings, models::BudgetRequest{});
+    ASSERT_TRUE(result.ok()) << result.status();
     EXPECT_EQ(classifier->last_intra_op_threads(), threads) << readings << " readings";
   }
   EXPECT_EQ(at::get_num_threads(), own_threads);
