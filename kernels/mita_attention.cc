@@ -114,36 +114,53 @@ int64_t IntegerSquareRoot(int64_t value) {
   return root;
 }
 
-// SequenceLandmarks on the CPU: each window's mean read straight from q's rows (in the models' strided views of the
-// fused qkv output a row's d values are contiguous), in adaptive_avg_pool1d's order and precision (one sum per
-// value over the window's rows in token order, in T, then divided by the window's length), so the landmarks are the
-// ones LibTorch's pooling gives, bit for bit. LibTorch pools a transposed copy instead, several times slower
-// (docs/kernels.md, "Phases and floors"). Window i: [floor(i N / M), ceil((i + 1) N / M)). Returns [B, H, M, d].
+// Landmarks on the CPU: the tokens 0 .. rows * columns - 1 of q laid row-major on a rows x columns grid, each of
+// the pool_rows x pool_columns windows averaged straight from q's rows (in the models' strided views of the fused
+// qkv output a row's d values are contiguous). Window (i, j) covers grid rows [floor(i rows / pool_rows),
+// ceil((i + 1) rows / pool_rows)) and the columns likewise. Sums run in T over the window's rows, then its columns,
+// and are divided by the window's token count: adaptive_avg_pool2d's order and precision (adaptive_avg_pool1d's
+// with one row), so the landmarks are the ones LibTorch's pooling gives, bit for bit.
+// LibTorch pools a permuted copy instead, several times slower (docs/kernels.md, "Phases and floors").
+// Returns [B, H, pool_rows * pool_columns, d], landmark index = window row * pool_columns + window column.
 template <typename T>
-at::Tensor SequenceLandmarksOnCpu(const at::Tensor& q, int64_t expert_count) {
-  const int64_t batch = q.size(0), heads = q.size(1), tokens = q.size(2), head_dim = q.size(3);
-  at::Tensor landmarks = at::empty({batch, heads, expert_count, head_dim}, q.options());
+at::Tensor GridLandmarksOnCpu(const at::Tensor& q, int64_t rows, int64_t columns, int64_t pool_rows,
+                              int64_t pool_columns) {
+  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(3);
+  const int64_t windows = pool_rows * pool_columns;
+  at::Tensor landmarks = at::empty({batch, heads, windows, head_dim}, q.options());
   const T* q_data = q.data_ptr<T>();
   T* out = landmarks.data_ptr<T>();
   const int64_t row_stride = q.stride(2), value_stride = q.stride(3);
-  at::parallel_for(0, batch * heads * expert_count, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, batch * heads * windows, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
     std::vector<T> sums(head_dim);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t head_task = task / expert_count, window = task % expert_count;
+      const int64_t head_task = task / windows, window = task % windows;
       const int64_t b = head_task / heads, h = head_task % heads;
-      const int64_t first = window * tokens / expert_count;
-      const int64_t last = ((window + 1) * tokens + expert_count - 1) / expert_count;  // exclusive
+      const int64_t window_row = window / pool_columns, window_column = window % pool_columns;
+      const int64_t first_row = window_row * rows / pool_rows;
+      const int64_t last_row = ((window_row + 1) * rows + pool_rows - 1) / pool_rows;  // exclusive
+      const int64_t first_column = window_column * columns / pool_columns;
+      const int64_t last_column = ((window_column + 1) * columns + pool_columns - 1) / pool_columns;  // exclusive
       const T* head = q_data + b * q.stride(0) + h * q.stride(1);
       std::fill(sums.begin(), sums.end(), T(0));
-      for (int64_t n = first; n < last; ++n) {
-        const T* row = head + n * row_stride;
-        for (int64_t c = 0; c < head_dim; ++c) sums[c] += row[c * value_stride];
+      for (int64_t row = first_row; row < last_row; ++row) {
+        for (int64_t column = first_column; column < last_column; ++column) {
+          const T* token = head + (row * columns + column) * row_stride;
+          for (int64_t c = 0; c < head_dim; ++c) sums[c] += token[c * value_stride];
+        }
       }
+      const T count = static_cast<T>((last_row - first_row) * (last_column - first_column));
       T* landmark = out + task * head_dim;
-      for (int64_t c = 0; c < head_dim; ++c) landmark[c] = sums[c] / static_cast<T>(last - first);
+      for (int64_t c = 0; c < head_dim; ++c) landmark[c] = sums[c] / count;
     }
   });
   return landmarks;
+}
+
+// True where GridLandmarksOnCpu serves q pooled into `windows` landmarks. LibTorch's pooling serves the rest: CUDA,
+// bfloat16, and one window (a global mean, which LibTorch sums in another order).
+bool LandmarksOnCpu(const at::Tensor& q, int64_t windows) {
+  return windows > 1 && q.device().is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble);
 }
 
 }  // namespace
@@ -306,6 +323,11 @@ absl::StatusOr<at::Tensor> ImageLandmarks(const at::Tensor& q, int64_t pool_side
     at::NoGradGuard no_grad;
     if (batch * heads * head_dim == 0) return at::empty({batch, heads, pool_side * pool_side, head_dim}, q.options());
     // Tokens 0 .. N-2 (cls first, last patch dropped: the official code's one-token shift) on the S x S grid.
+    if (LandmarksOnCpu(q, pool_side * pool_side)) {
+      return AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "ImageLandmarks", [&] {
+        return GridLandmarksOnCpu<scalar_t>(q, side, side, pool_side, pool_side);
+      });
+    }
     const at::Tensor grid = q.narrow(2, 0, tokens - 1).reshape({batch * heads, side, side, head_dim});
     // adaptive_avg_pool2d's window i is [floor(i*S/P), ceil((i+1)*S/P)), as in the official code.
     const at::Tensor pooled = at::adaptive_avg_pool2d(grid.permute({0, 3, 1, 2}), {pool_side, pool_side});
@@ -324,9 +346,10 @@ absl::StatusOr<at::Tensor> SequenceLandmarks(const at::Tensor& q, int64_t expert
   return RunWithoutThrowing("sequence landmarks", [&]() -> at::Tensor {
     at::NoGradGuard no_grad;
     if (batch * heads * head_dim == 0) return at::empty({batch, heads, expert_count, head_dim}, q.options());
-    if (q.device().is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble)) {
-      return AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "SequenceLandmarks",
-                                        [&] { return SequenceLandmarksOnCpu<scalar_t>(q, expert_count); });
+    if (LandmarksOnCpu(q, expert_count)) {
+      return AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "SequenceLandmarks", [&] {
+        return GridLandmarksOnCpu<scalar_t>(q, /*rows=*/1, tokens, /*pool_rows=*/1, expert_count);
+      });
     }
     // adaptive_avg_pool1d's window i is [floor(i*N/M), ceil((i+1)*N/M)).
     const at::Tensor sequence = q.reshape({batch * heads, tokens, head_dim}).transpose(1, 2);  // [B*H, d, N]

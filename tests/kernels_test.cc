@@ -26,6 +26,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/adaptive_avg_pool1d.h>
+#include <ATen/ops/adaptive_avg_pool2d.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/randint.h>
@@ -932,13 +933,35 @@ TEST(Landmarks, SequenceLandmarksOnTheCpuEqualLibTorchsPoolingBitForBit) {
     for (const int64_t tokens : {int64_t{16384}, int64_t{1000}}) {
       const at::Tensor qkv = at::randn({tokens, 3 * heads * d}).to(type);
       const at::Tensor q = qkv.view({1, tokens, 3, heads, d}).permute({2, 0, 3, 1, 4})[0];  // [1, H, N, d]
-      for (const int64_t experts : {int64_t{8}, int64_t{37}, int64_t{256}, tokens}) {
+      for (const int64_t experts : {int64_t{1}, int64_t{8}, int64_t{37}, int64_t{256}, tokens}) {
         SCOPED_TRACE(std::to_string(tokens) + " tokens, " + std::to_string(experts) + " experts");
         absl::StatusOr<at::Tensor> landmarks = SequenceLandmarks(q, experts);
         ASSERT_TRUE(landmarks.ok()) << landmarks.status();
         const at::Tensor expected = at::adaptive_avg_pool1d(q.reshape({heads, tokens, d}).transpose(1, 2), {experts})
                                         .transpose(1, 2)
                                         .reshape({1, heads, experts, d});
+        EXPECT_TRUE(landmarks->equal(expected)) << MaxAbsDifference(ToDoubles(*landmarks), ToDoubles(expected));
+      }
+    }
+  }
+}
+
+// The same for image landmarks: LibTorch's adaptive_avg_pool2d on the grid (the path it replaced, and the twin's).
+TEST(Landmarks, ImageLandmarksOnTheCpuEqualLibTorchsPoolingBitForBit) {
+  const int64_t heads = 3, d = 32, batch = 2;
+  for (const at::ScalarType type : {at::kFloat, at::kDouble}) {
+    for (const int64_t side : {int64_t{7}, int64_t{14}, int64_t{56}}) {
+      const int64_t tokens = side * side + 1;
+      const at::Tensor qkv = at::randn({batch, tokens, 3 * heads * d}).to(type);
+      const at::Tensor q = qkv.view({batch, tokens, 3, heads, d}).permute({2, 0, 3, 1, 4})[0];  // [B, H, N, d]
+      for (const int64_t pool : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{5}, int64_t{7}, side}) {
+        SCOPED_TRACE(std::to_string(tokens) + " tokens, pool side " + std::to_string(pool));
+        absl::StatusOr<at::Tensor> landmarks = ImageLandmarks(q, pool);
+        ASSERT_TRUE(landmarks.ok()) << landmarks.status();
+        const at::Tensor grid = q.narrow(2, 0, tokens - 1).reshape({batch * heads, side, side, d});
+        const at::Tensor expected = at::adaptive_avg_pool2d(grid.permute({0, 3, 1, 2}), {pool, pool})
+                                        .permute({0, 2, 3, 1})
+                                        .reshape({batch, heads, pool * pool, d});
         EXPECT_TRUE(landmarks->equal(expected)) << MaxAbsDifference(ToDoubles(*landmarks), ToDoubles(expected));
       }
     }
