@@ -9,6 +9,7 @@ inline constexpr char kLinearScope[] = "mita::linear";                 ///< a de
 inline constexpr char kMitaAttentionScope[] = "mita::attention";       ///< the MiTA kernel
 inline constexpr char kFullAttentionScope[] = "mita::full_attention";  ///< full attention
 inline constexpr char kLandmarksScope[] = "mita::landmarks";           ///< landmarks (image or sequence)
+inline constexpr char kDepthwiseConvolutionScope[] = "mita::depthwise_convolution";  ///< DWC, position convolution
 inline constexpr char kEmbeddingScope[] = "mita::embedding";           ///< embedding and position encoding
 inline constexpr char kLayerScope[] = "mita::layer";                   ///< one transformer block
 inline constexpr char kPoolAndHeadScope[] = "mita::pool_and_head";     ///< final norm, pooling and the class head

@@ -6,7 +6,6 @@
 #include <exception>
 #include <utility>
 
-#include <ATen/ops/conv1d.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/index_select.h>
@@ -24,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/aten_errors.h"
+#include "kernels/depthwise_convolution.h"
 #include "kernels/forward_scopes.h"
 #include "kernels/linear.h"
 #include "kernels/status_macros.h"
@@ -217,21 +217,21 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
     };
 
     // Embedding [T, C], then the position convolution per document (zero padding at each document's ends, so
-    // no information crosses between documents): [N, C] -> [1, C, N] -> depthwise conv -> added back.
+    // no information crosses between documents), added to a copy: x = embedded + conv(embedded).
     // The ids were checked on the host; on a CUDA device they are copied there (from pinned memory: without the
     // host waiting).
     at::Tensor x = [&] {
       RECORD_USER_SCOPE(kernels::kEmbeddingScope);
-      at::Tensor embedded = token_embedding_.index_select(0, internal::ToPlacement(ids, placement_, at::kLong));
-      const int64_t padding = config_.position_kernel_size / 2;
+      const at::Tensor embedded = token_embedding_.index_select(0, internal::ToPlacement(ids, placement_, at::kLong));
+      at::Tensor embedded_with_positions = embedded.clone();
+      const at::Tensor position_weight = position_weight_.unsqueeze(2);  // [C, 1, 1, K]: a grid of one row
       for (int64_t b = 0; b < batch; ++b) {
-        at::Tensor document = embedded.narrow(0, offsets[b], lengths[b]);
-        const at::Tensor position = at::conv1d(document.t().unsqueeze(0), position_weight_, position_bias_,
-                                               /*stride=*/{1}, /*padding=*/{padding}, /*dilation=*/{1},
-                                               /*groups=*/channels);  // [1, C, N]
-        document.add_(position.squeeze(0).t());
+        if (lengths[b] == 0) continue;
+        kernels::AddDepthwiseConvolution(embedded.narrow(0, offsets[b], lengths[b]).unsqueeze(0), position_weight,
+                                         position_bias_, /*rows=*/1, /*columns=*/lengths[b],
+                                         embedded_with_positions.narrow(0, offsets[b], lengths[b]).unsqueeze(0));
       }
-      return embedded;
+      return embedded_with_positions;
     }();
 
     for (size_t layer = 0; layer < blocks_.size(); ++layer) {

@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/aten_errors.h"
+#include "kernels/depthwise_convolution.h"
 #include "kernels/forward_scopes.h"
 #include "kernels/linear.h"
 #include "models/classifier_errors.h"
@@ -278,21 +279,17 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
         attention.index_copy_(0, groups.full_index, full_output);
       }
 
-      // Merge heads: [B, H, N, d] -> [B, N, C] (a fresh tensor: the DWC term is added in place below).
-      at::Tensor merged = attention.transpose(1, 2).reshape({rows, tokens, channels}).clone();
+      // Merge heads: [B, H, N, d] -> [B, N, C]. The attention output is this layer's own tensor, so the DWC term may
+      // be added in place even where the merge is a view of it.
+      const at::Tensor merged = attention.transpose(1, 2).reshape({rows, tokens, channels});
       if (config_.depthwise_conv) {
-        // DWC: v of the patch tokens 1 .. N-1, heads merged, on the S x S grid (token t = 1 + r*S + c):
-        // [B, H, N-1, d] -> [B, N-1, C] -> [B, C, S, S]; depthwise 3x3 conv, zero padding 1; added to the
-        // attention output of the same tokens before proj.
-        const at::Tensor v_grid = v.narrow(2, 1, tokens - 1)
-                                      .transpose(1, 2)
-                                      .reshape({rows, grid, grid, channels})
-                                      .permute({0, 3, 1, 2});
-        const at::Tensor local = at::conv2d(v_grid, block.dwc_weight, block.dwc_bias, /*stride=*/{1, 1},
-                                            /*padding=*/{1, 1}, /*dilation=*/{1, 1}, /*groups=*/channels)
-                                     .permute({0, 2, 3, 1})
-                                     .reshape({rows, tokens - 1, channels});
-        merged.narrow(1, 1, tokens - 1).add_(local);
+        // DWC: v of the patch tokens 1 .. N-1, heads merged ([B, N-1, C], a view of the fused qkv output), on the
+        // S x S grid (token t = 1 + r*S + c); depthwise 3x3 conv, zero padding 1; added to the attention output of
+        // the same tokens before proj.
+        const at::Tensor patch_values =
+            v.narrow(2, 1, tokens - 1).transpose(1, 2).reshape({rows, tokens - 1, channels});
+        kernels::AddDepthwiseConvolution(patch_values, block.dwc_weight, block.dwc_bias, grid, grid,
+                                         merged.narrow(1, 1, tokens - 1));
       }
       x = x.add(kernels::Linear(merged, block.proj_weight, block.proj_bias));
       const at::Tensor normed2 = at::layer_norm(x, {channels}, block.norm2_weight, block.norm2_bias,

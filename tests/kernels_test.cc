@@ -27,6 +27,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/adaptive_avg_pool1d.h>
 #include <ATen/ops/adaptive_avg_pool2d.h>
+#include <ATen/ops/conv2d.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/randint.h>
@@ -38,8 +39,10 @@
 #include <gtest/gtest.h>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "kernels/aten_errors.h"
 #include "kernels/blas_library.h"
+#include "kernels/depthwise_convolution.h"
 #include "kernels/mita_attention.h"
 #include "kernels/mita_attention_internal.h"
 #include "kernels/runtime_environment.h"
@@ -1249,6 +1252,54 @@ TEST(AtenErrors, EveryOutOfMemoryFormIsResourceExhaustedAndTheRestInternal) {
   ExpectStatus(StatusOfThrown([] { throw 42; }), absl::StatusCode::kInternal, "op failed: unknown exception");
   EXPECT_TRUE(StatusOfThrown([] {}).ok());
   EXPECT_FALSE(IsOutOfMemoryMessage("expected a 4-D tensor"));
+}
+
+// The models' depthwise convolutions against LibTorch's float64 conv2d on a channels-first copy: read from and added
+// to strided token rows (the image model's v inside a fused qkv output; the document model's rows), on 2-D grids
+// and on one row (the document position convolution), in float32 and float64 (the in-place pass) and bfloat16
+// (LibTorch's path).
+TEST(DepthwiseConvolution, AddsLibTorchsConvolutionToStridedTokenRows) {
+  struct Case {
+    int64_t batch, rows, columns, channels, kernel_rows, kernel_columns;
+  };
+  for (const Case& c : {Case{1, 7, 7, 96, 3, 3}, Case{3, 14, 14, 24, 3, 3}, Case{2, 1, 1000, 64, 1, 7},
+                        Case{1, 1, 1, 8, 1, 5}, Case{2, 5, 3, 16, 5, 3}}) {
+    for (const at::ScalarType type : {at::kFloat, at::kDouble, at::kBFloat16}) {
+      SCOPED_TRACE(absl::StrCat(c.batch, " x ", c.rows, " x ", c.columns, " grid, C ", c.channels, ", kernel ",
+                                c.kernel_rows, " x ", c.kernel_columns, ", ", c10::toString(type)));
+      const int64_t tokens = c.rows * c.columns;
+      const at::Tensor fused = at::randn({c.batch, tokens, 3 * c.channels}).to(type);
+      const at::Tensor input = fused.narrow(2, 2 * c.channels, c.channels);  // [B, T, C], token stride 3C
+      const at::Tensor weight = at::randn({c.channels, 1, c.kernel_rows, c.kernel_columns}).to(type);
+      const at::Tensor bias = at::randn({c.channels}).to(type);
+      const at::Tensor target = at::randn({c.batch, tokens + 1, c.channels}).to(type);
+      const at::Tensor output = target.narrow(1, 1, tokens);  // [B, T, C], batch stride (T + 1) C
+      const at::Tensor before = output.to(at::kDouble, /*non_blocking=*/false, /*copy=*/true);
+      const at::Tensor outside = target.select(1, 0).clone();  // the row before output's tokens: left alone
+      AddDepthwiseConvolution(input, weight, bias, c.rows, c.columns, output);
+      const at::Tensor grid = input.to(at::kDouble).reshape({c.batch, c.rows, c.columns, c.channels});
+      const at::Tensor expected = at::conv2d(grid.permute({0, 3, 1, 2}), weight.to(at::kDouble), bias.to(at::kDouble),
+                                             {1, 1}, {c.kernel_rows / 2, c.kernel_columns / 2}, {1, 1}, c.channels)
+                                      .permute({0, 2, 3, 1})
+                                      .reshape({c.batch, tokens, c.channels})
+                                      .add(before);
+      const double tolerance = type == at::kDouble ? 1e-12 : type == at::kFloat ? 1e-5 : 0.1;
+      EXPECT_LT(MaxAbsDifference(ToDoubles(output), ToDoubles(expected)), tolerance);
+      EXPECT_TRUE(target.select(1, 0).equal(outside));
+    }
+  }
+}
+
+TEST(DepthwiseConvolution, RefusesShapesThatDisagree) {
+  const at::Tensor input = at::randn({1, 12, 8});
+  const at::Tensor output = at::zeros({1, 12, 8});
+  EXPECT_THROW(AddDepthwiseConvolution(input, at::randn({8, 1, 3, 3}), at::randn({8}), 3, 5, output), c10::Error);
+  EXPECT_THROW(AddDepthwiseConvolution(input, at::randn({8, 1, 2, 3}), at::randn({8}), 3, 4, output), c10::Error);
+  EXPECT_THROW(AddDepthwiseConvolution(input, at::randn({4, 1, 3, 3}), at::randn({8}), 3, 4, output), c10::Error);
+  EXPECT_THROW(AddDepthwiseConvolution(input, at::randn({8, 1, 3, 3}), at::randn({4}), 3, 4, output), c10::Error);
+  EXPECT_THROW(AddDepthwiseConvolution(input, at::randn({8, 1, 3, 3}), at::randn({8}), 3, 4, at::zeros({1, 12, 4})),
+               c10::Error);
+  EXPECT_TRUE(output.eq(0).all().item<bool>());
 }
 
 }  // namespace

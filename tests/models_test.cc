@@ -1193,6 +1193,8 @@ TEST(ForwardScopesTest, BothEmbeddedModelsOpenEveryPhaseScopeOncePerLayer) {
     EXPECT_GE(seen[kernels::kMitaAttentionScope], layers);
     EXPECT_GE(seen[kernels::kLandmarksScope], layers);
     EXPECT_GE(seen[kernels::kFullAttentionScope], layers);
+    // The image model's DWC term in every layer; the document model's position convolution once per document.
+    EXPECT_EQ(seen[kernels::kDepthwiseConvolutionScope], name == "fashion-mnist-vit" ? layers : 2);
   }
 }
 

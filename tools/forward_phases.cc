@@ -2,7 +2,7 @@
 // "Phases and floors").
 //
 //   mita-forward-phases --model=DIR --budgets=8x32,16x64,full [--tokens=1024,16384,65536] [--batch_sizes=1,8]
-//                       [--repeats=5] [--threads=2]
+//                       [--repeats=5] [--threads=2] [--packing_operations]
 //
 // For each (tokens, batch size, budget) a packed batch of synthetic inputs (Classifier::SyntheticItem: random
 // content of the model's kind; an image model takes its fixed token count and ignores --tokens) runs through
@@ -10,10 +10,10 @@
 // RecordFunction callback on the calling thread. The callback puts every outermost operation into a phase by the
 // scopes the models and kernels open (kernels/forward_scopes.h): embedding and position encoding; dense GEMMs
 // (kernels::Linear, with their FLOPs); landmarks; the attention kernel; norms, activations and residual adds
-// (layer_norm, gelu, add); packing and copies (every other operation in a layer, and those outside any scope:
-// packing the batch, the logits' copy); pooling and the head; and "between operations", the C++ of the forward
+// (layer_norm, gelu, add) and the DWC term's depthwise convolution; packing and copies (every other operation in a
+// layer, and those outside any scope: packing the batch, the logits' copy); pooling and the head; and "between operations", the C++ of the forward
 // itself (the profiled run's wall time less its operations). The breakdown printed is the profiled run of median
-// wall time.
+// wall time. --packing_operations lists that run's "packing, copies" by operation.
 //
 // floor = dense FLOPs / the limit + the attention kernel's own time, the limit being the rate of the process's
 // BLAS (kernels/blas_library.h) on a 2048 cube measured at start (best of 3; with --weights_dtype=bfloat16 the rate
@@ -25,6 +25,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -55,6 +56,8 @@ ABSL_FLAG(std::string, tokens, "1024,16384,65536", "comma-separated input length
 ABSL_FLAG(std::string, batch_sizes, "1", "comma-separated inputs per packed batch");
 ABSL_FLAG(int32_t, repeats, 5, "forwards per case, unprofiled and profiled each (medians reported)");
 ABSL_FLAG(int32_t, threads, 2, "intra-op threads of LibTorch and its BLAS");
+ABSL_FLAG(bool, packing_operations, false,
+          "after each case's row, the operations of its \"packing, copies\" phase by name: calls and ms");
 ABSL_FLAG(std::string, weights_dtype, "float32",
           "float32, or bfloat16 on a CPU with AVX512-BF16 or AMX-BF16 (the limit is then bfloat16's)");
 
@@ -75,11 +78,12 @@ enum Phase {
   kPhaseCount,
 };
 const char* const kPhaseNames[kPhaseCount] = {
-    "embedding",       "dense GEMMs",   "landmarks",  "attention kernel", "norms, act., residuals",
+    "embedding",       "dense GEMMs",   "landmarks",  "attention kernel", "norms, act., residuals, DWC",
     "packing, copies", "pooling, head", "between ops"};
 
 struct Breakdown {
   std::array<double, kPhaseCount> seconds{};
+  std::map<std::string, std::pair<int, double>> packing_operations;  // name -> calls, seconds
   double dense_flops = 0;
   double wall_seconds = 0;
 };
@@ -115,8 +119,8 @@ Phase PhaseOf(const char* name) {
   if (Is(name, mita::kernels::kLinearScope)) return kDense;
   if (Is(name, mita::kernels::kLandmarksScope)) return kLandmarks;
   if (Is(name, mita::kernels::kMitaAttentionScope) || Is(name, mita::kernels::kFullAttentionScope)) return kAttention;
-  if (container != nullptr &&
-      (Is(name, "aten::layer_norm") || Is(name, "aten::gelu") || Is(name, "aten::add") || Is(name, "aten::add_"))) {
+  if (container != nullptr && (Is(name, "aten::layer_norm") || Is(name, "aten::gelu") || Is(name, "aten::add") ||
+                               Is(name, "aten::add_") || Is(name, mita::kernels::kDepthwiseConvolutionScope))) {
     return kNorms;
   }
   return kPacking;
@@ -143,7 +147,14 @@ void OnEnd(const at::RecordFunction& /*function*/, at::ObserverContext* /*contex
   const Frame frame = open_frames.back();
   open_frames.pop_back();
   if (!frame.counted || current_breakdown == nullptr) return;
-  current_breakdown->seconds[PhaseOf(frame.name)] += std::chrono::duration<double>(Clock::now() - frame.start).count();
+  const double seconds = std::chrono::duration<double>(Clock::now() - frame.start).count();
+  const Phase phase = PhaseOf(frame.name);
+  current_breakdown->seconds[phase] += seconds;
+  if (phase == kPacking) {
+    auto& [calls, total] = current_breakdown->packing_operations[frame.name];
+    ++calls;
+    total += seconds;
+  }
   current_breakdown->dense_flops += frame.flops;
 }
 
@@ -283,6 +294,12 @@ int main(int argc, char** argv) {
         std::printf(" %.0f | %.2f | %.2fx |\n",
                     median.seconds[kDense] > 0 ? median.dense_flops / median.seconds[kDense] / 1e9 : 0.0, floor * 1e3,
                     forward / floor);
+        if (absl::GetFlag(FLAGS_packing_operations)) {
+          for (const auto& [name, calls_and_seconds] : median.packing_operations) {
+            std::printf("    packing, copies: %s: %d calls, %.3f ms\n", name.c_str(), calls_and_seconds.first,
+                        calls_and_seconds.second * 1e3);
+          }
+        }
         std::fflush(stdout);
       }
     }
