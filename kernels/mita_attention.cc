@@ -131,7 +131,10 @@ at::Tensor GridLandmarksOnCpu(const at::Tensor& q, int64_t rows, int64_t columns
   const T* q_data = q.data_ptr<T>();
   T* out = landmarks.data_ptr<T>();
   const int64_t row_stride = q.stride(2), value_stride = q.stride(3);
-  at::parallel_for(0, batch * heads * windows, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
+  // Tasks of at least 2^15 values summed, so that a small input's landmarks stay on the calling thread.
+  const int64_t values_per_window = ((rows * columns + windows - 1) / windows) * head_dim;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, values_per_window));
+  at::parallel_for(0, batch * heads * windows, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> sums(head_dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t head_task = task / windows, window = task % windows;
