@@ -15,7 +15,7 @@ models/repository/timm-vit-fashion-mnist is a timm VisionTransformer trained her
      plus twice the twin's own float32 rounding sensitivity (tests/timm_logits_test.py, allowed_difference);
   4. the package's budgets: full attention by default, the MiTA presets "fast", "mita" and "accurate", and an
      accuracy order that lists each of them, most accurate first, with the accuracies of docs/image_model.md
-     (full attention 0.8693, the default MiTA preset "mita" 0.8722: within 1.5 points of it).
+     (full attention 0.8790, the default MiTA preset "mita" 0.8887: not below it by more than 1.5 points).
 Without torch or timm it fails when CI is set, else skips (77).
 """
 import copy
@@ -134,7 +134,7 @@ def main():
     assert expected <= listed, (expected, listed)
     full = next(entry["accuracy"] for entry in order if entry["budget"] == "full")
     mita = next(entry["accuracy"] for entry in order if entry["budget"] == "25x64")
-    assert full >= 0.865 and mita >= full - 0.015, (full, mita)
+    assert full >= 0.875 and mita >= full - 0.015, (full, mita)
     print(f"budgets: default full attention (declared accuracy {full:.4f}), presets "
           f"{', '.join(sorted(presets))}; accuracy order {', '.join(entry['budget'] for entry in order)}")
     print("timm-vit-fashion-mnist: OK")
