@@ -1,7 +1,8 @@
 // mita-export-images: writes Fashion-MNIST images as PNG files plus a manifest for mita-client.
 //
 //   mita-export-images --split=t10k --count=200 --out=/tmp/images
-// writes /tmp/images/t10k-00000.png ... and /tmp/images/manifest.csv with lines "path,label_index".
+// writes /tmp/images/t10k-00000.png ... and /tmp/images/manifest.csv with lines "path,label_index" (absolute paths,
+// whatever --out is).
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -49,8 +50,10 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "%s\n", png.status().ToString().c_str());
       return 1;
     }
-    const std::string path =
-        (std::filesystem::path(out) / absl::StrFormat("%s-%05d.png", absl::GetFlag(FLAGS_split), i)).string();
+    // Absolute in the manifest: readers resolve relative lines against the manifest's own folder, where a path
+    // relative to this process's working directory would name the wrong file (--out=images gave images/images/...).
+    const std::string path = (std::filesystem::absolute(out) /
+                              absl::StrFormat("%s-%05d.png", absl::GetFlag(FLAGS_split), i)).string();
     std::ofstream(path, std::ios::binary) << *png;
     manifest << path << "," << static_cast<int>(data->labels[i]) << "\n";
   }
