@@ -4,16 +4,16 @@
 //   mita-forward-phases --model=DIR --budgets=8x32,16x64,full [--tokens=1024,16384,65536] [--batch_sizes=1,8]
 //                       [--repeats=5] [--threads=2] [--packing_operations]
 //
-// For each (tokens, batch size, budget) a packed batch of synthetic inputs (Classifier::SyntheticItem: random
-// content of the model's kind; an image model takes its fixed token count and ignores --tokens) runs through
-// Classifier::Run: --repeats times as it serves ("forward ms", the median), then --repeats times with a
-// RecordFunction callback on the calling thread. The callback puts every outermost operation into a phase by the
-// scopes the models and kernels open (kernels/forward_scopes.h): embedding and position encoding; dense GEMMs
-// (kernels::Linear, with their FLOPs); landmarks; the attention kernel; norms, activations and residual adds
-// (layer_norm, gelu, add) and the DWC term's depthwise convolution; packing and copies (every other operation in a
-// layer, and those outside any scope: packing the batch, the logits' copy); pooling and the head; and "between operations", the C++ of the forward
-// itself (the profiled run's wall time less its operations). The breakdown printed is the profiled run of median
-// wall time. --packing_operations lists that run's "packing, copies" by operation.
+// For each (tokens, batch size, budget) a packed batch of synthetic inputs (Classifier::SyntheticItem: random content
+// of the model's kind; an image model takes its fixed token count and ignores --tokens) runs through Classifier::Run:
+// --repeats times as it serves ("forward ms", the median), then --repeats times with a RecordFunction callback on the
+// calling thread. The callback puts every outermost operation into a phase by the scopes the models and kernels open
+// (kernels/forward_scopes.h): embedding and position encoding; dense GEMMs (kernels::Linear, with their FLOPs);
+// landmarks; the attention kernel; norms, activations and residual adds (layer_norm, gelu, add) and the DWC term's
+// depthwise convolution; packing and copies (every other operation in a layer, and those outside any scope: packing the
+// batch, the logits' copy); pooling and the head; and "between operations", the C++ of the forward itself (the profiled
+// run's wall time less its operations). The breakdown printed is the profiled run of median wall time.
+// --packing_operations lists that run's "packing, copies" by operation.
 //
 // floor = dense FLOPs / the limit + the attention kernel's own time, the limit being the rate of the process's
 // BLAS (kernels/blas_library.h) on a 2048 cube measured at start (best of 3; with --weights_dtype=bfloat16 the rate
