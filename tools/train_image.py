@@ -10,14 +10,14 @@
    tools/convert_timm_checkpoint.py with --full_attention_default into a package whose presets are MiTA budgets.
    The first half of models/repository/timm-vit-fashion-mnist (commands and figures: docs/image_model.md, "A timm
    ViT trained with full attention"):
-     cd tools && /opt/mita/peers/bin/python train_image.py --architecture timm_vit --epochs 30 --max_minutes 86 \
-         --shift 1 --checkpoint ../build/timm-vit-fashion-mnist-full3.pth --out ../build/timm-vit-fashion-mnist-full3
+     cd tools && /opt/mita/peers/bin/python train_image.py --architecture timm_vit --epochs 30 --max_minutes 84 \
+         --shift 1 --checkpoint ../build/timm-vit-fashion-mnist-full4.pth --out ../build/timm-vit-fashion-mnist-full4
 3. --mita_finetune: continues a timm_vit checkpoint (--init_checkpoint) with the project's MiTA attention swapped
    into its blocks (tools/timm_mita.py, the PyTorch twin; same parameter names), every step at a random budget
    of --finetune_budgets, for --max_minutes; the checkpoint stays a timm checkpoint. The second half of
-   timm-vit-fashion-mnist: --mita_finetune --init_checkpoint ../build/timm-vit-fashion-mnist-full3.pth --epochs 2
-   --max_minutes 19 --lr 5e-4 --shift 1 --checkpoint ../build/timm-vit-fashion-mnist-mita3.pth --out
-   ../build/timm-vit-fashion-mnist-mita3, copied into models/repository/timm-vit-fashion-mnist, then mita-eval
+   timm-vit-fashion-mnist: --mita_finetune --init_checkpoint ../build/timm-vit-fashion-mnist-full4.pth --epochs 2
+   --max_minutes 19 --lr 5e-4 --shift 1 --checkpoint ../build/timm-vit-fashion-mnist-mita4.pth --out
+   ../build/timm-vit-fashion-mnist-mita4, copied into models/repository/timm-vit-fashion-mnist, then mita-eval
    --write_accuracy_order (docs/image_model.md).
 Data: Debian package dataset-fashion-mnist (/usr/share/datasets/fashion-mnist).
 """
