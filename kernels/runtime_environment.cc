@@ -12,12 +12,19 @@
 #include <utility>
 
 #include "kernels/blas_library.h"
+#include "kernels/openmp_wait.h"
 
 namespace mita::kernels {
 
-void ReexecWithPassiveOpenMpWaitIfUnset(char** argv) {
-  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
-  if (setenv("OMP_WAIT_POLICY", "passive", /*overwrite=*/1) != 0) return;
+void ReexecWithOpenMpWaitSettingsIfUnset(char** argv) {
+  bool changed = false;
+  for (const auto& [name, value] : {std::pair<const char*, const char*>{"OMP_WAIT_POLICY", kOpenMpWaitPolicy},
+                                    {"GOMP_SPINCOUNT", kOpenMpSpinCount}}) {
+    if (std::getenv(name) != nullptr) continue;
+    if (setenv(name, value, /*overwrite=*/1) != 0) return;
+    changed = true;
+  }
+  if (!changed) return;
   // The binary's real path, not /proc/self/exe itself: the kernel names a process after the file it executes,
   // and a process named "exe" is not found by pgrep, pidof or pkill mita-server. /proc/self/exe when the path
   // cannot be read or the file is gone (a deleted binary reads "... (deleted)").
@@ -29,8 +36,10 @@ void ReexecWithPassiveOpenMpWaitIfUnset(char** argv) {
     if (access(path, X_OK) == 0) program = path;
   }
   execv(program, argv);
-  std::perror("re-executing with OMP_WAIT_POLICY=passive failed; continuing with the default policy");
+  std::perror("re-executing with the OpenMP wait settings failed; continuing with libgomp's defaults");
 }
+
+void ReleaseCallingThreadIntraOpTeam() { omp_pause_resource_all(omp_pause_soft); }
 
 int SetIntraOpThreads(int threads) {
   threads = std::max(1, threads);

@@ -1,9 +1,10 @@
 // Runtime environment of serving and benchmark processes: OpenMP's wait policy, the intra-op thread count
 // shared by LibTorch and the BLAS library, and how the C heap keeps freed memory, up to a bound.
 //
-// LibTorch's OpenMP runtime here (libgomp) makes idle worker threads spin before they sleep, and reads
-// OMP_WAIT_POLICY only once, when the library is loaded. With OpenBLAS's own threads also active, spinning
-// threads fight for the cores and batch-1 latency suffers (measured: docs/image_model.md).
+// LibTorch's OpenMP runtime here (libgomp) reads OMP_WAIT_POLICY and GOMP_SPINCOUNT only once, when the library is
+// loaded; by default its idle worker threads spin for milliseconds before they sleep, and with OpenBLAS's own
+// threads also active, spinning threads fight for the cores and batch-1 latency suffers (measured:
+// docs/image_model.md). The settings the server uses instead: kernels/openmp_wait.h.
 #pragma once
 
 #include <atomic>
@@ -17,12 +18,12 @@
 
 namespace mita::kernels {
 
-// If OMP_WAIT_POLICY is not set, sets it to "passive" and re-executes the current program (the file
-// /proc/self/exe points to, so that the process keeps its name) with the same arguments, so that libgomp starts
-// with it; an operator's explicit choice is kept. Call first
-// thing in main(). Returns only when no re-execution was needed or it failed (then the process goes on with
-// libgomp's default policy).
-void ReexecWithPassiveOpenMpWaitIfUnset(char** argv);
+// If OMP_WAIT_POLICY or GOMP_SPINCOUNT is not set, sets it (kernels/openmp_wait.h: passive, a short spin) and
+// re-executes the current program (the file /proc/self/exe points to, so that the process keeps its name) with the
+// same arguments, so that libgomp starts with them; an operator's explicit choice is kept. Call first thing in
+// main(). Returns only when no re-execution was needed or it failed (then the process goes on with libgomp's
+// defaults for what was unset).
+void ReexecWithOpenMpWaitSettingsIfUnset(char** argv);
 
 // Sets the intra-op thread count, `threads` >= 1 (below 1 is taken as 1), of LibTorch (at::set_num_threads) and of
 // the process's BLAS (kernels/blas_library.h). Returns the BLAS thread count now in effect, or 0 when the BLAS
@@ -32,6 +33,15 @@ void ReexecWithPassiveOpenMpWaitIfUnset(char** argv);
 // spin in sched_yield after every multi-threaded GEMM, taking CPU from the batch thread (measured:
 // docs/serving.md, "Threads"). MKL's count follows at::set_num_threads.
 int SetIntraOpThreads(int threads);
+
+// Ends the calling thread's OpenMP team: its worker threads exit (omp_pause_resource_all, soft); the next parallel
+// region it runs starts new ones. A thread that ran parallel regions keeps its team's workers until it exits, and
+// libgomp counts them all: once it manages more threads than the process has CPUs, every idle worker of every team
+// sleeps at once instead of spinning (its "throttled" spin count), so a batch-1 forward ran at the passive policy's
+// speed as soon as two threads of the process had run forwards (docs/kernels.md, "Why the server did not move, and the
+// fix"). Call when a thread stops running forwards for a while (an idle batch thread, the end of a calibration). Not
+// from inside a parallel region.
+void ReleaseCallingThreadIntraOpTeam();
 
 // Sets the intra-op threads of the ops the calling thread runs from now on (LibTorch's OpenMP team size and MKL's
 // thread-local count), `threads` >= 1 (smaller: 1), leaving other threads' as they are; so that several threads

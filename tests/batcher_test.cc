@@ -653,6 +653,54 @@ TEST(DynamicBatcherTest, CancelFreesTheQueueSlotAtOnceAndTheTaskIsNeverProcessed
   EXPECT_EQ(processed.load(), 0);
 }
 
+// The idle hook runs once per idle spell, on the batch thread, `after` the last batch: not while batches keep
+// coming closer together than that, not again before another batch ran, not at all before the first.
+TEST(DynamicBatcherTest, IdleHookRunsOnceWhenTheQueueStaysEmptyAfterABatch) {
+  std::atomic<int> processed{0};
+  std::atomic<int> idle_runs{0};
+  std::atomic<std::thread::id> batch_thread;
+  std::atomic<std::thread::id> idle_thread;
+  std::atomic<int64_t> processed_when_idle{-1};
+  constexpr absl::Duration kAfter = absl::Milliseconds(500);
+  auto batcher = DynamicBatcher<FakeTask>::Create(
+      Options(1, absl::ZeroDuration(), 100),
+      [&](Batch<FakeTask> batch) {
+        batch_thread = std::this_thread::get_id();
+        processed += batch.num_tasks();
+      },
+      RealClock::Get(), nullptr,
+      BatchThreadIdle{kAfter, [&] {
+                        idle_thread = std::this_thread::get_id();
+                        processed_when_idle = processed.load();
+                        ++idle_runs;
+                      }});
+  ASSERT_TRUE(batcher.ok()) << batcher.status();
+  absl::SleepFor(2 * kAfter);
+  EXPECT_EQ(idle_runs.load(), 0) << "no batch has run yet";
+  // Ten tasks 20 ms apart (a 25th of `after`): one idle spell, after the last.
+  for (int i = 0; i < 10; ++i) {
+    std::unique_ptr<FakeTask> task = MakeTask(i);
+    ASSERT_TRUE((*batcher)->Submit(&task).ok());
+    absl::SleepFor(kAfter / 25);
+  }
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (idle_runs.load() == 0 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
+  absl::SleepFor(2 * kAfter);
+  EXPECT_EQ(idle_runs.load(), 1);
+  EXPECT_EQ(processed_when_idle.load(), 10) << "the hook ran between batches of the stream";
+  EXPECT_EQ(idle_thread.load(), batch_thread.load());
+  std::unique_ptr<FakeTask> task = MakeTask(10);
+  ASSERT_TRUE((*batcher)->Submit(&task).ok());
+  while (idle_runs.load() == 1 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(idle_runs.load(), 2) << "a new spell after another batch";
+  (*batcher)->Shutdown();
+  EXPECT_EQ(processed.load(), 11);
+  auto negative = DynamicBatcher<FakeTask>::Create(Options(1, absl::ZeroDuration(), 100), [](Batch<FakeTask>) {},
+                                                   RealClock::Get(), nullptr,
+                                                   BatchThreadIdle{absl::Milliseconds(-1), [] {}});
+  EXPECT_EQ(negative.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(DynamicBatcherTest, CreateRejectsBadOptions) {
   BatcherOptions options;
   options.num_batch_threads = 0;

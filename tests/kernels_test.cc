@@ -19,6 +19,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -30,6 +31,7 @@
 #include <ATen/ops/conv2d.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/zeros.h>
@@ -440,6 +442,27 @@ TEST(IntraOpThreads, LibTorchAndTheBlasGetTheSameCount) {
   }
   EXPECT_EQ(SetIntraOpThreads(0), 1) << "counts below 1 are taken as 1";
   SetIntraOpThreads(before);
+}
+
+// One elementwise op of LibTorch over 2^16 values: two chunks of its grain, so a parallel region on 2 threads.
+void RunParallelRegion() { at::ones({int64_t{1} << 16}).add_(1); }
+
+// ReleaseCallingThreadIntraOpTeam ends the calling thread's OpenMP workers (while any thread keeps them, libgomp
+// manages more threads than a 2-CPU machine has, and no worker of any team spins); its next region starts new ones.
+TEST(IntraOpThreads, ReleasingTheCallingThreadsTeamEndsItsWorkers) {
+  std::thread([] {
+    SetCallingThreadIntraOpThreads(2);
+    const int before = test_util::ProcessThreadCount();
+    RunParallelRegion();
+    ASSERT_EQ(test_util::ProcessThreadCount(), before + 1) << "a team of 2 threads: this one and a worker";
+    ReleaseCallingThreadIntraOpTeam();
+    EXPECT_EQ(test_util::WaitForProcessThreadCountAtMost(before, absl::Seconds(10)), before)
+        << "the worker did not end";
+    RunParallelRegion();
+    EXPECT_EQ(test_util::ProcessThreadCount(), before + 1) << "the next region starts a team again";
+    ReleaseCallingThreadIntraOpTeam();
+    EXPECT_EQ(test_util::WaitForProcessThreadCountAtMost(before, absl::Seconds(10)), before);
+  }).join();
 }
 
 // Minor page faults of this process so far (getrusage).

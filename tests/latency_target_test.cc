@@ -6,6 +6,7 @@
 // only non-zero coefficients are 2^-6 s per batch and 2^-16 s per token x (m + k) (and per token^2 for full
 // attention), for a model of one layer and embed_dim 1.
 #include <ATen/Parallel.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/tensor.h>
 
@@ -665,6 +666,9 @@ class ReadingsClassifier : public models::Classifier {
   absl::StatusOr<models::ClassifierOutput> Run(absl::Span<const models::BatchItem* const> items, bool,
                                                const models::ItemCheck&) const override {
     last_intra_op_threads_.store(at::get_num_threads());
+    // One parallel region (an elementwise op over two chunks of LibTorch's grain), as a forward runs hundreds.
+    at::ones({int64_t{1} << 16}).add_(1);
+    threads_in_last_batch_.store(test_util::ProcessThreadCount());
     absl::Duration duration = absl::Milliseconds(1);
     for (const models::BatchItem* item : items) {
       duration += absl::Nanoseconds(100 * item->tokens *
@@ -681,6 +685,7 @@ class ReadingsClassifier : public models::Classifier {
  protected:
   absl::StatusOr<PreparedInput> PrepareInput(const models::ClassifierInput& input, const models::InputLimits&,
                                              const models::StopCheck&) const override {
+    at::ones({int64_t{1} << 16}).add_(1);  // a parallel region, as decoding an image may run
     std::vector<int64_t> ids(input.token_ids.begin(), input.token_ids.end());
     return PreparedInput{at::tensor(ids, at::kLong), static_cast<int64_t>(ids.size()),
                          static_cast<int64_t>(ids.size())};
@@ -696,10 +701,13 @@ class ReadingsClassifier : public models::Classifier {
  public:
   // The intra-op threads (at::get_num_threads) of the thread that ran the last batch.
   int last_intra_op_threads() const { return last_intra_op_threads_.load(); }
+  // The process's threads while the last batch ran, after its parallel region.
+  int threads_in_last_batch() const { return threads_in_last_batch_.load(); }
 
  private:
   models::ClassifierDescription description_;
   mutable std::atomic<int> last_intra_op_threads_{0};
+  mutable std::atomic<int> threads_in_last_batch_{0};
 };
 
 // The readings classifier served alone by an engine with `options`; Classify submits `readings` readings and waits
@@ -793,18 +801,25 @@ TEST(ThirdInputKindTest, IsCalibratedPlannedAndQuotedWithoutTheServerKnowingIt) 
   }
 }
 
+// An engine of one preparation thread and one batch thread per lane, a long lane from 256 readings, and
+// `intra_op_threads` intra-op threads.
+server::EngineOptions LaneThreadsOptions(int intra_op_threads) {
+  server::EngineOptions options;
+  options.preparation_threads = 1;
+  options.long_document_tokens = 256;
+  options.batching.num_batch_threads = 1;
+  options.intra_op_threads = intra_op_threads;
+  return options;
+}
+
 // A lane's batch threads share the intra-op threads (ModelRunner::Create): with 6 of them and the model's 2 batch
 // threads (its own count, over the engine's 1), a short input's forward runs on 3, the long-input lane's one thread
 // on all 6 (counts no process here runs by default); the submitting thread's count stays.
 TEST(LaneThreadsTest, EachBatchThreadRunsOnItsLanesShareOfTheIntraOpThreads) {
   auto owned = std::make_unique<ReadingsClassifier>();
   const ReadingsClassifier* classifier = owned.get();
-  server::EngineOptions options;
-  options.preparation_threads = 1;
-  options.long_document_tokens = 256;
-  options.batching.num_batch_threads = 1;
+  server::EngineOptions options = LaneThreadsOptions(6);
   options.batch_threads_by_model["readings"] = 2;  // mita-server --batch_threads=1,readings=2
-  options.intra_op_threads = 6;
   ReadingsServer served(std::move(owned), options);
   ASSERT_NE(served.engine(), nullptr);
   const int own_threads = at::get_num_threads();
@@ -814,6 +829,25 @@ TEST(LaneThreadsTest, EachBatchThreadRunsOnItsLanesShareOfTheIntraOpThreads) {
     EXPECT_EQ(classifier->last_intra_op_threads(), threads) << readings << " readings";
   }
   EXPECT_EQ(at::get_num_threads(), own_threads);
+}
+
+// A batch thread whose lane's queue stays empty ends its OpenMP team (server::kIdleBatchThreadKeepsTeamFor): each
+// batch below runs a parallel region on 2 threads, one of them a worker that must be gone soon after the answer.
+// Were it kept, every lane that ever ran a batch would keep one, and libgomp would let no worker spin. The
+// preparation threads, whose preparation runs a parallel region too, start no team (one intra-op thread each).
+TEST(LaneThreadsTest, AnIdleBatchThreadEndsItsOpenMpWorkers) {
+  auto owned = std::make_unique<ReadingsClassifier>();
+  const ReadingsClassifier* classifier = owned.get();
+  ReadingsServer served(std::move(owned), LaneThreadsOptions(2));
+  ASSERT_NE(served.engine(), nullptr);
+  const int idle = test_util::ProcessThreadCount();
+  for (const int64_t readings : {100, 1000, 100}) {  // the short lane, the long one, the short one again
+    const absl::StatusOr<server::InferenceResult> result = served.Classify(readings, models::BudgetRequest{});
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(classifier->threads_in_last_batch(), idle + 1) << readings << " readings: the batch thread's worker";
+    EXPECT_EQ(test_util::WaitForProcessThreadCountAtMost(idle, absl::Seconds(10)), idle)
+        << "an OpenMP worker outlived the answer to " << readings << " readings";
+  }
 }
 
 // The slack is the nearest-rank quantile of the last `window` lateness values, checked against a sort.

@@ -202,4 +202,24 @@ int WaitForExit(pid_t pid, absl::Duration bound) {
   return -1;
 }
 
+int ProcessThreadCount() {
+  std::error_code error;
+  int threads = 0;
+  for (std::filesystem::directory_iterator it("/proc/self/task", error), end; !error && it != end;
+       it.increment(error)) {
+    ++threads;
+  }
+  return error ? -1 : threads;
+}
+
+int WaitForProcessThreadCountAtMost(int threads, absl::Duration bound) {
+  const absl::Time give_up = absl::Now() + bound;
+  int now = ProcessThreadCount();
+  while (now > threads && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(5));
+    now = ProcessThreadCount();
+  }
+  return now;
+}
+
 }  // namespace mita::test_util

@@ -1,7 +1,7 @@
 // Helpers shared by the GoogleTest binaries of tests/ (library mita_test_util: GoogleTest, Abseil, zlib and the
-// Fashion-MNIST reader; no LibTorch, no gRPC): where the sources and the model repository are, files and
-// temporary folders, status expectations, real test images and PNG chunks, an HTTP GET over loopback, and a
-// child process with its log. The helpers for in-process servers are in server_test_util.h.
+// Fashion-MNIST reader; no LibTorch, no gRPC): where the sources and the model repository are, files and temporary
+// folders, status expectations, real test images and PNG chunks, an HTTP GET over loopback, a child process with its
+// log, and this process's thread count. The helpers for in-process servers are in server_test_util.h.
 #pragma once
 
 #include <cstdlib>
@@ -92,5 +92,12 @@ int WaitForLogPort(const std::string& log_path, const std::string& pattern, absl
 
 // Waits for `pid` to exit within `bound`; returns its wait status, or -1 (after killing it) on timeout.
 int WaitForExit(pid_t pid, absl::Duration bound);
+
+// The threads of this process now (the entries of /proc/self/task), or -1 when it cannot be read.
+int ProcessThreadCount();
+
+// Waits until this process has at most `threads` threads (a thread that was told to end may take a moment to go);
+// returns the count it saw last, after at most `bound`.
+int WaitForProcessThreadCountAtMost(int threads, absl::Duration bound);
 
 }  // namespace mita::test_util

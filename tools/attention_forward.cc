@@ -53,7 +53,7 @@ at::Tensor ReadTensor(const std::string& path, at::IntArrayRef shape, at::Scalar
 }  // namespace
 
 int main(int argc, char** argv) {
-  mita::kernels::ReexecWithPassiveOpenMpWaitIfUnset(argv);
+  mita::kernels::ReexecWithOpenMpWaitSettingsIfUnset(argv);
   absl::FlagsUsageConfig usage_config;
   usage_config.contains_help_flags = [](absl::string_view file) {
     return absl::EndsWith(file, "/attention_forward.cc");

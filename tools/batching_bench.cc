@@ -199,7 +199,7 @@ bool AsksForHelp(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  mita::kernels::ReexecWithPassiveOpenMpWaitIfUnset(argv);
+  mita::kernels::ReexecWithOpenMpWaitSettingsIfUnset(argv);
   absl::FlagsUsageConfig usage_config;
   usage_config.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "/batching_bench.cc"); };
   usage_config.contains_helpshort_flags = usage_config.contains_help_flags;

@@ -183,7 +183,7 @@ struct CaseResult {
 }  // namespace
 
 int main(int argc, char** argv) {
-  mita::kernels::ReexecWithPassiveOpenMpWaitIfUnset(argv);
+  mita::kernels::ReexecWithOpenMpWaitSettingsIfUnset(argv);
   absl::FlagsUsageConfig usage_config;
   usage_config.contains_help_flags = [](absl::string_view file) {
     return absl::EndsWith(file, "/benchmark_documents.cc");

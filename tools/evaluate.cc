@@ -60,7 +60,7 @@ double Milliseconds(Clock::duration d) { return std::chrono::duration<double, st
 }  // namespace
 
 int main(int argc, char** argv) {
-  mita::kernels::ReexecWithPassiveOpenMpWaitIfUnset(argv);
+  mita::kernels::ReexecWithOpenMpWaitSettingsIfUnset(argv);
   // --help lists the flags of this file (Abseil would look for a file named after the binary).
   absl::FlagsUsageConfig usage_config;
   usage_config.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "/evaluate.cc"); };

@@ -70,7 +70,7 @@ at::Tensor ReadImages(const std::string& path, const mita::models::VitConfig& co
 }  // namespace
 
 int main(int argc, char** argv) {
-  mita::kernels::ReexecWithPassiveOpenMpWaitIfUnset(argv);
+  mita::kernels::ReexecWithOpenMpWaitSettingsIfUnset(argv);
   absl::FlagsUsageConfig usage_config;
   usage_config.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "/forward.cc"); };
   usage_config.contains_helpshort_flags = usage_config.contains_help_flags;

@@ -203,6 +203,7 @@ double Median(std::vector<double> values) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  mita::kernels::ReexecWithOpenMpWaitSettingsIfUnset(argv);  // libgomp as mita-server starts it
   absl::SetProgramUsageMessage("Where one forward's time goes, phase by phase, beside its floor. Flags below.");
   absl::ParseCommandLine(argc, argv);
   mita::kernels::SetIntraOpThreads(absl::GetFlag(FLAGS_threads));

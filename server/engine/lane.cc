@@ -30,8 +30,9 @@ absl::StatusOr<std::unique_ptr<Lane>> Lane::Create(BatcherOptions batching, Plan
     if (self->intra_op_threads_ > 0) kernels::SetCallingThreadIntraOpThreads(self->intra_op_threads_);
     process(*self, std::move(batch));
   };
-  ASSIGN_OR_RETURN(lane->batcher_,
-                   DynamicBatcher<BatchTask>::Create(std::move(batching), std::move(run), clock, std::move(depth)));
+  const BatchThreadIdle idle{kIdleBatchThreadKeepsTeamFor, [] { kernels::ReleaseCallingThreadIntraOpTeam(); }};
+  ASSIGN_OR_RETURN(lane->batcher_, DynamicBatcher<BatchTask>::Create(std::move(batching), std::move(run), clock,
+                                                                     std::move(depth), idle));
   return lane;
 }
 

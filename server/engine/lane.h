@@ -61,6 +61,12 @@ inline int IntraOpThreadsPerBatchThread(int intra_op_threads, int batch_threads)
   return intra_op_threads > 0 ? std::max(1, intra_op_threads / std::max(1, batch_threads)) : 0;
 }
 
+// How long a lane's batch thread, with nothing queued, keeps its OpenMP team before it ends it
+// (kernels::ReleaseCallingThreadIntraOpTeam): kept, its workers would stop every other lane's workers from spinning;
+// ended at once, the next batch would pay for a new team, which costs more than the gap between the batches of a
+// steady stream (measured: docs/kernels.md, "Why the server did not move, and the fix").
+inline constexpr absl::Duration kIdleBatchThreadKeepsTeamFor = absl::Milliseconds(100);
+
 // Where a queued task is: its lane and its ticket there.
 struct QueueTicket {
   Lane* lane = nullptr;
@@ -72,10 +78,11 @@ class Lane {
   // Runs one released batch on a batch thread (ModelRunner's execution).
   using ProcessBatch = std::function<void(Lane& lane, Batch<BatchTask> batch)>;
 
-  // Starts the lane's batch threads, each running its forwards on `intra_op_threads` threads (0: as the process
-  // set them; kernels::SetCallingThreadIntraOpThreads). `cost` is the lane's own cost model (its correction learns
-  // from this lane's batches, which may run on other thread counts than another lane's); `clock` must outlive it;
-  // `depth` (optional) hears every change of the queue depth. Errors: INVALID_ARGUMENT for invalid options.
+  // Starts the lane's batch threads, each running its forwards on `intra_op_threads` threads (0: as the process set
+  // them; kernels::SetCallingThreadIntraOpThreads) and ending its OpenMP team when idle (kIdleBatchThreadKeepsTeamFor).
+  // `cost` is the lane's own cost model (its correction learns from this lane's batches, which may run on other thread
+  // counts than another lane's); `clock` must outlive it; `depth` (optional) hears every change of the queue depth.
+  // Errors: INVALID_ARGUMENT for invalid options.
   static absl::StatusOr<std::unique_ptr<Lane>> Create(BatcherOptions batching, PlanningOptions planning,
                                                       std::unique_ptr<CostModel> cost, int intra_op_threads,
                                                       const Clock* clock, ProcessBatch process,

@@ -6,12 +6,20 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/runtime_environment.h"
 
 namespace mita::server {
 
 PreparationPool::PreparationPool(int threads, int64_t capacity, std::string capacity_source)
     : capacity_(std::max<int64_t>(capacity, 1)), capacity_source_(std::move(capacity_source)) {
-  for (int i = 0; i < std::max(threads, 1); ++i) threads_.emplace_back([this] { Run(); });
+  for (int i = 0; i < std::max(threads, 1); ++i) {
+    threads_.emplace_back([this] {
+      // One intra-op thread: preparations run beside the forwards, and a team of their own would oversubscribe the
+      // cores and keep libgomp's workers from spinning for the forwards (kernels/runtime_environment.h).
+      kernels::SetCallingThreadIntraOpThreads(1);
+      Run();
+    });
+  }
 }
 
 PreparationPool::~PreparationPool() { Shutdown(); }

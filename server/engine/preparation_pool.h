@@ -16,7 +16,8 @@
 
 namespace mita::server {
 
-// A fixed set of threads running jobs in FIFO order. Thread-safe.
+// A fixed set of threads running jobs in FIFO order, each on one intra-op thread (LibTorch ops in a job run serially).
+// Thread-safe.
 class PreparationPool {
  public:
   // Starts `threads` (>= 1) threads; at most `capacity` (>= 1) jobs wait at once, named by `capacity_source`

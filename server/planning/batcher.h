@@ -230,6 +230,14 @@ struct QueueDepthChange {
 };
 using QueueDepthListener = std::function<void(const QueueDepthChange&)>;
 
+// What a batch thread does once it has found nothing queued for `after` since its last batch (e.g. give back what
+// its batches held: server/engine/lane.cc); `run` is called once per such idle spell, on that thread, with no
+// batcher lock held. Unset `run`: nothing.
+struct BatchThreadIdle {
+  absl::Duration after = absl::ZeroDuration();
+  std::function<void()> run;
+};
+
 // The batching policy: a bounded FIFO queue of tasks from which batches are taken. Deterministic: time is
 // passed in by the caller. Not thread-safe (DynamicBatcher guards it with a mutex).
 template <typename Task>
@@ -436,16 +444,19 @@ class DynamicBatcher {
   // Starts the batch threads. `clock` must outlive the batcher; the threads wait in real time for
   // (deadline - clock->Now()), so a clock that does not follow real time only makes sense with flushing.
   // `depth_listener` (optional) is called after every change of the queue depth, with the batcher's lock
-  // held: it must be cheap and must not call into the batcher.
-  // Errors: INVALID_ARGUMENT for invalid options or a null `process`.
+  // held: it must be cheap and must not call into the batcher. `idle` (optional): what a batch thread does when
+  // the queue has stayed empty for `idle.after` (real time) since its last batch.
+  // Errors: INVALID_ARGUMENT for invalid options, a null `process` or a negative `idle.after`.
   static absl::StatusOr<std::unique_ptr<DynamicBatcher>> Create(BatcherOptions options, ProcessBatchFn process,
                                                                 const Clock* clock = RealClock::Get(),
-                                                                QueueDepthListener depth_listener = nullptr) {
+                                                                QueueDepthListener depth_listener = nullptr,
+                                                                BatchThreadIdle idle = {}) {
     if (absl::Status status = ValidateBatcherOptions(options); !status.ok()) return status;
     if (!process) return absl::InvalidArgumentError("process callback is null");
     if (clock == nullptr) return absl::InvalidArgumentError("clock is null");
-    std::unique_ptr<DynamicBatcher> batcher(
-        new DynamicBatcher(std::move(options), std::move(process), clock, std::move(depth_listener)));
+    if (idle.after < absl::ZeroDuration()) return absl::InvalidArgumentError("idle.after must be >= 0");
+    std::unique_ptr<DynamicBatcher> batcher(new DynamicBatcher(std::move(options), std::move(process), clock,
+                                                               std::move(depth_listener), std::move(idle)));
     batcher->Start();
     return batcher;
   }
@@ -532,12 +543,14 @@ class DynamicBatcher {
   const BatcherOptions& options() const { return options_; }
 
  private:
-  DynamicBatcher(BatcherOptions options, ProcessBatchFn process, const Clock* clock, QueueDepthListener listener)
+  DynamicBatcher(BatcherOptions options, ProcessBatchFn process, const Clock* clock, QueueDepthListener listener,
+                 BatchThreadIdle idle)
       : options_(options),
         queue_(std::move(options)),
         process_(std::move(process)),
         clock_(clock),
-        listener_(std::move(listener)) {}
+        listener_(std::move(listener)),
+        idle_(std::move(idle)) {}
 
   void Start() ABSL_LOCKS_EXCLUDED(join_mu_) {
     absl::MutexLock join_lock(&join_mu_);
@@ -550,9 +563,11 @@ class DynamicBatcher {
                                queue_.queued_compute_units()});
   }
 
-  // One batch thread: take due batches and process them; sleep until the next deadline or a Submit.
+  // One batch thread: take due batches and process them; sleep until the next deadline or a Submit (after
+  // `idle_.after` of an empty queue since its last batch, run `idle_.run` once).
   void Run() ABSL_LOCKS_EXCLUDED(mu_) {
     mu_.Lock();
+    bool idle_pending = false;  // a batch ran since the last idle_.run
     while (true) {
       const absl::Time now = clock_->Now();
       std::optional<Batch<Task>> batch = queue_.TakeBatch(now, /*flush=*/stopping_);
@@ -563,9 +578,19 @@ class DynamicBatcher {
         mu_.Unlock();
         process_(std::move(*batch));
         mu_.Lock();
+        idle_pending = static_cast<bool>(idle_.run);
         continue;
       }
       if (stopping_ && queue_.empty()) break;
+      if (idle_pending && queue_.empty()) {
+        if (cv_.WaitWithTimeout(&mu_, idle_.after) && queue_.empty() && !stopping_) {
+          idle_pending = false;
+          mu_.Unlock();
+          idle_.run();
+          mu_.Lock();
+        }
+        continue;
+      }
       const absl::Time deadline = queue_.NextDeadline();
       if (deadline == absl::InfiniteFuture()) {
         cv_.Wait(&mu_);
@@ -584,6 +609,7 @@ class DynamicBatcher {
   const ProcessBatchFn process_;
   const Clock* const clock_;
   const QueueDepthListener listener_;
+  const BatchThreadIdle idle_;
   absl::Mutex join_mu_ ABSL_ACQUIRED_AFTER(mu_);
   std::vector<std::thread> threads_ ABSL_GUARDED_BY(join_mu_);
 };

@@ -5,9 +5,9 @@
 // any code of the server runs, and a SIGTERM in that time would kill the process (exit by signal, not the
 // drain and exit 0 of any other time). This launcher links only libc, so within a millisecond of exec it
 // blocks SIGTERM, SIGINT and SIGHUP (SIGHUP unless it is ignored, as under nohup; the blocked mask and pending
-// signals survive execve: the server takes them with sigwait once it serves) and sets OMP_WAIT_POLICY=passive
-// unless set (OpenMP reads it when libgomp loads; idle threads then sleep instead of spinning), then executes the
-// server with the same arguments.
+// signals survive execve: the server takes them with sigwait once it serves) and sets OpenMP's wait settings
+// unless set (kernels/openmp_wait.h: libgomp reads them when it loads; idle threads spin briefly, then sleep), then
+// executes the server with the same arguments.
 #include <errno.h>
 #include <limits.h>
 #include <signal.h>
@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+#include "kernels/openmp_wait.h"
 
 int main(int argc, char** argv) {
   (void)argc;
@@ -26,7 +28,8 @@ int main(int argc, char** argv) {
   memset(&hangup, 0, sizeof(hangup));
   if (sigaction(SIGHUP, nullptr, &hangup) != 0 || hangup.sa_handler != SIG_IGN) sigaddset(&signals, SIGHUP);
   sigprocmask(SIG_BLOCK, &signals, nullptr);
-  setenv("OMP_WAIT_POLICY", "passive", /*overwrite=*/0);
+  setenv("OMP_WAIT_POLICY", mita::kernels::kOpenMpWaitPolicy, /*overwrite=*/0);
+  setenv("GOMP_SPINCOUNT", mita::kernels::kOpenMpSpinCount, /*overwrite=*/0);
   // mita-server-core in the folder of this binary's real path.
   char path[PATH_MAX];
   const ssize_t length = readlink("/proc/self/exe", path, sizeof(path) - 1);

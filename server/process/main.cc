@@ -262,7 +262,7 @@ int main(int argc, char** argv) {
   prctl(PR_SET_NAME, "mita-server", 0, 0, 0);
   // Blocked already, by the launcher or BlockShutdownSignals (the .preinit_array runs before any initialiser).
   sigset_t shutdown_signals = ShutdownSignals();
-  mita::kernels::ReexecWithPassiveOpenMpWaitIfUnset(argv);
+  mita::kernels::ReexecWithOpenMpWaitSettingsIfUnset(argv);
 
   google::protobuf::SetLogHandler(&RateLimitedProtobufLog);
   absl::SetProgramUsageMessage("Serves MiTA classifiers over gRPC. mita-server --model_repository=DIR [flags]");
@@ -481,6 +481,9 @@ int main(int argc, char** argv) {
                                                                       options.batching.max_batch_tokens)
                                   : mita::server::FindCostProfile(cost_profile_text, cost_profile_file,
                                                                   classifier.description());
+    // Loading and calibrating ran parallel regions on this thread, which runs no forward while serving: its OpenMP
+    // team would only keep the batch threads' workers from spinning (kernels/runtime_environment.h).
+    mita::kernels::ReleaseCallingThreadIntraOpTeam();
     if (!profile.ok()) {
       return absl::Status(profile.status().code(),
                           absl::StrCat(cost_profile_file.empty() ? "cost calibration: " : "flag --cost_profile: ",
