@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Speed side by side, in one run: our C++ forward against the peers a user would otherwise run (docs/peers.md).
 
-  OMP_WAIT_POLICY=passive /opt/mita/peers/bin/python scripts/bench_peers.py [--build build] [--rounds 2]
+  /opt/mita/peers/bin/python scripts/bench_peers.py [--build build] [--rounds 2]
 
 Images: timm's deit_tiny_patch16_224 and deit_small_patch16_224 (random weights, timm's initialisation) with the
 project's MiTA attention swapped in (tools/timm_mita.py), converted by tools/convert_timm_checkpoint.py; 224x224
@@ -23,20 +23,37 @@ Documents: the embedded linux-doc-mita model on 16,384 and 65,536 random token i
                   --child: one case in a process, after a 512-token warm-up)
   sdpa_full       the same weights in PyTorch (tools/mita_reference.py MitaDocument) with full attention computed
                   by PyTorch's fused scaled_dot_product_attention (its CPU flash-attention kernel)
-Every implementation runs on --threads intra-op threads (torch.set_num_threads, ONNX Runtime
-intra_op_num_threads without spinning, the C++ tools' --threads); run with OMP_WAIT_POLICY=passive, as mita-server
-runs (its C++ tools set it themselves). Rounds alternate the implementations (each round runs all of them, in reverse order every other
-round), so a shared machine's load hits all alike; medians over rounds are reported with their ratios to
+Every implementation runs on --threads intra-op threads (torch.set_num_threads, ONNX Runtime intra_op_num_threads with
+its default spinning, the C++ tools' --threads). The script starts itself again with OpenMP's wait settings as
+mita-server runs (kernels/openmp_wait.h, read from there; an explicit setting is kept), so eager PyTorch and our tools
+share libgomp's settings. Rounds alternate the implementations (each round runs all of them, in reverse order every
+other round), so a shared machine's load hits all alike; medians over rounds are reported with their ratios to
 eager_mita and onnxruntime (images) and sdpa_full (documents; --tokens "" leaves them out).
 """
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+
+def reexec_with_openmp_wait_settings():
+    """Starts this script again with kernels/openmp_wait.h's OMP_WAIT_POLICY and GOMP_SPINCOUNT where unset:
+    libgomp reads them once, when PyTorch loads it."""
+    header = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "openmp_wait.h")).read()
+    wanted = {"OMP_WAIT_POLICY": re.search(r'kOpenMpWaitPolicy\[\] = "(\w+)"', header).group(1),
+              "GOMP_SPINCOUNT": re.search(r'kOpenMpSpinCount\[\] = "(\w+)"', header).group(1)}
+    unset = {name: value for name, value in wanted.items() if name not in os.environ}
+    if unset:
+        os.execve(sys.executable, [sys.executable] + sys.argv, dict(os.environ, **unset))
+
+
+if __name__ == "__main__":
+    reexec_with_openmp_wait_settings()
 
 import numpy as np
 import onnxruntime
@@ -83,7 +100,6 @@ class ImageCase:
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = THREADS
         options.inter_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.onnx = onnxruntime.InferenceSession(onnx_path, options, providers=["CPUExecutionProvider"])
         self.check_agreement()
 
@@ -194,7 +210,8 @@ def main():
     THREADS, USE_TORCH_COMPILE = args.threads, args.compile
     torch.set_num_threads(THREADS)
     print(f"torch {torch.__version__}, timm {timm.__version__}, onnxruntime {onnxruntime.__version__}, "
-          f"{THREADS} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
+          f"{THREADS} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, "
+          f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '(unset)')}")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as work:
         cases = [ImageCase(name, int(heads), work, args.build)
