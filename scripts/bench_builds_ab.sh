@@ -25,7 +25,7 @@ LOAD_SECONDS="${LOAD_SECONDS:-4}"
 work="$(mktemp -d)"
 server_pid=""
 cleanup() {
-  if [ -n "$server_pid" ]; then kill -TERM "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi
+  stop_server "$server_pid"
   rm -rf "$work"
 }
 trap cleanup EXIT

@@ -22,7 +22,7 @@ export OMP_WAIT_POLICY=passive
 work="$(mktemp -d)"
 server_pid=""
 cleanup() {
-  [ -n "$server_pid" ] && { kill -TERM "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; }
+  stop_server "$server_pid"
   rm -rf "$work"
 }
 trap cleanup EXIT

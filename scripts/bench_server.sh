@@ -1,4 +1,6 @@
-# Sourced by the bench scripts. wait_for_server_port LOG [TRIES]: prints the gRPC port from mita-server's
+# Sourced by the bench scripts.
+
+# wait_for_server_port LOG [TRIES]: prints the gRPC port from mita-server's
 # "serving gRPC ... (port N;" log line in LOG once it appears, checking every 0.1 s up to TRIES times (600);
 # prints nothing when it never appears.
 wait_for_server_port() {
@@ -9,4 +11,12 @@ wait_for_server_port() {
     sleep 0.1
   done
   echo "$port"
+}
+
+# stop_server PID: sends mita-server PID SIGTERM and waits until it has drained and exited; nothing when PID is empty
+# or the process is gone (for the scripts' exit traps).
+stop_server() {
+  [ -n "$1" ] || return 0
+  kill -TERM "$1" 2>/dev/null || true
+  wait "$1" 2>/dev/null || true
 }

@@ -20,7 +20,7 @@ export OMP_WAIT_POLICY=passive
 work="$(mktemp -d)"
 server_pid=""
 finish() {
-  if [ -n "$server_pid" ]; then kill -TERM "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi
+  stop_server "$server_pid"
   rm -rf "$work"
 }
 trap finish EXIT
