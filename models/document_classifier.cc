@@ -7,7 +7,6 @@
 #include <utility>
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/gelu.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/nonzero.h>
@@ -271,11 +270,11 @@ absl::StatusOr<ClassifierOutput> DocumentClassifier::Forward(const at::Tensor& t
         // [1, H, N, d] -> [N, H, d] -> [N, C]
         merged.narrow(0, offsets[b], tokens).view({tokens, heads, head_dim}).copy_((*attention)[0].transpose(0, 1));
       }
-      x = x.add(kernels::Linear(merged, block.proj_weight, block.proj_bias));
+      x = kernels::Linear(merged, block.proj_weight, block.proj_bias, kernels::LinearEpilogue::AddResidual(x));
       const at::Tensor normed2 =
           at::layer_norm(x, {channels}, block.norm2_weight, block.norm2_bias, config_.layer_norm_eps);
-      const at::Tensor hidden = at::gelu(kernels::Linear(normed2, block.fc1_weight, block.fc1_bias), "none");
-      x = x.add(kernels::Linear(hidden, block.fc2_weight, block.fc2_bias));
+      const at::Tensor hidden = kernels::Linear(normed2, block.fc1_weight, block.fc1_bias, kernels::LinearEpilogue::Gelu());
+      x = kernels::Linear(hidden, block.fc2_weight, block.fc2_bias, kernels::LinearEpilogue::AddResidual(x));
     }
     drop_gone(x);
     logits = at::zeros({batch, config_.num_classes}, x.options());

@@ -9,7 +9,6 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/conv2d.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/gelu.h>
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/rand.h>
 #include <ATen/ops/stack.h>
@@ -291,11 +290,11 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
         kernels::AddDepthwiseConvolution(patch_values, block.dwc_weight, block.dwc_bias, grid, grid,
                                          merged.narrow(1, 1, tokens - 1));
       }
-      x = x.add(kernels::Linear(merged, block.proj_weight, block.proj_bias));
+      x = kernels::Linear(merged, block.proj_weight, block.proj_bias, kernels::LinearEpilogue::AddResidual(x));
       const at::Tensor normed2 = at::layer_norm(x, {channels}, block.norm2_weight, block.norm2_bias,
                                                 config_.layer_norm_eps);
-      const at::Tensor hidden = at::gelu(kernels::Linear(normed2, block.fc1_weight, block.fc1_bias), "none");
-      x = x.add(kernels::Linear(hidden, block.fc2_weight, block.fc2_bias));
+      const at::Tensor hidden = kernels::Linear(normed2, block.fc1_weight, block.fc1_bias, kernels::LinearEpilogue::Gelu());
+      x = kernels::Linear(hidden, block.fc2_weight, block.fc2_bias, kernels::LinearEpilogue::AddResidual(x));
     }
     drop_gone(x);
     logits = at::zeros({batch, config_.num_classes}, x.options());

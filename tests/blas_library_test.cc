@@ -2,6 +2,7 @@
 // computed here by plain loops.
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -10,6 +11,7 @@
 #include <ATen/ops/linear.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -41,6 +43,17 @@ at::Tensor ReferenceLinear(const at::Tensor& input, const at::Tensor& weight, co
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = out;
   return y.reshape(shape);
+}
+
+// ReferenceLinear, then GELU (0.5 y (1 + erf(y / sqrt 2))) when `gelu`, then + residual when defined, in float64.
+at::Tensor ReferenceLinearWithEpilogue(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
+                                       bool gelu, const at::Tensor& residual) {
+  at::Tensor y = ReferenceLinear(input, weight, bias).contiguous();
+  if (gelu) {
+    double* values = y.data_ptr<double>();
+    for (int64_t i = 0; i < y.numel(); ++i) values[i] = 0.5 * values[i] * (1.0 + std::erf(values[i] / std::sqrt(2.0)));
+  }
+  return residual.defined() ? y.add(residual.to(at::kDouble)) : y;
 }
 
 double MaxRelativeError(const at::Tensor& actual, const at::Tensor& expected) {
@@ -163,6 +176,66 @@ TEST(Linear, LeavesWhatBlasCannotTakeToAtLinear) {
   EXPECT_THROW(Linear(at::randn({2, 5}), at::randn({6, 5}).to(at::kDouble), at::Tensor()), c10::Error);
   EXPECT_THROW(Linear(at::randn({2, 5}), at::randn({6, 4}), at::Tensor()), c10::Error);
   EXPECT_THROW(Linear(at::randn({2, 5}), at::randn({6, 5}), at::randn({7})), c10::Error);
+}
+
+TEST(Linear, EpiloguesMatchFloat64) {
+  // Rows: a 197-token image, several fill tasks with a remainder (1100), fewer rows than threads.
+  for (const auto& [rows, in, out] :
+       std::vector<std::array<int64_t, 3>>{{197, 192, 768}, {1100, 64, 128}, {1, 3, 2}, {3, 8, 5}}) {
+    const at::Tensor x = at::randn({rows, in});
+    const at::Tensor w = at::randn({out, in});
+    const at::Tensor b = at::randn({out});
+    const at::Tensor residual = at::randn({out, rows}).t();  // [rows, out], not contiguous
+    for (const bool gelu : {false, true}) {
+      for (const bool with_residual : {false, true}) {
+        for (const bool with_bias : {false, true}) {
+          const at::Tensor bias = with_bias ? b : at::Tensor();
+          const LinearEpilogue epilogue{gelu, with_residual ? residual : at::Tensor()};
+          const at::Tensor y = Linear(x, w, bias, epilogue);
+          EXPECT_EQ(y.sizes(), (std::vector<int64_t>{rows, out}));
+          EXPECT_LT(MaxRelativeError(y, ReferenceLinearWithEpilogue(x, w, bias, gelu, epilogue.residual)), 1e-5)
+              << rows << " x " << in << " x " << out << ", gelu " << gelu << ", residual " << with_residual
+              << ", bias " << with_bias;
+        }
+      }
+    }
+  }
+}
+
+TEST(Linear, EpiloguesRunOnInferenceTensorsAndInFloat64) {
+  // The models run under InferenceMode: the epilogue updates an inference tensor in place.
+  const c10::InferenceMode inference;
+  const at::Tensor x = at::randn({2, 600, 32});
+  const at::Tensor w = at::randn({48, 32});
+  const at::Tensor b = at::randn({48});
+  const at::Tensor residual = at::randn({2, 600, 48});
+  const at::Tensor y = Linear(x, w, b, LinearEpilogue::Gelu());
+  EXPECT_LT(MaxRelativeError(y, ReferenceLinearWithEpilogue(x, w, b, true, at::Tensor())), 1e-5);
+  const at::Tensor xd = x.to(at::kDouble), wd = w.to(at::kDouble), bd = b.to(at::kDouble);
+  const at::Tensor rd = residual.to(at::kDouble);
+  const at::Tensor yd = Linear(xd, wd, bd, LinearEpilogue{true, rd});
+  EXPECT_EQ(yd.scalar_type(), at::kDouble);
+  EXPECT_LT(MaxRelativeError(yd, ReferenceLinearWithEpilogue(xd, wd, bd, true, rd)), 1e-12);
+}
+
+TEST(Linear, EpiloguesOffTheBlasPathAndAResidualOfTheWrongShape) {
+  // A gradient to record: at::linear, at::gelu and at::add, with their graph.
+  const at::Tensor w = at::randn({6, 5}).requires_grad_();
+  const at::Tensor x = at::randn({4, 5});
+  const at::Tensor b = at::randn({6});
+  const at::Tensor residual = at::randn({4, 6});
+  const at::Tensor y = Linear(x, w, b, LinearEpilogue{true, residual});
+  EXPECT_TRUE(y.requires_grad());
+  EXPECT_LT(MaxRelativeError(y.detach(), ReferenceLinearWithEpilogue(x, w.detach(), b, true, residual)), 1e-5);
+  // The residual is the output's shape, never broadcast, on either path.
+  EXPECT_THROW(Linear(x, w, b, LinearEpilogue::AddResidual(at::randn({6}))), c10::Error);
+  EXPECT_THROW(Linear(x, w.detach(), b, LinearEpilogue::AddResidual(at::randn({6}))), c10::Error);
+  EXPECT_THROW(Linear(x, w.detach(), b, LinearEpilogue::AddResidual(at::randn({4, 7}))), c10::Error);
+  // No input features: the epilogue of the bias alone.
+  const at::Tensor from_bias = Linear(at::randn({4, 0}), at::randn({6, 0}), b, LinearEpilogue{true, residual});
+  EXPECT_LT(MaxRelativeError(from_bias, ReferenceLinearWithEpilogue(at::zeros({4, 1}), at::zeros({6, 1}), b, true,
+                                                                    residual)),
+            1e-6);
 }
 
 }  // namespace
