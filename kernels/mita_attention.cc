@@ -251,7 +251,16 @@ absl::StatusOr<at::Tensor> FullAttentionForward(const at::Tensor& q, const at::T
   if (absl::Status status = CheckQueryKeyValue(q, k, v); !status.ok()) return status;
   return RunWithoutThrowing("full attention", [&]() -> at::Tensor {
     at::NoGradGuard no_grad;
-    // On a CUDA device, and on the CPU when an item's scores are few (images: 4 heads x 50^2; DeiT: 3 x 197^2):
+    if (q.numel() > 0 && internal::UsesShortFullAttention(q)) {
+      // Short inputs on the CPU: each (item, head, block of queries) on one thread, the output in the heads-merged
+      // layout; `interrupt` asked once per item.
+      std::vector<int64_t> skipped;
+      for (int64_t b = 0; interrupt && b < q.size(0); ++b) {
+        if (interrupt(b)) skipped.push_back(b);
+      }
+      return internal::ShortFullAttentionCpu(q, k, v, skipped);
+    }
+    // On a CUDA device, and on the CPU in bfloat16 when an item's scores are few (images: 4 heads x 50^2):
     // LibTorch's fused scaled-dot-product attention (FlashAttention or memory-efficient attention on CUDA, its
     // flash kernel on the CPU, O(N) memory, parallel over items and heads), on the CPU in groups of items of at
     // most 2^24 scores, on CUDA on the whole batch. `interrupt` is asked once per item before its group starts.

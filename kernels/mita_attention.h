@@ -95,12 +95,15 @@ absl::StatusOr<at::Tensor> MitaAttentionForward(const at::Tensor& q, const at::T
 using AttentionInterrupt = std::function<bool(int64_t item)>;
 
 // Full softmax attention softmax(q k^T / sqrt(d)) v: the serving path for "full attention" budgets and, per
-// docs/design.md section 2.7, what MiTA equals with k = N and no compressed branch. It is LibTorch's fused
-// scaled-dot-product attention (at::scaled_dot_product_attention: FlashAttention or memory-efficient attention on
-// CUDA, the flash kernel on the CPU; O(N) memory, no N x N scores): on CUDA over the batch; on the CPU over groups
-// of items of at most 2^24 scores (H N^2 per item: images, short documents), and items with more (documents of
+// docs/design.md section 2.7, what MiTA equals with k = N and no compressed branch. On the CPU in float32 and
+// float64 up to 4,096 tokens (images, short documents), this project's own: per (item, head, block of queries) on
+// one thread, scores against all keys, softmax and output, with q, k, v read in place (full_attention_cpu.cc).
+// Otherwise LibTorch's fused scaled-dot-product attention (at::scaled_dot_product_attention: FlashAttention or
+// memory-efficient attention on CUDA, the flash kernel on the CPU; O(N) memory, no N x N scores): on CUDA over the
+// batch; on the CPU over groups of items of at most 2^24 scores (H N^2 per item), and items with more (documents of
 // thousands of tokens) one at a time in chunks of their queries against all their keys, at most 2^24 scores each.
-// q, k, v: [B, H, N, d], same shape, float32, float64 or bfloat16 -> new contiguous [B, H, N, d] of q's dtype.
+// q, k, v: [B, H, N, d], same shape, float32, float64 or bfloat16 -> new [B, H, N, d] of q's dtype: contiguous,
+// except from the short CPU path, whose memory is [B, N, H, d] (heads merged: transpose(1, 2) is contiguous).
 // `interrupt` (optional) is asked for each item before its group, or before each chunk of a long item; when it
 // answers true the rest of that item is skipped and its remaining output rows are 0 (the caller knows why it
 // stopped): a long input on the CPU stops within one chunk (2^24 scores, tens of ms) of its caller leaving.

@@ -109,6 +109,21 @@ inline at::Tensor WithContiguousRows(const at::Tensor& tensor) {
   return rows_contiguous && rows_apart ? tensor : tensor.contiguous();
 }
 
+// The most tokens FullAttentionForward computes with ShortFullAttentionCpu on the CPU: a block's scores against all
+// N keys stay within a core's L2 (128 x 4096 floats). Longer inputs go to LibTorch's flash kernel, which streams the
+// keys (docs/kernels.md, "Full attention on short inputs": the short path was the faster at every N measured).
+inline constexpr int64_t kMaxShortFullAttentionTokens = 4096;
+
+// Whether FullAttentionForward computes q's attention with ShortFullAttentionCpu: float32 or float64 on the CPU,
+// N <= kMaxShortFullAttentionTokens.
+bool UsesShortFullAttention(const at::Tensor& q);
+
+// Full softmax attention softmax(q k^T / sqrt(d)) v (full_attention_cpu.cc). q, k, v: [B, H, N, d], float32 or
+// float64 CPU tensors of one shape, read in place where their rows are contiguous. Returns [B, H, N, d] whose
+// memory is [B, N, H, d] (heads merged: transpose(1, 2) is contiguous). The items in `skipped_items` get zero rows.
+at::Tensor ShortFullAttentionCpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 absl::Span<const int64_t> skipped_items);
+
 // The token count of item `item` in a batch of N tokens (MitaItem::token_count, 0 = all N).
 inline int64_t ItemTokens(const MitaItem& item, int64_t tokens) {
   return item.token_count == 0 ? tokens : item.token_count;

@@ -293,7 +293,8 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
       x = kernels::Linear(merged, block.proj_weight, block.proj_bias, kernels::LinearEpilogue::AddResidual(x));
       const at::Tensor normed2 = at::layer_norm(x, {channels}, block.norm2_weight, block.norm2_bias,
                                                 config_.layer_norm_eps);
-      const at::Tensor hidden = kernels::Linear(normed2, block.fc1_weight, block.fc1_bias, kernels::LinearEpilogue::Gelu());
+      const at::Tensor hidden =
+          kernels::Linear(normed2, block.fc1_weight, block.fc1_bias, kernels::LinearEpilogue::Gelu());
       x = kernels::Linear(hidden, block.fc2_weight, block.fc2_bias, kernels::LinearEpilogue::AddResidual(x));
     }
     drop_gone(x);

@@ -684,23 +684,69 @@ TEST(FullAttention, MatchesLoop) {
   }
 }
 
-// On the CPU a batch whose scores pass 2^24 runs the fused kernel in groups of items (here 3 groups of 3: each
-// item has 4 x 1100^2 scores), each item's interrupt asked before its group.
+// Short inputs on the CPU (internal::UsesShortFullAttention): q, k and v read in place from a fused
+// [B, N, 3, H, d] qkv projection, several blocks of queries per head, the output in the heads-merged layout, and an
+// item whose caller left answered with zero rows; also at the longest input the path takes and one token more.
+TEST(FullAttention, ShortInputsReadAFusedQkvInPlaceAndStopTheirItems) {
+  for (at::ScalarType type : {at::kDouble, at::kFloat}) {
+    const Dims dims{3, 3, 197, 64};
+    const RandomProblem problem = MakeRandomProblem(dims, type, 33);
+    at::Tensor fused = at::empty({dims.batch, dims.tokens, 3, dims.heads, dims.head_dim}, problem.q.options());
+    fused.select(2, 0).copy_(problem.q.transpose(1, 2));
+    fused.select(2, 1).copy_(problem.k.transpose(1, 2));
+    fused.select(2, 2).copy_(problem.v.transpose(1, 2));
+    const at::Tensor q = fused.select(2, 0).transpose(1, 2), k = fused.select(2, 1).transpose(1, 2);
+    const at::Tensor v = fused.select(2, 2).transpose(1, 2);
+    ASSERT_TRUE(internal::UsesShortFullAttention(q));
+    std::vector<int64_t> asked;
+    absl::StatusOr<at::Tensor> output = FullAttentionForward(q, k, v, [&](int64_t item) {
+      asked.push_back(item);
+      return item == 1;
+    });
+    ASSERT_TRUE(output.ok()) << output.status();
+    EXPECT_EQ(asked, (std::vector<int64_t>{0, 1, 2}));
+    EXPECT_TRUE(output->transpose(1, 2).is_contiguous()) << "heads merged";
+    std::vector<double> expected = FullAttentionLoop(problem.q_values, problem.k_values, problem.v_values, dims);
+    const int64_t item_values = dims.heads * dims.tokens * dims.head_dim;
+    std::fill(expected.begin() + item_values, expected.begin() + 2 * item_values, 0.0);
+    EXPECT_LT(MaxAbsDifference(ToDoubles(*output), expected), type == at::kDouble ? 1e-12 : 1e-5);
+  }
+  for (const int64_t tokens : {internal::kMaxShortFullAttentionTokens, internal::kMaxShortFullAttentionTokens + 1}) {
+    const Dims dims{1, 2, tokens, 4};
+    const RandomProblem problem = MakeRandomProblem(dims, at::kDouble, 35);
+    EXPECT_EQ(internal::UsesShortFullAttention(problem.q), tokens <= internal::kMaxShortFullAttentionTokens);
+    absl::StatusOr<at::Tensor> output = FullAttentionForward(problem.q, problem.k, problem.v);
+    ASSERT_TRUE(output.ok()) << output.status();
+    EXPECT_LT(MaxAbsDifference(ToDoubles(*output),
+                               FullAttentionLoop(problem.q_values, problem.k_values, problem.v_values, dims)),
+              1e-12)
+        << tokens << " tokens";
+  }
+}
+
+// On the CPU a bfloat16 batch (float32 and float64 inputs of up to kMaxShortFullAttentionTokens take the short
+// path) whose scores pass 2^24 runs the fused kernel in groups of items (here 3 groups of 3: each item has
+// 4 x 1100^2 scores), each item's interrupt asked before its group.
 TEST(FullAttention, GroupsOfItemsMatchLoopAndStopTheirItems) {
   const Dims dims{9, 4, 1100, 4};
-  const RandomProblem problem = MakeRandomProblem(dims, at::kDouble, 23);
+  const RandomProblem problem = MakeRandomProblem(dims, at::kFloat, 23);
+  const at::Tensor q = problem.q.to(at::kBFloat16), k = problem.k.to(at::kBFloat16), v = problem.v.to(at::kBFloat16);
+  ASSERT_FALSE(internal::UsesShortFullAttention(q));
   std::vector<int64_t> asked;
-  absl::StatusOr<at::Tensor> output = FullAttentionForward(problem.q, problem.k, problem.v, [&](int64_t item) {
+  absl::StatusOr<at::Tensor> output = FullAttentionForward(q, k, v, [&](int64_t item) {
     asked.push_back(item);
     return item == 4;
   });
   ASSERT_TRUE(output.ok()) << output.status();
   EXPECT_EQ(asked, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8}));
   EXPECT_TRUE(output->is_contiguous());
-  std::vector<double> expected = FullAttentionLoop(problem.q_values, problem.k_values, problem.v_values, dims);
+  std::vector<double> expected = FullAttentionLoop(ToDoubles(q), ToDoubles(k), ToDoubles(v), dims);
   const int64_t item_values = dims.heads * dims.tokens * dims.head_dim;
   std::fill(expected.begin() + 4 * item_values, expected.begin() + 5 * item_values, 0.0);
-  EXPECT_LT(MaxAbsDifference(ToDoubles(*output), expected), 1e-12);
+  const std::vector<double> actual = ToDoubles(*output);
+  EXPECT_LT(MaxAbsDifference(actual, expected), 2e-2);
+  EXPECT_TRUE(std::all_of(actual.begin() + 4 * item_values, actual.begin() + 5 * item_values,
+                          [](double value) { return value == 0.0; }));
 }
 
 // An item of more than 2^24 scores runs in chunks of its queries (here 4,200 tokens, 1 head: chunks of 3,994
