@@ -29,7 +29,7 @@ struct HeadRows {
 
 template <typename T>
 HeadRows<T> RowsOf(const at::Tensor& tensor, int64_t item, int64_t head) {
-  return {tensor.data_ptr<T>() + item * tensor.stride(0) + head * tensor.stride(1), tensor.stride(2)};
+  return {tensor.data_ptr<T>() + item * tensor.stride(0) + head * tensor.stride(1), RowStride(tensor)};
 }
 
 // Queries [begin, end) of one (item, head): output rows at `out` (row stride out_stride), `scores` and

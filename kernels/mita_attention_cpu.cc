@@ -570,12 +570,6 @@ void MitaHead(const HeadProblem<T>& problem, HeadWorkspace<T>& work, HeadCounts*
   }
 }
 
-// Row stride (elements) of a [B, H, N, d] tensor from WithContiguousRows; d when N == 1 (any stride is valid
-// for a single row, BLAS needs one >= d).
-int64_t RowStride(const at::Tensor& tensor) {
-  return tensor.size(2) == 1 ? tensor.size(3) : tensor.stride(2);
-}
-
 template <typename T>
 at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_input, const at::Tensor& v_input,
                                  absl::Span<const MitaItem> items, std::vector<MitaItemStatistics>* statistics,

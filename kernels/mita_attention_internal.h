@@ -109,6 +109,12 @@ inline at::Tensor WithContiguousRows(const at::Tensor& tensor) {
   return rows_contiguous && rows_apart ? tensor : tensor.contiguous();
 }
 
+// Row stride (elements) of a [B, H, N, d] tensor from WithContiguousRows, for BLAS: d when N == 1 (any stride is
+// valid for a single row, BLAS needs one >= d).
+inline int64_t RowStride(const at::Tensor& tensor) {
+  return tensor.size(2) == 1 ? tensor.size(3) : tensor.stride(2);
+}
+
 // The most tokens FullAttentionForward computes with ShortFullAttentionCpu on the CPU: a block's scores against all
 // N keys stay within a core's L2 (128 x 4096 floats). Longer inputs go to LibTorch's flash kernel, which streams the
 // keys (docs/kernels.md, "Full attention on short inputs": the short path was as fast or faster from 50 to 4,096).

@@ -711,6 +711,11 @@ TEST(FullAttention, ShortInputsReadAFusedQkvInPlaceAndStopTheirItems) {
     std::fill(expected.begin() + item_values, expected.begin() + 2 * item_values, 0.0);
     EXPECT_LT(MaxAbsDifference(ToDoubles(*output), expected), type == at::kDouble ? 1e-12 : 1e-5);
   }
+  // One token whose row stride is below d (valid for a single row; BLAS takes a leading dimension >= d only).
+  const at::Tensor one = at::randn({2, 3, 8}, at::kDouble).as_strided({2, 3, 1, 8}, {24, 8, 1, 1});
+  absl::StatusOr<at::Tensor> single = FullAttentionForward(one, one, one);
+  ASSERT_TRUE(single.ok()) << single.status();
+  EXPECT_TRUE(single->equal(one)) << "one key: the output is its value";
   for (const int64_t tokens : {internal::kMaxShortFullAttentionTokens, internal::kMaxShortFullAttentionTokens + 1}) {
     const Dims dims{1, 2, tokens, 4};
     const RandomProblem problem = MakeRandomProblem(dims, at::kDouble, 35);
