@@ -20,6 +20,9 @@ namespace mita::kernels::internal {
 
 namespace {
 
+// Queries per block: at least kMinBlockRows, at most kMaxBlockRows (their scores stay in a core's L2).
+constexpr int64_t kMinBlockRows = 16, kMaxBlockRows = 128;
+
 // The rows of one (item, head) of a [B, H, N, d] tensor with contiguous rows (WithContiguousRows).
 template <typename T>
 struct HeadRows {
@@ -55,9 +58,7 @@ template <typename T>
 void ShortFullAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& merged,
                         absl::Span<const int64_t> skipped_items) {
   const int64_t batch = q.size(0), heads = q.size(1), tokens = q.size(2), head_dim = q.size(3);
-  // Blocks of queries: enough tasks for every thread twice over, blocks of at least kMinBlockRows queries and at
-  // most kMaxBlockRows (their scores stay in a core's L2).
-  constexpr int64_t kMinBlockRows = 16, kMaxBlockRows = 128;
+  // Blocks of queries: enough tasks for every thread twice over, within the bounds above.
   const int64_t wanted_blocks = (2 * at::get_num_threads() + batch * heads - 1) / (batch * heads);
   const int64_t block_rows =
       std::clamp<int64_t>((tokens + wanted_blocks - 1) / wanted_blocks, kMinBlockRows, kMaxBlockRows);
@@ -84,7 +85,7 @@ void ShortFullAttention(const at::Tensor& q, const at::Tensor& k, const at::Tens
 
 bool UsesShortFullAttention(const at::Tensor& q) {
   return q.device().is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble) &&
-         q.size(2) <= kMaxShortFullAttentionTokens;
+         q.size(2) <= kMaxShortFullAttentionTokens && BlasLibrary::Get().has_thread_local_threads();
 }
 
 at::Tensor ShortFullAttentionCpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

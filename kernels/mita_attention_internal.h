@@ -121,7 +121,9 @@ inline int64_t RowStride(const at::Tensor& tensor) {
 inline constexpr int64_t kMaxShortFullAttentionTokens = 4096;
 
 // Whether FullAttentionForward computes q's attention with ShortFullAttentionCpu: float32 or float64 on the CPU,
-// N <= kMaxShortFullAttentionTokens.
+// N <= kMaxShortFullAttentionTokens, and a BLAS that runs each block's GEMMs on the calling thread at any size
+// (BlasLibrary::has_thread_local_threads: MKL). OpenBLAS threads any product over 64^3 multiply-adds itself, and
+// blocks small enough to stay on one thread lost to the flash kernel (docs/kernels.md).
 bool UsesShortFullAttention(const at::Tensor& q);
 
 // Full softmax attention softmax(q k^T / sqrt(d)) v (full_attention_cpu.cc). q, k, v: [B, H, N, d], float32 or
