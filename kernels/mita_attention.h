@@ -96,8 +96,9 @@ using AttentionInterrupt = std::function<bool(int64_t item)>;
 
 // Full softmax attention softmax(q k^T / sqrt(d)) v: the serving path for "full attention" budgets and, per
 // docs/design.md section 2.7, what MiTA equals with k = N and no compressed branch. On the CPU in float32 and
-// float64 up to 4,096 tokens (images, short documents) with MKL as the BLAS, this project's own: per (item, head, block of queries) on
-// one thread, scores against all keys, softmax and output, with q, k, v read in place (full_attention_cpu.cc).
+// float64 up to 4,096 tokens (images, short documents) with MKL as the BLAS, this project's own: per (item, head,
+// block of queries) on one thread, scores against all keys, softmax and output, with q, k, v read in place
+// (full_attention_cpu.cc).
 // Otherwise LibTorch's fused scaled-dot-product attention (at::scaled_dot_product_attention: FlashAttention or
 // memory-efficient attention on CUDA, the flash kernel on the CPU; O(N) memory, no N x N scores): on CUDA over the
 // batch; on the CPU over groups of items of at most 2^24 scores (H N^2 per item), and items with more (documents of
