@@ -22,13 +22,7 @@ models=("$@")
 BUILD="${BUILD:-build}"
 ROUNDS="${ROUNDS:-2}"
 LOAD_SECONDS="${LOAD_SECONDS:-4}"
-work="$(mktemp -d)"
-server_pid=""
-cleanup() {
-  stop_server "$server_pid"
-  rm -rf "$work"
-}
-trap cleanup EXIT
+start_bench_work
 "$BUILD/tools/mita-export-images" --split=t10k --count=64 --out="$work/images" >/dev/null
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 field() { sed -n "s/.* $1=\([0-9.]*\).*/\1/p" "$2" | head -1; }

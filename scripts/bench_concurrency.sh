@@ -19,13 +19,7 @@ IN_FLIGHT="${IN_FLIGHT:-1000}"
 servers=("$@")
 [ ${#servers[@]} -gt 0 ] || servers=("$BUILD/server/mita-server")
 export OMP_WAIT_POLICY=passive
-work="$(mktemp -d)"
-server_pid=""
-cleanup() {
-  stop_server "$server_pid"
-  rm -rf "$work"
-}
-trap cleanup EXIT
+start_bench_work
 
 "$BUILD/tools/mita-export-images" --split=t10k --count=200 --out="$work/images" >/dev/null
 sed 's/^\([^,]*\),.*/image,\1/' "$work/images/manifest.csv" > "$work/inputs.csv"

@@ -20,3 +20,11 @@ stop_server() {
   kill -TERM "$1" 2>/dev/null || true
   wait "$1" 2>/dev/null || true
 }
+
+# start_bench_work: makes the temporary folder $work and sets server_pid=""; at exit, stops the server whose PID the
+# script left in $server_pid (stop_server) and removes $work.
+start_bench_work() {
+  work="$(mktemp -d)"
+  server_pid=""
+  trap 'stop_server "$server_pid"; rm -rf "$work"' EXIT
+}

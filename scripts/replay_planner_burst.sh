@@ -17,13 +17,7 @@ PROBES="${PROBES:-120}"
 TARGET_MS="${TARGET_MS:-150}"
 PORT="${PORT:-0}"
 export OMP_WAIT_POLICY=passive
-work="$(mktemp -d)"
-server_pid=""
-finish() {
-  stop_server "$server_pid"
-  rm -rf "$work"
-}
-trap finish EXIT
+start_bench_work
 
 # Token ids 3 .. 999 (inside every embedded document model's vocabulary).
 for tokens in 65536 32768 16384; do
