@@ -9,10 +9,13 @@
 // -Wpsabi note about it concerns no call that exists).
 #include "kernels/cpu_row_primitives.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <iterator>
 #include <limits>
+#include <vector>
 
 namespace mita::kernels::internal {
 namespace {
@@ -49,7 +52,8 @@ inline __attribute__((always_inline)) float HorizontalMax(FloatVector v) {
   return v[0];
 }
 
-inline __attribute__((always_inline)) float HorizontalSum(FloatVector v) {
+template <typename Vector>
+inline __attribute__((always_inline)) auto HorizontalSum(Vector v) {
   v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
@@ -89,7 +93,13 @@ inline __attribute__((always_inline)) T MaxOfBody(const T* values, int64_t count
 // MaxOf of floats: whole vectors, the last one overlapping the one before where 16 does not divide count (a value
 // counted twice does not change a maximum).
 inline __attribute__((always_inline)) float MaxOfFloats(const float* values, int64_t count) {
-  if (count < kVectorFloats) return MaxOfBody(values, count);
+  if (count < kVectorFloats) {
+    // One vector, the lanes past the row holding its first value.
+    float padded[kVectorFloats];
+    std::fill_n(padded, kVectorFloats, values[0]);
+    std::copy_n(values, count, padded);
+    return HorizontalMax(LoadFloats(padded));
+  }
   FloatVector maxima = LoadFloats(values + count - kVectorFloats);
   for (int64_t j = 0; j + kVectorFloats <= count; j += kVectorFloats) {
     maxima = MaxOfVectors(maxima, LoadFloats(values + j));
@@ -165,24 +175,22 @@ inline __attribute__((always_inline)) FloatVector ExpOfArguments(FloatVector val
 
 inline __attribute__((always_inline)) float ExpAndSumOfFloats(float* values, int64_t count, float multiplier,
                                                               float shift) {
+  LaneVector lane;
+  for (int32_t l = 0; l < kVectorFloats; ++l) lane[l] = l;
   if (count < kVectorFloats) {
-    for (int64_t j = 0; j < count; ++j) {
-      const float argument = values[j] * multiplier - shift;
-      values[j] = argument < kFastExpMin ? kFastExpMin : argument;
-    }
-    float sum = 0;
-    for (int64_t j = 0; j < count; ++j) {
-      values[j] = FastExp(values[j]);
-      sum += values[j];
-    }
-    return sum;
+    // One vector (the logits rows of small budgets, M + k < 16): the lanes past the row are computed and dropped.
+    float padded[kVectorFloats] = {};
+    std::copy_n(values, count, padded);
+    const FloatVector exponentials = ExpOfArguments(LoadFloats(padded), multiplier, shift);
+    const FloatVector kept = lane < static_cast<int32_t>(count) ? exponentials : FloatVector{};
+    StoreFloats(padded, kept);
+    std::copy_n(padded, count, values);
+    return HorizontalSum(kept);
   }
   // The last 16 values, taken before the whole vectors overwrite any of them; only the lanes past the last whole
   // vector are summed (the others are stored again with the same exponentials).
   const int64_t tail = count % kVectorFloats, last = count - kVectorFloats;
   const FloatVector last_exponentials = ExpOfArguments(LoadFloats(values + last), multiplier, shift);
-  LaneVector lane;
-  for (int32_t l = 0; l < kVectorFloats; ++l) lane[l] = l;
   const LaneVector first_tail_lane = LaneVector{} + static_cast<int32_t>(kVectorFloats - tail);
   FloatVector sums = tail == 0 ? FloatVector{} : (lane >= first_tail_lane ? last_exponentials : FloatVector{});
   for (int64_t j = 0; j + kVectorFloats <= count; j += kVectorFloats) {
@@ -219,15 +227,72 @@ inline __attribute__((always_inline)) uint64_t AboveMaskOfFloats(const float* va
   return static_cast<uint64_t>(HorizontalOr(low)) | (static_cast<uint64_t>(HorizontalOr(high)) << 32);
 }
 
-// A plain loop that GCC vectorises (a comparison is a lane mask).
-template <typename T>
-inline __attribute__((always_inline)) void RanksByTieRuleBody(const T* scores, int32_t count, int32_t* ranks) {
-  for (int32_t i = 0; i < count; ++i) {
-    const T own = scores[i];
-    int32_t higher = 0;
-    for (int32_t j = 0; j < count; ++j) higher += (scores[j] > own) | ((scores[j] == own) & (j < i));
-    ranks[i] = higher;
+
+// The order-preserving key of each lane's float bits: a < b as floats (no NaN; -0 below +0) exactly when key(a) <
+// key(b) as unsigned integers. Negative floats have every bit flipped, the others only the sign bit.
+inline __attribute__((always_inline)) WordVector OrderedKeys(FloatVector values) {
+  const LaneVector bits = reinterpret_cast<LaneVector>(values);
+  return reinterpret_cast<WordVector>(bits ^ ((bits >> 31) | std::numeric_limits<int32_t>::min()));
+}
+
+// How many of keys[0, vectors * kVectorFloats) are at or above `key`.
+inline __attribute__((always_inline)) int64_t CountKeysAtLeast(const uint32_t* keys, int64_t vectors, uint32_t key) {
+  const WordVector limit = WordVector{} + key;
+  LaneVector counts{};
+  for (int64_t j = 0; j < vectors; ++j) {
+    WordVector group;
+    std::memcpy(&group, keys + j * kVectorFloats, sizeof group);
+    counts -= group >= limit;
   }
+  return HorizontalSum(counts);
+}
+
+// The least of keys[0, vectors * kVectorFloats) at or above `key` (one exists).
+inline __attribute__((always_inline)) uint32_t LeastKeyAtLeast(const uint32_t* keys, int64_t vectors, uint32_t key) {
+  const WordVector limit = WordVector{} + key;
+  const WordVector none = WordVector{} + std::numeric_limits<uint32_t>::max();
+  WordVector least = none;
+  for (int64_t j = 0; j < vectors; ++j) {
+    WordVector group;
+    std::memcpy(&group, keys + j * kVectorFloats, sizeof group);
+    group = group >= limit ? group : none;
+    least = least < group ? least : group;
+  }
+  for (int32_t l = 1; l < kVectorFloats; ++l) least[0] = least[0] < least[l] ? least[0] : least[l];
+  return least[0];
+}
+
+// KthHighest of floats. The values' keys are written once to a thread's buffer, padded to whole vectors with key 0
+// (below every candidate tried); then the highest key with at least `rank` keys at or above it, built bit by bit
+// from the top, is the rank-th highest value's key. A candidate with exactly `rank` keys at or above it ends the
+// search early: the least of those is the answer (distinct values settle a few bits below their leading ones).
+inline __attribute__((always_inline)) float KthHighestOfFloats(const float* values, int64_t count, int64_t rank) {
+  thread_local std::vector<uint32_t> key_buffer;
+  const int64_t vectors = (count + kVectorFloats - 1) / kVectorFloats;
+  if (static_cast<int64_t>(key_buffer.size()) < vectors * kVectorFloats) key_buffer.resize(vectors * kVectorFloats);
+  uint32_t* keys = key_buffer.data();
+  for (int64_t j = 0; j + kVectorFloats <= count; j += kVectorFloats) {
+    const WordVector group = OrderedKeys(LoadFloats(values + j));
+    std::memcpy(keys + j, &group, sizeof group);
+  }
+  for (int64_t j = count / kVectorFloats * kVectorFloats; j < vectors * kVectorFloats; ++j) {
+    uint32_t bits = 0;
+    if (j < count) std::memcpy(&bits, values + j, sizeof bits);
+    keys[j] = j < count ? bits ^ ((bits >> 31) != 0 ? 0xFFFFFFFFu : 0x80000000u) : 0;
+  }
+  uint32_t key = 0;
+  for (uint32_t bit = uint32_t{1} << 31; bit != 0; bit >>= 1) {
+    const int64_t at_least = CountKeysAtLeast(keys, vectors, key | bit);
+    if (at_least == rank) {
+      key = LeastKeyAtLeast(keys, vectors, key | bit);
+      break;
+    }
+    if (at_least > rank) key |= bit;
+  }
+  const uint32_t bits = (key & 0x80000000u) != 0 ? key ^ 0x80000000u : ~key;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
 }
 
 // One set of the float primitives, compiled with `TARGET` (an attribute, or nothing for the baseline), in
@@ -246,12 +311,12 @@ inline __attribute__((always_inline)) void RanksByTieRuleBody(const T* scores, i
     UnnormalisedSoftmaxRowsOfFloats(rows, count, length, stride, inverse_sums);                                    \
   }                                                                                                                \
   TARGET uint64_t AboveMask(const float* values, float threshold) { return AboveMaskOfFloats(values, threshold); } \
-  TARGET void RanksByTieRule(const float* scores, int32_t count, int32_t* ranks) {                                 \
-    RanksByTieRuleBody(scores, count, ranks);                                                                      \
+  TARGET float KthHighest(const float* values, int64_t count, int64_t rank) {                                      \
+    return KthHighestOfFloats(values, count, rank);                                                                \
   }                                                                                                                \
   bool CpuRuns() { return CPU_RUNS; }                                                                              \
-  constexpr FloatRowPrimitives kSet = {TARGET_NAME,    &CpuRuns,   &MaxOf,          &FirstArgmaxRows,             \
-                                       &ExpAndSum,     &UnnormalisedSoftmaxRows,     &AboveMask, &RanksByTieRule}; \
+  constexpr FloatRowPrimitives kSet = {TARGET_NAME, &CpuRuns,   &MaxOf,          &FirstArgmaxRows,                \
+                                       &ExpAndSum,  &UnnormalisedSoftmaxRows,   &AboveMask, &KthHighest};          \
   }  // namespace NAME
 
 MITA_FLOAT_ROW_SET(avx512, "avx512f", __attribute__((target("avx512f"))), __builtin_cpu_supports("avx512f"))
@@ -300,6 +365,11 @@ uint64_t AboveMask(const double* values, double threshold) {
   return mask;
 }
 
-void RanksByTieRule(const double* scores, int32_t count, int32_t* ranks) { RanksByTieRuleBody(scores, count, ranks); }
+
+double KthHighest(const double* values, int64_t count, int64_t rank) {
+  std::vector<double> copy(values, values + count);
+  std::nth_element(copy.begin(), copy.begin() + (rank - 1), copy.end(), std::greater<double>());
+  return copy[rank - 1];
+}
 
 }  // namespace mita::kernels::internal

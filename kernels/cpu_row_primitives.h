@@ -1,6 +1,6 @@
 // The CPU kernel's vector row primitives (kernels/mita_attention_cpu.cc): the loops over one row of scores or
 // logits whose speed matters at small widths (maximum, first argmax, exp and sum, the unnormalised softmax, the
-// threshold mask of the running top-k, ranks by the tie rule), and FastExp. The float ones are written on 16-float
+// threshold mask of the running top-k, the k-th highest of a row), and FastExp. The float ones are written on 16-float
 // GCC vectors and compiled once per instruction set (AVX-512, AVX2 and the x86-64 baseline, FloatRowSets); the
 // kernel calls the widest set this CPU runs (FloatRows, chosen once), and the tests run every set this CPU runs.
 // The double ones (float64 inputs, for tests and the reference) are plain loops.
@@ -64,7 +64,7 @@ struct FloatRowPrimitives {
   void (*unnormalised_softmax_rows)(float* rows, int64_t count, int64_t length, int64_t stride,
                                     float* inverse_sums);
   uint64_t (*above_mask)(const float* values, float threshold);
-  void (*ranks_by_tie_rule)(const float* scores, int32_t count, int32_t* ranks);
+  float (*kth_highest)(const float* values, int64_t count, int64_t rank);
 };
 
 // Every compiled set, the widest first; the last (the baseline) runs on every x86-64 CPU.
@@ -110,11 +110,14 @@ void UnnormalisedSoftmaxRows(double* rows, int64_t count, int64_t length, int64_
 inline uint64_t AboveMask(const float* values, float threshold) { return FloatRows().above_mask(values, threshold); }
 uint64_t AboveMask(const double* values, double threshold);
 
-// ranks[i] = how many of scores[0, count) rank higher than score i by the tie rule (higher score, then lower
-// index); no NaN scores. count^2 comparisons: for few keys.
-inline void RanksByTieRule(const float* scores, int32_t count, int32_t* ranks) {
-  FloatRows().ranks_by_tie_rule(scores, count, ranks);
+// The rank-th highest of values[0, count), 1 <= rank <= count, no NaN values (equal to the value at position
+// rank - 1 of a descending sort). float: a bitwise search over the values' order-preserving 32-bit keys (kept in a
+// buffer of the calling thread), one vectorised count of the keys at or above a candidate per bit, instead of a
+// selection whose every comparison is a branch (the running top-k of a single key block); double:
+// std::nth_element on a copy.
+inline float KthHighest(const float* values, int64_t count, int64_t rank) {
+  return FloatRows().kth_highest(values, count, rank);
 }
-void RanksByTieRule(const double* scores, int32_t count, int32_t* ranks);
+double KthHighest(const double* values, int64_t count, int64_t rank);
 
 }  // namespace mita::kernels::internal

@@ -76,8 +76,9 @@ enum class MitaBackend {
 // q, k, v: [B, H, N, d] (the same shape), float32, float64 or bfloat16 (the same dtype; the CPU kernel computes
 // bfloat16 in float32 and rounds its output once), on one device. Any strides: slices of
 // a fused [B, N, 3, H, d] qkv projection are read in place; other layouts are copied once. items: B entries
-// (B = 0 gives an empty output). Returns a new contiguous [B, H, N, d] tensor of q's dtype: the attention
-// output before the head merge and output projection. Softmaxes accumulate in the input's precision with the
+// (B = 0 gives an empty output). Returns a new [B, H, N, d] tensor of q's dtype: the attention output before the
+// head merge and output projection; from the CPU kernel its memory is [B, N, H, d] (heads merged: transpose(1, 2)
+// is contiguous), from the others contiguous. Softmaxes accumulate in the input's precision with the
 // maximum subtracted. When `statistics` is not null it is resized to B and filled per item.
 // The CPU kernel runs (item, head) pairs in parallel on at::get_num_threads() threads; its result does not
 // depend on the thread count.

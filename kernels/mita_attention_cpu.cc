@@ -1,6 +1,6 @@
 // Production CPU MiTA forward (docs/design.md section 2; arXiv 2602.01219), float32 and float64. The algorithm,
 // top-down; its two lower layers are kernels/cpu_blas.h (the GEMMs on raw buffers) and kernels/cpu_row_primitives.h
-// (the vectorised loops over one row: max, first argmax, exp and sum, softmax, top-k threshold mask, ranks).
+// (the vectorised loops over one row: max, first argmax, exp and sum, softmax, top-k threshold mask, k-th highest).
 //
 // Work is split over (batch item, head) pairs with at::parallel_for; each pair runs MitaHead on raw pointers to
 // contiguous rows of d values (q, k, v each with its own row stride, so a fused qkv projection is read in
@@ -13,8 +13,8 @@
 //      score first, then lower key index"; a key that cannot beat the current k-th best is never stored (blocks of
 //      64 scores are tested against it at once, giving a bit mask of the keys that enter; the k-th best is
 //      refreshed before a key block once over 2k candidates gathered). When all keys fit one block (no
-//      compaction), the selection runs on plain scores and one pass in key order takes the keys above the k-th
-//      score and the lowest-index ties, already sorted.
+//      compaction), the k-th highest score comes from a vectorised bitwise search (KthHighest) and one pass in key
+//      order takes the keys above it and the lowest-index ties, already sorted.
 //   3-4. by query tiles (a few thousand queries, QueryTileRows: their query, gate and output rows stay in the
 //      cache, so the random gathers and scatters of step 4 cost the same per query at any N):
 //   3. gate: G = Q l^T of the tile (GEMM by query blocks), e(n) = first argmax; queries counted per expert.
@@ -80,10 +80,11 @@ struct HeadProblem {
   const T* keys;       // [N, d], row stride key_stride
   const T* values;     // [N, d], row stride value_stride
   const T* landmarks;  // [M, d], contiguous
-  T* output;           // [N, d], contiguous
+  T* output;           // [N, d], row stride output_stride
   int64_t query_stride;
   int64_t key_stride;
   int64_t value_stride;
+  int64_t output_stride;
   int64_t tokens;
   int64_t head_dim;
   int64_t expert_count;
@@ -92,9 +93,6 @@ struct HeadProblem {
   bool small_input_path;    // MitaForwardOptions::small_input_path
   int64_t query_tile_rows;  // MitaForwardOptions::query_tile_rows
 };
-
-// Most keys whose top-k is selected by counting ranks (RanksByTieRule: count^2 comparisons).
-constexpr int64_t kRankSelectionMaxKeys = 64;
 
 template <typename T>
 struct Candidate {
@@ -109,16 +107,17 @@ bool RanksHigher(const Candidate<T>& a, const Candidate<T>& b) {
   return a.score > b.score || (a.score == b.score && a.index < b.index);
 }
 
-// Running top-k of one landmark's scores, fed key blocks in increasing key index. Reusable: Reset keeps the
-// buffer's capacity.
+// Running top-k of one landmark's scores, fed key blocks in increasing key index from key 0. Reusable: Reset keeps
+// the buffers' capacity. Until the first compaction the scores are kept as a plain row in key order (a key's index
+// is its position); after it, as (score, index) candidates above a threshold.
 template <typename T>
 class TopKSelector {
  public:
   void Reset(int64_t width) {
     width_ = width;
+    scores_in_key_order_.clear();
     candidates_.clear();
     has_threshold_ = false;
-    in_index_order_ = true;
   }
 
   // scores[j] is the score of key first_index + j; keys arrive in increasing index order.
@@ -128,7 +127,13 @@ class TopKSelector {
     // most groups (compacting only past k + key_block candidates left it stale: at m = k = 64, about one key in
     // 16 entered and nearly every group was walked; docs/kernels.md, "Fourth round"). A single block is never
     // compacted, so Finish can select it in key order.
-    if (static_cast<int64_t>(candidates_.size()) > 2 * width_) KeepBest();
+    if (!has_threshold_ && static_cast<int64_t>(scores_in_key_order_.size()) > 2 * width_) {
+      candidates_.clear();
+      for (size_t j = 0; j < scores_in_key_order_.size(); ++j) Push(scores_in_key_order_[j], static_cast<int64_t>(j));
+      KeepBest();
+    } else if (has_threshold_ && static_cast<int64_t>(candidates_.size()) > 2 * width_) {
+      KeepBest();
+    }
     if (has_threshold_) {
       // A later key has a higher index, so it enters only with a score strictly above the current k-th best
       // (a NaN score never does).
@@ -144,9 +149,12 @@ class TopKSelector {
         if (scores[j] > threshold_) Push(scores[j], first_index + j);
       }
     } else {
+      // A NaN score (NaN in the inputs) ranks below every number: keeps the order total; the output is NaN.
+      const size_t size = scores_in_key_order_.size();
+      scores_in_key_order_.resize(size + count);
+      T* target = scores_in_key_order_.data() + size;
       for (int64_t j = 0; j < count; ++j) {
-        // A NaN score (NaN in the inputs) ranks below every number: keeps the order total; the output is NaN.
-        Push(std::isnan(scores[j]) ? -std::numeric_limits<T>::infinity() : scores[j], first_index + j);
+        target[j] = scores[j] != scores[j] ? -std::numeric_limits<T>::infinity() : scores[j];
       }
     }
   }
@@ -154,48 +162,38 @@ class TopKSelector {
   // The selected keys in ascending index order (at most `width`; exactly `width` once all N keys were added).
   void Finish(std::vector<int64_t>* keys) {
     keys->clear();
-    const int64_t count = static_cast<int64_t>(candidates_.size());
-    if (!in_index_order_) {
+    if (has_threshold_) {
       // Compacted before: select by the full order, then sort the keys.
-      if (count > width_) KeepBest();
+      if (static_cast<int64_t>(candidates_.size()) > width_) KeepBest();
       for (const Candidate<T>& candidate : candidates_) keys->push_back(candidate.index);
       std::sort(keys->begin(), keys->end());
       return;
     }
-    // Never compacted (every input of at most one key block): the candidates are in key order, so one pass in
-    // that order after finding the width-th highest score t yields the keys sorted. Every key above t is
-    // selected, and of the keys at t the lowest indices (the tie rule). Selecting on plain scores is several
-    // times cheaper than on (score, index) pairs: this is most of the top-k cost at N = 50.
+    // Never compacted (every input of at most one key block): the scores are in key order, so one pass in that
+    // order after finding the width-th highest score t yields the keys sorted. Every key above t is selected, and
+    // of the keys at t the lowest indices (the tie rule).
+    const T* scores = scores_in_key_order_.data();
+    const int64_t count = static_cast<int64_t>(scores_in_key_order_.size());
     if (count <= width_) {
-      for (const Candidate<T>& candidate : candidates_) keys->push_back(candidate.index);
+      for (int64_t j = 0; j < count; ++j) keys->push_back(j);
       return;
     }
-    if (count <= kRankSelectionMaxKeys) {
-      // Few keys (N = 50 at the image model): each key's rank by counting, branch-free and vectorised, instead
-      // of a selection whose every comparison is a branch.
-      scores_.resize(count);
-      for (int64_t j = 0; j < count; ++j) scores_[j] = candidates_[j].score;
-      ranks_.resize(count);
-      RanksByTieRule(scores_.data(), static_cast<int32_t>(count), ranks_.data());
-      for (int64_t j = 0; j < count; ++j) {
-        if (ranks_[j] < width_) keys->push_back(candidates_[j].index);
-      }
-      return;
-    }
-    scores_.resize(count);
-    for (int64_t j = 0; j < count; ++j) scores_[j] = candidates_[j].score;
-    std::nth_element(scores_.begin(), scores_.begin() + (width_ - 1), scores_.end(), std::greater<T>());
-    const T threshold = scores_[width_ - 1];
+    const T threshold = KthHighest(scores, count, width_);
     int64_t ties_to_take = width_;
-    for (const Candidate<T>& candidate : candidates_) ties_to_take -= candidate.score > threshold ? 1 : 0;
-    for (const Candidate<T>& candidate : candidates_) {
-      if (candidate.score > threshold) {
-        keys->push_back(candidate.index);
-      } else if (candidate.score == threshold && ties_to_take > 0) {
-        keys->push_back(candidate.index);
+    for (int64_t j = 0; j < count; ++j) ties_to_take -= scores[j] > threshold ? 1 : 0;
+    for (int64_t j = 0; j < count; ++j) {
+      if (scores[j] > threshold) {
+        keys->push_back(j);
+      } else if (scores[j] == threshold && ties_to_take > 0) {
+        keys->push_back(j);
         --ties_to_take;
       }
     }
+  }
+
+  // Bytes its buffers hold.
+  size_t CapacityBytes() const {
+    return scores_in_key_order_.capacity() * sizeof(T) + candidates_.capacity() * sizeof(Candidate<T>);
   }
 
  private:
@@ -212,20 +210,23 @@ class TopKSelector {
     candidates_.resize(width_);
     threshold_ = candidates_[width_ - 1].score;  // the k-th best so far: every kept key ranks at least as high
     has_threshold_ = true;
-    in_index_order_ = false;
   }
 
   int64_t width_ = 1;
-  std::vector<Candidate<T>> candidates_;
-  std::vector<T> scores_;        // Finish's copy of the candidates' scores
-  std::vector<int32_t> ranks_;  // Finish's ranks of the candidates (few keys)
+  std::vector<T> scores_in_key_order_;  // before the first compaction: every score so far, NaN as -infinity
+  std::vector<Candidate<T>> candidates_;  // after it: the keys above the threshold
   bool has_threshold_ = false;
-  bool in_index_order_ = true;  // no KeepBest since Reset: candidates_ is in increasing key index
   T threshold_ = 0;
 };
 
-// Buffers of MitaHead, kept across the (item, head) pairs one thread runs so they are allocated (and their
-// pages touched) once. Every field is (re)sized by MitaHead before use.
+template <typename U>
+size_t CapacityBytesOf(const std::vector<U>& buffer) {
+  return buffer.capacity() * sizeof(U);
+}
+
+// Buffers of MitaHead, kept across the (item, head) pairs one thread runs, and across calls while small
+// (ThreadWorkspace), so they are allocated (and their pages touched) once. Every field is (re)sized by MitaHead
+// before use.
 template <typename T>
 struct HeadWorkspace {
   std::vector<TopKSelector<T>> selectors;         // [M]
@@ -249,7 +250,34 @@ struct HeadWorkspace {
   std::vector<T> dense_scores;                    // small inputs: [N, N], q K^T
   std::vector<T> dense_weights;                   // small inputs: [N, N], routed softmax weights
   std::vector<T> compressed_weights;              // small inputs: [N, M], shared-expert weights
+
+  size_t CapacityBytes() const {
+    size_t bytes = CapacityBytesOf(selectors) + CapacityBytesOf(expert_keys);
+    for (const TopKSelector<T>& selector : selectors) bytes += selector.CapacityBytes();
+    for (const std::vector<int64_t>& keys : expert_keys) bytes += CapacityBytesOf(keys);
+    for (const auto* buffer : {&block_scores, &shared_output, &running_max, &running_sum, &gate, &expert_key_rows,
+                               &expert_value_rows, &chunk_queries, &logits, &chunk_output, &inverse_sums,
+                               &dense_scores, &dense_weights, &compressed_weights}) {
+      bytes += CapacityBytesOf(*buffer);
+    }
+    for (const auto* buffer : {&expert_of_query, &expert_offsets, &next_slot, &query_order}) {
+      bytes += CapacityBytesOf(*buffer);
+    }
+    return bytes + CapacityBytesOf(selections);
+  }
 };
+
+// Most bytes a thread's workspace keeps between calls: the buffers of the budgets and lengths served most (an image
+// model's heads, a document head at m = k = 64) outlive the call, those of a very large budget are freed with it.
+constexpr size_t kKeptWorkspaceBytes = size_t{8} << 20;
+
+// The calling thread's workspace: reused by its next call, so a call on a short input (a few hundred tokens) does not
+// spend its time in malloc and in growing vectors (docs/kernels.md, "The MiTA kernel on short inputs").
+template <typename T>
+HeadWorkspace<T>& ThreadWorkspace() {
+  thread_local HeadWorkspace<T> workspace;
+  return workspace;
+}
 
 // Rows ahead that the query gather and the output scatter of step 4 prefetch: their rows are in expert order,
 // scattered over the tile, so the hardware prefetcher cannot predict them.
@@ -405,9 +433,9 @@ void RoutedExpertOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work, i
       }
       for (int64_t r = 0; r < count; ++r) {
         if (r + kPrefetchRows < count) {
-          PrefetchRow(problem.output + chunk_order[r + kPrefetchRows] * head_dim, head_dim, true);
+          PrefetchRow(problem.output + chunk_order[r + kPrefetchRows] * problem.output_stride, head_dim, true);
         }
-        T* target = problem.output + chunk_order[r] * head_dim;
+        T* target = problem.output + chunk_order[r] * problem.output_stride;
         const T* source = work.chunk_output.data() + r * head_dim;
         for (int64_t c = 0; c < head_dim; ++c) target[c] = source[c] * work.inverse_sums[r];
       }
@@ -450,9 +478,9 @@ void SmallInputOutput(const HeadProblem<T>& problem, HeadWorkspace<T>& work) {
     for (int64_t j = 0; j < width; ++j) weights[all_keys ? j : keys[j]] = row[expert_count + j] * inverse_sum;
   }
   MatmulAccumulate(work.compressed_weights.data(), expert_count, work.shared_output.data(), head_dim, problem.output,
-                   head_dim, tokens, head_dim, expert_count, /*accumulate=*/false);
-  MatmulAccumulate(work.dense_weights.data(), tokens, problem.values, problem.value_stride, problem.output, head_dim,
-                   tokens, head_dim, tokens, /*accumulate=*/true);
+                   problem.output_stride, tokens, head_dim, expert_count, /*accumulate=*/false);
+  MatmulAccumulate(work.dense_weights.data(), tokens, problem.values, problem.value_stride, problem.output,
+                   problem.output_stride, tokens, head_dim, tokens, /*accumulate=*/true);
 }
 
 template <typename T>
@@ -578,7 +606,9 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
   const int64_t batch = q.size(0), heads = q.size(1), tokens = q.size(2), head_dim = q.size(3);
   std::vector<at::Tensor> landmarks(batch);
   for (int64_t b = 0; b < batch; ++b) landmarks[b] = items[b].landmarks.contiguous();
-  at::Tensor output = at::empty(q.sizes(), q.options());
+  // The output is written heads-merged, [B, N, H, d], and returned as a [B, H, N, d] view: a model's head merge
+  // ([B, N, H d]) is then a view, not a copy.
+  at::Tensor output = at::empty({batch, tokens, heads, head_dim}, q.options());
 
   std::vector<HeadCounts> counts(batch * heads);
   if (options.routing != nullptr) options.routing->assign(batch * heads, MitaHeadRouting{});
@@ -588,13 +618,13 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
   const T* k_data = k.data_ptr<T>();
   const T* v_data = v.data_ptr<T>();
   T* output_data = output.data_ptr<T>();
-  const int64_t head_size = tokens * head_dim;
+  const int64_t output_stride = heads * head_dim;  // between tokens of one head in the [B, N, H, d] output
   // Element offset of (item b, head h) in a [B, H, N, d] tensor.
   auto head_offset = [](const at::Tensor& tensor, int64_t b, int64_t h) {
     return b * tensor.stride(0) + h * tensor.stride(1);
   };
   at::parallel_for(0, batch * heads, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
-    HeadWorkspace<T> workspace;
+    HeadWorkspace<T>& workspace = ThreadWorkspace<T>();
     OneThreadBlas one_thread_blas;
     for (int64_t task = begin; task < end; ++task) {
       PhaseClock clock(options.phase_seconds != nullptr ? (*options.phase_seconds)[task].data() : nullptr);
@@ -602,15 +632,17 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
       const int64_t expert_count = landmarks[b].size(1);
       const int64_t item_tokens = ItemTokens(items[b], tokens);
       // Padding rows of a shorter item: zero output.
-      std::fill(output_data + task * head_size + item_tokens * head_dim, output_data + (task + 1) * head_size, T(0));
+      T* head_output = output_data + b * tokens * output_stride + h * head_dim;
+      for (int64_t n = item_tokens; n < tokens; ++n) std::fill_n(head_output + n * output_stride, head_dim, T(0));
       HeadProblem<T> problem{q_data + head_offset(q, b, h),
                              k_data + head_offset(k, b, h),
                              v_data + head_offset(v, b, h),
                              landmarks[b].data_ptr<T>() + h * expert_count * head_dim,
-                             output_data + task * head_size,
+                             head_output,
                              RowStride(q),
                              RowStride(k),
                              RowStride(v),
+                             output_stride,
                              item_tokens,
                              head_dim,
                              expert_count,
@@ -623,6 +655,7 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
       MitaHead(problem, workspace, &counts[task],
                options.routing != nullptr ? &(*options.routing)[task] : nullptr, clock);
     }
+    if (workspace.CapacityBytes() > kKeptWorkspaceBytes) workspace = HeadWorkspace<T>();
   });
 
   if (statistics != nullptr) {
@@ -632,7 +665,7 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
           AverageOverHeads(absl::MakeConstSpan(counts).subspan(b * heads, heads), ItemTokens(items[b], tokens));
     }
   }
-  return output;
+  return output.transpose(1, 2);
 }
 
 }  // namespace

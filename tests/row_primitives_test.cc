@@ -1,7 +1,8 @@
 // The CPU kernel's vector row primitives (kernels/cpu_row_primitives.h), every compiled set this CPU runs
 // (AVX-512, AVX2, the baseline) against plain loops: lengths around the vector width (a short row, whole
-// vectors, an overlapping last vector), NaNs and ties for the first argmax, the tie rule of the ranks. The kernel
-// is also tested end to end (kernels_test); these tests name the set and the primitive that breaks.
+// vectors, an overlapping last vector), NaNs and ties for the first argmax, ties and both zeros for the k-th
+// highest. The kernel is also tested end to end (kernels_test); these tests name the set and the primitive that
+// breaks.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -152,21 +153,31 @@ TEST(FloatRowSets, AboveMask) {
   }
 }
 
-TEST(FloatRowSets, RanksByTieRule) {
-  std::mt19937 random(5);
+// The rank-th highest: the value at position rank - 1 of a descending sort, on rows of distinct values, of many ties,
+// of both zeros and of infinities.
+TEST(FloatRowSets, KthHighest) {
+  std::mt19937 random(6);
   std::uniform_int_distribution<int> small(-3, 3);
   for (const FloatRowPrimitives& set : RunnableSets()) {
-    for (int32_t count : {1, 2, 16, 17, 50, 64}) {
-      std::vector<float> scores(static_cast<size_t>(count));
-      for (float& x : scores) x = static_cast<float>(small(random));
-      std::vector<int32_t> ranks(static_cast<size_t>(count), -1);
-      set.ranks_by_tie_rule(scores.data(), count, ranks.data());
-      // The ranks are the positions of a stable descending sort (higher score, then lower index).
-      std::vector<int32_t> order(static_cast<size_t>(count));
-      for (int32_t i = 0; i < count; ++i) order[i] = i;
-      std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return scores[a] > scores[b]; });
-      for (int32_t position = 0; position < count; ++position) {
-        EXPECT_EQ(ranks[order[position]], position) << set.target << " count " << count;
+    for (int64_t length : kLengths) {
+      for (int kind = 0; kind < 3; ++kind) {
+        std::vector<float> row = RandomRow(random, length, -1e3f, 1e3f);
+        if (kind >= 1) {
+          for (float& x : row) x = static_cast<float>(small(random));
+        }
+        if (kind == 2) {
+          for (size_t j = 0; j < row.size(); ++j) {
+            if (row[j] == 0) row[j] = j % 2 == 0 ? -0.0f : 0.0f;
+            if (row[j] == 3) row[j] = std::numeric_limits<float>::infinity();
+            if (row[j] == -3) row[j] = -std::numeric_limits<float>::infinity();
+          }
+        }
+        std::vector<float> sorted = row;
+        std::sort(sorted.begin(), sorted.end(), [](float a, float b) { return a > b; });
+        for (int64_t rank = 1; rank <= length; ++rank) {
+          EXPECT_EQ(set.kth_highest(row.data(), length, rank), sorted[rank - 1])
+              << set.target << " length " << length << " kind " << kind << " rank " << rank;
+        }
       }
     }
   }
@@ -181,9 +192,8 @@ TEST(DoubleRows, MatchTheirDefinitions) {
   EXPECT_EQ(index, 1);
   std::vector<double> logits = {0, -1, -2};
   EXPECT_NEAR(ExpAndSum(logits.data(), 3, 1.0, 0.0), 1 + std::exp(-1.0) + std::exp(-2.0), 1e-15);
-  std::vector<int32_t> ranks(4);
-  RanksByTieRule(row.data(), 4, ranks.data());
-  EXPECT_EQ(ranks, (std::vector<int32_t>{2, 0, 3, 1}));
+  EXPECT_EQ(KthHighest(row.data(), 4, 2), 3);
+  EXPECT_EQ(KthHighest(row.data(), 4, 3), 1);
 }
 
 // The CPU kernel's vectorisable float exp: within 2e-7 relative of the float64 exp on its whole range.
