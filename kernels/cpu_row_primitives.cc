@@ -40,7 +40,22 @@ inline __attribute__((always_inline)) void StoreFloats(float* values, FloatVecto
 
 inline __attribute__((always_inline)) FloatVector Broadcast(float value) { return FloatVector{} + value; }
 
-inline __attribute__((always_inline)) FloatVector MaxOfVectors(FloatVector a, FloatVector b) { return a > b ? a : b; }
+template <typename Vector>
+inline __attribute__((always_inline)) Vector MaxOfVectors(Vector a, Vector b) {
+  return a > b ? a : b;
+}
+
+// Half vectors, 8 floats (one AVX2 register): rows of 8 to 15 values.
+constexpr int64_t kHalfVectorFloats = kVectorFloats / 2;
+using HalfFloatVector = float __attribute__((vector_size(kHalfVectorFloats * sizeof(float))));
+using HalfWordVector = uint32_t __attribute__((vector_size(kHalfVectorFloats * sizeof(float))));
+using HalfLaneVector = int32_t __attribute__((vector_size(kHalfVectorFloats * sizeof(float))));
+
+inline __attribute__((always_inline)) HalfFloatVector LoadHalfFloats(const float* values) {
+  HalfFloatVector vector;
+  std::memcpy(&vector, values, sizeof vector);
+  return vector;
+}
 
 // Lane 0 of the result is the maximum (HorizontalMax), the sum (HorizontalSum), the least (HorizontalMin) or the
 // bitwise or (HorizontalOr) of the 16 lanes: four halving steps.
@@ -94,11 +109,14 @@ inline __attribute__((always_inline)) T MaxOfBody(const T* values, int64_t count
 // counted twice does not change a maximum).
 inline __attribute__((always_inline)) float MaxOfFloats(const float* values, int64_t count) {
   if (count < kVectorFloats) {
-    // One vector, the lanes past the row holding its first value.
-    float padded[kVectorFloats];
-    std::fill_n(padded, kVectorFloats, values[0]);
-    std::copy_n(values, count, padded);
-    return HorizontalMax(LoadFloats(padded));
+    if (count < kHalfVectorFloats) return MaxOfBody(values, count);
+    // Two overlapping half vectors (a row copied into a padded vector on the stack is read back before its narrower
+    // stores retire: slower than the scalar loop).
+    const HalfFloatVector maxima =
+        MaxOfVectors(LoadHalfFloats(values), LoadHalfFloats(values + count - kHalfVectorFloats));
+    float maximum = maxima[0];
+    for (int32_t l = 1; l < kHalfVectorFloats; ++l) maximum = maximum > maxima[l] ? maximum : maxima[l];
+    return maximum;
   }
   FloatVector maxima = LoadFloats(values + count - kVectorFloats);
   for (int64_t j = 0; j + kVectorFloats <= count; j += kVectorFloats) {
@@ -173,20 +191,45 @@ inline __attribute__((always_inline)) FloatVector ExpOfArguments(FloatVector val
   return FastExpOf<FloatVector, WordVector>(arguments < lowest ? lowest : arguments);
 }
 
+inline __attribute__((always_inline)) HalfFloatVector HalfExpOfArguments(HalfFloatVector values, float multiplier,
+                                                                         float shift) {
+  const HalfFloatVector arguments = values * multiplier - shift;
+  const HalfFloatVector lowest = HalfFloatVector{} + kFastExpMin;
+  return FastExpOf<HalfFloatVector, HalfWordVector>(arguments < lowest ? lowest : arguments);
+}
+
 inline __attribute__((always_inline)) float ExpAndSumOfFloats(float* values, int64_t count, float multiplier,
                                                               float shift) {
+  if (count < kVectorFloats) {
+    if (count < kHalfVectorFloats) {
+      for (int64_t j = 0; j < count; ++j) {
+        const float argument = values[j] * multiplier - shift;
+        values[j] = argument < kFastExpMin ? kFastExpMin : argument;
+      }
+      float sum = 0;
+      for (int64_t j = 0; j < count; ++j) {
+        values[j] = FastExp(values[j]);
+        sum += values[j];
+      }
+      return sum;
+    }
+    // The logits rows of small budgets (M + k in [8, 16)): two overlapping half vectors, both computed before either
+    // is stored; of the second, only the lanes past the first are summed.
+    const HalfFloatVector head = HalfExpOfArguments(LoadHalfFloats(values), multiplier, shift);
+    const HalfFloatVector tail =
+        HalfExpOfArguments(LoadHalfFloats(values + count - kHalfVectorFloats), multiplier, shift);
+    HalfLaneVector lane;
+    for (int32_t l = 0; l < kHalfVectorFloats; ++l) lane[l] = l;
+    const HalfFloatVector sums =
+        head + (lane >= static_cast<int32_t>(2 * kHalfVectorFloats - count) ? tail : HalfFloatVector{});
+    std::memcpy(values + count - kHalfVectorFloats, &tail, sizeof tail);
+    std::memcpy(values, &head, sizeof head);
+    float sum = 0;
+    for (int32_t l = 0; l < kHalfVectorFloats; ++l) sum += sums[l];
+    return sum;
+  }
   LaneVector lane;
   for (int32_t l = 0; l < kVectorFloats; ++l) lane[l] = l;
-  if (count < kVectorFloats) {
-    // One vector (the logits rows of small budgets, M + k < 16): the lanes past the row are computed and dropped.
-    float padded[kVectorFloats] = {};
-    std::copy_n(values, count, padded);
-    const FloatVector exponentials = ExpOfArguments(LoadFloats(padded), multiplier, shift);
-    const FloatVector kept = lane < static_cast<int32_t>(count) ? exponentials : FloatVector{};
-    StoreFloats(padded, kept);
-    std::copy_n(padded, count, values);
-    return HorizontalSum(kept);
-  }
   // The last 16 values, taken before the whole vectors overwrite any of them; only the lanes past the last whole
   // vector are summed (the others are stored again with the same exponentials).
   const int64_t tail = count % kVectorFloats, last = count - kVectorFloats;
