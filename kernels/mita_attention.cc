@@ -146,10 +146,17 @@ at::Tensor GridLandmarksOnCpu(const at::Tensor& q, int64_t rows, int64_t columns
       const int64_t last_column = ((window_column + 1) * columns + pool_columns - 1) / pool_columns;  // exclusive
       const T* head = q_data + b * q.stride(0) + h * q.stride(1);
       std::fill(sums.begin(), sums.end(), T(0));
+      T* __restrict__ window_sums = sums.data();
       for (int64_t row = first_row; row < last_row; ++row) {
         for (int64_t column = first_column; column < last_column; ++column) {
           const T* token = head + (row * columns + column) * row_stride;
-          for (int64_t c = 0; c < head_dim; ++c) sums[c] += token[c * value_stride];
+          if (value_stride == 1) {
+            // Contiguous channels (a fused qkv projection's rows): a loop the compiler vectorises, each channel's sum
+            // still in token order.
+            for (int64_t c = 0; c < head_dim; ++c) window_sums[c] += token[c];
+          } else {
+            for (int64_t c = 0; c < head_dim; ++c) window_sums[c] += token[c * value_stride];
+          }
         }
       }
       const T count = static_cast<T>((last_row - first_row) * (last_column - first_column));
