@@ -270,7 +270,6 @@ inline __attribute__((always_inline)) uint64_t AboveMaskOfFloats(const float* va
   return static_cast<uint64_t>(HorizontalOr(low)) | (static_cast<uint64_t>(HorizontalOr(high)) << 32);
 }
 
-
 // The order-preserving key of each lane's float bits: a < b as floats (no NaN; -0 below +0) exactly when key(a) <
 // key(b) as unsigned integers. Negative floats have every bit flipped, the others only the sign bit.
 inline __attribute__((always_inline)) WordVector OrderedKeys(FloatVector values) {
@@ -407,7 +406,6 @@ uint64_t AboveMask(const double* values, double threshold) {
   for (int64_t j = 0; j < kScanGroup; ++j) mask |= static_cast<uint64_t>(values[j] > threshold) << j;
   return mask;
 }
-
 
 double KthHighest(const double* values, int64_t count, int64_t rank) {
   std::vector<double> copy(values, values + count);
