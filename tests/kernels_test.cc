@@ -618,6 +618,27 @@ TEST(MitaAttention, CpuKernelIsIndependentOfThreadCount) {
   EXPECT_TRUE(one_thread->equal(*two_threads));
 }
 
+// Each thread keeps its workspace for its next call (kernels/mita_attention_cpu.cc, ThreadWorkspace): a call after
+// calls of other lengths, budgets and paths (one key block, several with compactions, the small-input path) gives
+// the same bits as before them. The output's memory is heads-merged, [B, N, H, d].
+TEST(MitaAttention, CpuKernelGivesTheSameBitsAfterCallsOfOtherShapes) {
+  const RandomProblem problem = MakeRandomProblem(Dims{2, 3, 300, 16}, at::kFloat, 12);
+  const std::vector<MitaItem> items = SequenceItems(problem.q, {{8, 20}, {3, 64}});
+  absl::StatusOr<at::Tensor> first = MitaAttentionForward(problem.q, problem.k, problem.v, items);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE(first->transpose(1, 2).is_contiguous());
+  const RandomProblem longer = MakeRandomProblem(Dims{1, 2, 2000, 16}, at::kFloat, 13);
+  const RandomProblem shorter = MakeRandomProblem(Dims{3, 4, 50, 24}, at::kFloat, 14);
+  for (const auto& [other, budgets] : {std::pair<const RandomProblem*, std::vector<std::pair<int64_t, int64_t>>>{
+                                           &longer, {{32, 128}}},
+                                       {&shorter, {{9, 16}, {4, 8}, {16, 50}}}}) {
+    ASSERT_TRUE(MitaAttentionForward(other->q, other->k, other->v, SequenceItems(other->q, budgets)).ok());
+  }
+  absl::StatusOr<at::Tensor> again = MitaAttentionForward(problem.q, problem.k, problem.v, items);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(first->equal(*again));
+}
+
 // Works under InferenceMode, and on inputs that require grad (the result carries no autograd history).
 TEST(MitaAttention, WorksWithoutAutograd) {
   const Dims dims{1, 2, 10, 4};
