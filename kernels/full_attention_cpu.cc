@@ -23,18 +23,6 @@ namespace {
 // Queries per block: at least kMinBlockRows, at most kMaxBlockRows (their scores stay in a core's L2).
 constexpr int64_t kMinBlockRows = 16, kMaxBlockRows = 128;
 
-// The rows of one (item, head) of a [B, H, N, d] tensor with contiguous rows (WithContiguousRows).
-template <typename T>
-struct HeadRows {
-  const T* data;
-  int64_t stride;  // elements from one token's row to the next
-};
-
-template <typename T>
-HeadRows<T> RowsOf(const at::Tensor& tensor, int64_t item, int64_t head) {
-  return {tensor.data_ptr<T>() + item * tensor.stride(0) + head * tensor.stride(1), RowStride(tensor)};
-}
-
 // Queries [begin, end) of one (item, head): output rows at `out` (row stride out_stride), `scores` and
 // `inverse_sums` the thread's scratch of at least (end - begin) * N and (end - begin) values.
 template <typename T>

@@ -614,15 +614,8 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
   if (options.routing != nullptr) options.routing->assign(batch * heads, MitaHeadRouting{});
   if (options.phase_seconds != nullptr) options.phase_seconds->assign(batch * heads, MitaPhaseSeconds{});
   if (options.gemm_totals != nullptr) options.gemm_totals->assign(batch * heads, MitaGemmTotals{});
-  const T* q_data = q.data_ptr<T>();
-  const T* k_data = k.data_ptr<T>();
-  const T* v_data = v.data_ptr<T>();
   T* output_data = output.data_ptr<T>();
   const int64_t output_stride = heads * head_dim;  // between tokens of one head in the [B, N, H, d] output
-  // Element offset of (item b, head h) in a [B, H, N, d] tensor.
-  auto head_offset = [](const at::Tensor& tensor, int64_t b, int64_t h) {
-    return b * tensor.stride(0) + h * tensor.stride(1);
-  };
   at::parallel_for(0, batch * heads, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
     HeadWorkspace<T>& workspace = ThreadWorkspace<T>();
     OneThreadBlas one_thread_blas;
@@ -634,14 +627,15 @@ at::Tensor MitaAttentionCpuTyped(const at::Tensor& q_input, const at::Tensor& k_
       // Padding rows of a shorter item: zero output.
       T* head_output = output_data + b * tokens * output_stride + h * head_dim;
       for (int64_t n = item_tokens; n < tokens; ++n) std::fill_n(head_output + n * output_stride, head_dim, T(0));
-      HeadProblem<T> problem{q_data + head_offset(q, b, h),
-                             k_data + head_offset(k, b, h),
-                             v_data + head_offset(v, b, h),
+      const HeadRows<T> queries = RowsOf<T>(q, b, h), keys = RowsOf<T>(k, b, h), values = RowsOf<T>(v, b, h);
+      HeadProblem<T> problem{queries.data,
+                             keys.data,
+                             values.data,
                              landmarks[b].data_ptr<T>() + h * expert_count * head_dim,
                              head_output,
-                             RowStride(q),
-                             RowStride(k),
-                             RowStride(v),
+                             queries.stride,
+                             keys.stride,
+                             values.stride,
                              output_stride,
                              item_tokens,
                              head_dim,

@@ -115,6 +115,19 @@ inline int64_t RowStride(const at::Tensor& tensor) {
   return tensor.size(2) == 1 ? tensor.size(3) : tensor.stride(2);
 }
 
+// The rows of one (item, head) of a [B, H, N, d] tensor from WithContiguousRows: both CPU attention kernels read
+// q, k and v through it.
+template <typename T>
+struct HeadRows {
+  const T* data;
+  int64_t stride;  // elements from one token's row to the next (RowStride)
+};
+
+template <typename T>
+HeadRows<T> RowsOf(const at::Tensor& tensor, int64_t item, int64_t head) {
+  return {tensor.data_ptr<T>() + item * tensor.stride(0) + head * tensor.stride(1), RowStride(tensor)};
+}
+
 // The most tokens FullAttentionForward computes with ShortFullAttentionCpu on the CPU: a block's scores against all
 // N keys stay within a core's L2 (128 x 4096 floats). Longer inputs go to LibTorch's flash kernel, which streams the
 // keys (docs/kernels.md, "Full attention on short inputs": the short path was as fast or faster from 50 to 4,096).
