@@ -273,7 +273,8 @@ absl::StatusOr<ClassifierOutput> VitClassifier::Forward(const at::Tensor& images
       } else if (all_mita) {
         attention = mita_output;
       } else {
-        attention = at::empty({rows, heads, tokens, head_dim}, q.options());
+        // Heads-merged memory, as each kernel's own output on the CPU: the head merge below stays a view.
+        attention = at::empty({rows, tokens, heads, head_dim}, q.options()).transpose(1, 2);
         attention.index_copy_(0, groups.mita_index, mita_output);
         attention.index_copy_(0, groups.full_index, full_output);
       }
